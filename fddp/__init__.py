@@ -1,0 +1,1 @@
+"""fddp: data-parallel training for functional PyTorch."""

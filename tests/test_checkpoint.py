@@ -1,0 +1,413 @@
+"""Tests for fddp.checkpoint: round trips, `like=` validation, compact views, crash safety, safety
+against code in checkpoint files, and the keep-last-N directory helpers."""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fddp import checkpoint as ckpt
+from fddp.checkpoint import CheckpointError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class AdamState(NamedTuple):
+    count: torch.Tensor
+    mu: dict
+    nu: dict
+
+
+class EmptyState(NamedTuple):
+    pass
+
+
+def make_tree(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    params = {"w": torch.randn(3, 4, generator=g), "b": torch.randn(4, generator=g, dtype=torch.float64)}
+    zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+    return {
+        "params": params,
+        "opt": (AdamState(torch.tensor(seed, dtype=torch.int32), zeros, {k: v + 1 for k, v in zeros.items()}), EmptyState()),
+        "step": 100 + seed,
+        "rng": torch.get_rng_state(),
+        "py_rng": random.Random(seed).getstate(),
+        "misc": [None, True, 1.5, "name", b"raw", 2**70, 1 + 2j],
+        "ordered": collections.OrderedDict([("z", torch.ones(1)), ("a", torch.arange(3))]),
+        "int_keys": {0: torch.ones(2), 1: torch.zeros(2)},
+    }
+
+
+def assert_tree_equal(a, b, path="tree"):
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+def test_round_trip_with_like_restores_types_and_values(tmp_path):
+    tree = make_tree(1)
+    path = ckpt.save(tmp_path / "c.pt", tree)
+    assert path == str(tmp_path / "c.pt")
+    loaded = ckpt.load(path, like=make_tree(2))
+    assert_tree_equal(loaded, tree)
+    assert isinstance(loaded["opt"][0], AdamState)
+    # The restored RNG states are usable as such.
+    torch.set_rng_state(loaded["rng"])
+    random.Random().setstate(loaded["py_rng"])
+
+
+def test_round_trip_without_like_generates_namedtuples(tmp_path):
+    tree = make_tree(0)
+    path = ckpt.save(tmp_path / "c.pt", tree)
+    loaded = ckpt.load(path)
+    state, empty = loaded["opt"]
+    assert type(state).__name__ == "AdamState" and state._fields == ("count", "mu", "nu")
+    assert not isinstance(state, AdamState)
+    assert type(empty).__name__ == "EmptyState" and empty._fields == ()
+    assert torch.equal(state.nu["w"], tree["opt"][0].nu["w"])
+    assert type(loaded["ordered"]) is collections.OrderedDict
+    assert loaded["py_rng"] == tree["py_rng"] and loaded["misc"] == tree["misc"]
+    # Same generated class on a second load, so trees from two loads have equal types.
+    assert type(ckpt.load(path)["opt"][0]) is type(state)
+
+
+def test_root_leaf_and_empty_containers(tmp_path):
+    for tree in [torch.arange(5), 7, None, {}, [], (), {"a": []}]:
+        p = ckpt.save(tmp_path / "x.pt", tree)
+        assert_tree_equal(ckpt.load(p), tree)
+        assert_tree_equal(ckpt.load(p, like=tree), tree)
+
+
+def test_save_does_not_modify_input_and_detaches(tmp_path):
+    w = torch.randn(3, requires_grad=True)
+    p = torch.nn.Parameter(torch.randn(2))
+    tree = {"w": w * 2, "p": p}
+    path = ckpt.save(tmp_path / "c.pt", tree)
+    loaded = ckpt.load(path)
+    assert type(loaded["p"]) is torch.Tensor and not loaded["p"].requires_grad
+    assert torch.equal(loaded["w"], (w * 2).detach())
+    # With like, requires_grad follows the expected leaf.
+    again = ckpt.load(path, like={"w": torch.zeros(3, requires_grad=True), "p": torch.zeros(2)})
+    assert again["w"].requires_grad and not again["p"].requires_grad
+
+
+def test_unsupported_leaf_is_rejected_at_save_with_path(tmp_path):
+    with pytest.raises(TypeError, match=r"tree\['a'\]\[1\]"):
+        ckpt.save(tmp_path / "c.pt", {"a": [1, object()]})
+    assert not os.listdir(tmp_path)  # no stray temporary file
+
+
+def test_like_moves_to_like_device_and_meta_keeps_map_location(tmp_path):
+    path = ckpt.save(tmp_path / "c.pt", {"w": torch.ones(2)})
+    out = ckpt.load(path, like={"w": torch.empty(2, device="meta")})
+    assert out["w"].device.type == "cpu" and torch.equal(out["w"], torch.ones(2))
+    # map_location reaches torch.load.
+    assert ckpt.load(path, map_location="meta")["w"].device.type == "meta"
+
+
+# ----------------------------------------------------------------------------- like= errors
+
+
+@pytest.mark.parametrize(
+    "mutate, where, what",
+    [
+        (lambda t: t["params"].pop("b"), r"tree\['params'\]\['b'\]", "expected no such key.*found an entry"),
+        (lambda t: t["params"].update(c=torch.ones(1)), r"tree\['params'\]\['c'\]", "expected an entry, found no such key in the checkpoint"),
+        (lambda t: t["params"].update(w=torch.zeros(3, 5)), r"tree\['params'\]\['w'\]", r"shape \(3, 5\).*found.*shape \(3, 4\)"),
+        (lambda t: t["params"].update(b=torch.zeros(4)), r"tree\['params'\]\['b'\]", "torch.float32, found.*torch.float64"),
+        (lambda t: t.update(step=torch.tensor(1)), r"tree\['step'\]", "expected tensor.*found int"),
+        (lambda t: t.update(step=1.0), r"tree\['step'\]", "expected a float, found int"),
+        (lambda t: t.update(misc=tuple(t["misc"])), r"tree\['misc'\]", "expected tuple of length 7, found list"),
+        (lambda t: t["misc"].pop(), r"tree\['misc'\]", "length 6, found list of length 7"),
+        (lambda t: t.update(opt=(EmptyState(), EmptyState())), r"tree\['opt'\]\[0\]", r"fields \(\), found NamedTuple AdamState"),
+        (lambda t: t.update(opt=(tuple(t["opt"][0]), EmptyState())), r"tree\['opt'\]\[0\]", "expected tuple of length 3, found NamedTuple"),
+        (lambda t: t["opt"][0].mu.update(w=torch.zeros(3, 4, dtype=torch.float16)), r"tree\['opt'\]\[0\]\.mu\['w'\]", "float16"),
+    ],
+)
+def test_like_mismatch_names_the_leaf(tmp_path, mutate, where, what):
+    path = ckpt.save(tmp_path / "c.pt", make_tree(0))
+    like = make_tree(0)
+    mutate(like)
+    with pytest.raises(CheckpointError, match=where) as info:
+        ckpt.load(path, like=like)
+    assert str(tmp_path / "c.pt") in str(info.value)
+    assert re.search(what, str(info.value)), str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+# ----------------------------------------------------------------------------- compact views
+
+
+def test_views_of_a_big_buffer_are_saved_compactly(tmp_path):
+    bucket = torch.randn(4_000_000)  # 16 MB flat buffer, as the fast path keeps parameters
+    tree = {
+        "w": bucket[100:112].view(3, 4),
+        "b": bucket[200:204],
+        "t": bucket[1000:1012].view(4, 3).t(),  # non-contiguous view
+    }
+    path = ckpt.save(tmp_path / "c.pt", tree)
+    assert os.path.getsize(path) < 64 * 1024, os.path.getsize(path)
+    assert_tree_equal(ckpt.load(path), {k: v.contiguous() for k, v in tree.items()})
+    assert bucket.untyped_storage().nbytes() == 16_000_000  # the buffer itself is untouched
+    # Reference: plain torch.save of the view writes the whole storage.
+    torch.save(tree["w"], tmp_path / "plain.pt")
+    assert os.path.getsize(tmp_path / "plain.pt") > 15_000_000
+
+
+# ----------------------------------------------------------------------------- crash safety
+
+# The child saves a new checkpoint and is SIGKILLed at a chosen point of the write. The hooks
+# only decide *when* it stops; the write path (temporary file, fsync, rename) is the real one.
+CHILD = textwrap.dedent(
+    """
+    import os, sys, time, io, torch
+    from fddp import checkpoint as ckpt
+    mode, directory, target = sys.argv[1], sys.argv[2], sys.argv[3]
+    real_save = torch.save
+
+    def stop(msg):
+        print(msg, flush=True)
+        time.sleep(600)
+
+    if mode == "mid-write":
+        # Write half of the serialized bytes to the real temporary file, then stop.
+        def partial_save(obj, f):
+            buf = io.BytesIO()
+            real_save(obj, buf)
+            data = buf.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            stop(f"PARTIAL {f.name}")
+        ckpt.torch.save = partial_save
+    else:
+        # The temporary file is complete and fsynced; stop just before the rename.
+        real_replace = os.replace
+        def slow_replace(src, dst):
+            stop(f"BEFORE_RENAME {src}")
+            real_replace(src, dst)
+        ckpt.os.replace = slow_replace
+
+    new = {"w": torch.full((256, 256), 2.0), "step": 2}
+    if target == "step":
+        ckpt.save_step(directory, 2, new, keep=1)
+    else:
+        ckpt.save(target, new)
+    """
+)
+
+
+def run_and_kill(mode: str, directory, target: str) -> str:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, mode, str(directory), target],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        line = proc.stdout.readline()  # blocks until the child reaches the stop point
+        assert line, proc.stderr.read()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    return line.split(" ", 1)[1].strip()
+
+
+def test_sigkill_mid_write_leaves_previous_checkpoint(tmp_path):
+    old = {"w": torch.full((256, 256), 1.0), "step": 1}
+    first = ckpt.save_step(tmp_path, 1, old, keep=1)
+    tmp_file = run_and_kill("mid-write", tmp_path, "step")
+    # A torn temporary file is on disk, and it is neither taken for a checkpoint nor loadable.
+    assert os.path.exists(tmp_file) and ".tmp-" in tmp_file
+    assert 0 < os.path.getsize(tmp_file)
+    assert ckpt.steps(tmp_path) == [(1, first)]
+    assert ckpt.latest(tmp_path) == first
+    assert_tree_equal(ckpt.load(ckpt.latest(tmp_path), like=old), old)
+    with pytest.raises(CheckpointError, match="tmp-"):
+        ckpt.load(tmp_file)
+
+
+def test_sigkill_before_rename_keeps_old_file_at_same_path(tmp_path):
+    old = {"w": torch.full((256, 256), 1.0), "step": 1}
+    path = ckpt.save(tmp_path / "model.pt", old)
+    tmp_file = run_and_kill("before-rename", tmp_path, path)
+    assert os.path.exists(tmp_file)  # complete, but never renamed into place
+    assert_tree_equal(ckpt.load(path, like=old), old)
+    assert ckpt.latest(tmp_path, prefix="model") is None  # not a step-numbered name
+
+
+def test_exception_during_write_removes_temporary_and_keeps_old(tmp_path, monkeypatch):
+    old = {"w": torch.ones(3)}
+    path = ckpt.save(tmp_path / "c.pt", old)
+
+    def failing_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save(path, {"w": torch.zeros(3)})
+    assert os.listdir(tmp_path) == ["c.pt"]
+    monkeypatch.undo()
+    assert_tree_equal(ckpt.load(path), old)
+
+
+# ----------------------------------------------------------------------------- code in files
+
+
+class Evil:
+    """Unpickling this creates the file `marker`: a stand-in for arbitrary code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("how", ["torch.save", "inside-fddp-payload", "raw-pickle"])
+def test_malicious_pickle_is_refused_without_running(tmp_path, how):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "ckpt-00000009.pt"
+    if how == "torch.save":
+        torch.save({"w": torch.ones(1), "x": Evil(marker)}, path)
+    elif how == "inside-fddp-payload":
+        payload = {"format": "fddp-checkpoint", "version": 1, "structure": ("leaf",), "paths": ["tree"], "leaves": [Evil(marker)]}
+        torch.save(payload, path)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(Evil(marker), f)
+    with pytest.raises(CheckpointError, match="refused") as info:
+        ckpt.load(path)
+    assert str(path) in str(info.value)
+    assert not marker.exists()
+    # The payload is real: an unsafe load does run it.
+    if how == "raw-pickle":
+        with open(path, "rb") as f:
+            pickle.load(f)
+    else:
+        torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def test_corrupt_and_foreign_files_are_clear_errors(tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00not a checkpoint" * 10)
+    with pytest.raises(CheckpointError, match="garbage.pt"):
+        ckpt.load(garbage)
+
+    good = ckpt.save(tmp_path / "good.pt", {"w": torch.randn(1000)})
+    data = open(good, "rb").read()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated.pt"):
+        ckpt.load(truncated)
+
+    foreign = tmp_path / "state_dict.pt"
+    torch.save({"w": torch.ones(1)}, foreign)
+    with pytest.raises(CheckpointError, match="state_dict.pt: not an fddp checkpoint"):
+        ckpt.load(foreign)
+
+    future = tmp_path / "future.pt"
+    torch.save({"format": "fddp-checkpoint", "version": 99}, future)
+    with pytest.raises(CheckpointError, match="version 99"):
+        ckpt.load(future)
+
+    bad_structure = tmp_path / "bad.pt"
+    torch.save({"format": "fddp-checkpoint", "version": 1, "structure": ("dict", ("a",), ()), "leaves": []}, bad_structure)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        ckpt.load(bad_structure)
+
+    with pytest.raises(FileNotFoundError):
+        ckpt.load(tmp_path / "missing.pt")
+
+
+# ----------------------------------------------------------------------------- directory helpers
+
+
+def test_save_step_keeps_last_n_and_latest(tmp_path):
+    d = tmp_path / "run"
+    assert ckpt.latest(d) is None and ckpt.steps(d) == []
+    for s in [1, 2, 10, 11, 100]:
+        ckpt.save_step(d, s, {"step": s, "w": torch.full((2,), float(s))}, keep=3)
+    assert [s for s, _ in ckpt.steps(d)] == [10, 11, 100]
+    assert ckpt.latest(d) == os.path.join(d, "ckpt-00000100.pt")  # by number, not by name order
+    assert ckpt.load(ckpt.latest(d))["step"] == 100
+    # Noise in the directory is ignored.
+    (d / "ckpt-00000500.pt.tmp-1234").write_bytes(b"torn")
+    (d / "ckpt-00000600.pt").write_bytes(b"truncated copy")
+    (d / "other-00000700.pt").write_bytes(b"")
+    (d / "ckpt-latest.pt").write_bytes(b"")
+    assert ckpt.latest(d) == os.path.join(d, "ckpt-00000100.pt")
+    # keep=None keeps everything; other prefixes are separate series.
+    ckpt.save_step(d, 101, {"step": 101}, keep=None)
+    ckpt.save_step(d, 1, {"step": 1}, prefix="ema", keep=1)
+    assert [s for s, _ in ckpt.steps(d)] == [10, 11, 100, 101]
+    assert [s for s, _ in ckpt.steps(d, prefix="ema")] == [1]
+
+
+def test_save_step_never_deletes_the_new_file(tmp_path):
+    for s in [10, 20]:
+        ckpt.save_step(tmp_path, s, {"step": s}, keep=2)
+    path = ckpt.save_step(tmp_path, 5, {"step": 5}, keep=2)  # restarted from an older step
+    assert os.path.exists(path)
+    assert [s for s, _ in ckpt.steps(tmp_path)] == [5, 20]
+
+
+def test_save_step_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="keep"):
+        ckpt.save_step(tmp_path, 1, {}, keep=0)
+    with pytest.raises(ValueError, match="step"):
+        ckpt.save_step(tmp_path, -1, {})
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def test_only_rank_zero_writes(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(group))
+    path = ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)}, barrier=True)
+    assert path.endswith("ckpt-00000003.pt")
+    assert os.listdir(tmp_path) == []
+    assert calls == [None]
+
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)}, barrier=True)
+    assert os.listdir(tmp_path) == ["ckpt-00000003.pt"]
+    assert calls == [None, None]

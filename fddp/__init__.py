@@ -1,1 +1,35 @@
-"""fddp: data-parallel training for functional PyTorch."""
+"""fddp: data-parallel training for functional PyTorch.
+
+Parameters are pytrees, gradients come from ``torch.func``, and synchronisation is a pure
+function, :func:`ddp_step`, that averages a gradient tree over the ranks with a few fused
+all-reduces over ``torch.distributed``.
+
+Example:
+    >>> import fddp, torch
+    >>> fddp.init()
+    >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
+    >>> params = fddp.broadcast(params)
+    >>> loss = lambda p, x: apply_fn(p, x).pow(2).mean()
+    >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
+"""
+
+from fddp.comm import MismatchError, broadcast
+from fddp.module import functionalize, functionalize_with_buffers
+from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
+from fddp.step import ddp_step
+
+__all__ = [
+    "MismatchError",
+    "broadcast",
+    "ddp_step",
+    "device",
+    "functionalize",
+    "functionalize_with_buffers",
+    "init",
+    "is_initialized",
+    "is_main",
+    "local_rank",
+    "rank",
+    "world_size",
+]
+__version__ = "0.1.0"

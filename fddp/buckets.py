@@ -1,0 +1,184 @@
+"""Bucket plans: which leaves travel together in one flat buffer, and the copies in and out of it.
+
+A plan is plain, deterministic data computed from the leaves' shapes, dtypes and devices only, so
+every rank that holds the same tree computes the same plan without talking to the others.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["Bucket", "BucketPlan", "LeafSpec", "make_plan", "flatten", "unflatten", "MB"]
+
+MB = 1024 * 1024  # bucket caps are in MiB, as in torch DDP's bucket_cap_mb
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """What the planner needs to know of a leaf: its shape, dtype and device."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "LeafSpec":
+        return LeafSpec(tuple(t.shape), t.dtype, t.device)
+
+    @property
+    def numel(self) -> int:
+        return functools.reduce(lambda a, b: a * b, self.shape, 1)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One flat buffer: the leaves it holds (by index in the flattened tree) and their layout.
+
+    Attributes:
+        indices: leaf indices, in the order they are laid out in the buffer.
+        shapes: each leaf's shape.
+        numels: each leaf's number of elements; the buffer is their concatenation.
+        dtype: the buffer's dtype (all its leaves share it).
+        device: the buffer's device (all its leaves share it).
+    """
+
+    indices: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numels: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The buckets of a tree, in the order their all-reduces are launched.
+
+    Attributes:
+        buckets: the buckets; bucket 0 holds the last leaves of the tree, which backward
+            produces first.
+        num_leaves: the number of leaves in the tree the plan was made for.
+    """
+
+    buckets: tuple[Bucket, ...]
+    num_leaves: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@functools.lru_cache(maxsize=256)
+def make_plan(specs: tuple[LeafSpec, ...], bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> BucketPlan:
+    """Group leaves into buckets the way torch DDP does.
+
+    Leaves are taken in reverse order (the order backward produces gradients). Each (dtype, device)
+    pair fills its own bucket; a bucket closes once it reaches its cap, which is
+    ``first_bucket_mb`` for the first bucket of each pair (so the first all-reduce starts early)
+    and ``bucket_cap_mb`` after that. Buckets are listed in the order they close. Cached: the same
+    specs give the same plan object.
+
+    Args:
+        specs: one :class:`LeafSpec` per leaf, in tree-flatten order.
+        bucket_cap_mb: the cap of every bucket but the first, in MiB.
+        first_bucket_mb: the cap of the first bucket of each (dtype, device), in MiB.
+
+    Returns:
+        The plan.
+
+    Example:
+        >>> specs = tuple(LeafSpec((1000,), torch.float32, torch.device("cpu")) for _ in range(3))
+        >>> [b.indices for b in make_plan(specs, bucket_cap_mb=0.005, first_bucket_mb=0.001).buckets]
+        [(2,), (1, 0)]
+    """
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+    open_buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+    closed_count: dict[tuple[torch.dtype, torch.device], int] = {}
+    closed: list[list[int]] = []
+    for i in reversed(range(len(specs))):
+        key = (specs[i].dtype, specs[i].device)
+        open_buckets.setdefault(key, []).append(i)
+        open_bytes[key] = open_bytes.get(key, 0) + specs[i].numel * _itemsize(specs[i].dtype)
+        cap = first_bucket_mb if closed_count.get(key, 0) == 0 else bucket_cap_mb
+        if open_bytes[key] >= cap * MB:
+            closed.append(open_buckets.pop(key))
+            open_bytes.pop(key)
+            closed_count[key] = closed_count.get(key, 0) + 1
+    closed.extend(open_buckets.values())
+    buckets = tuple(
+        Bucket(
+            indices=tuple(idx),
+            shapes=tuple(specs[i].shape for i in idx),
+            numels=tuple(specs[i].numel for i in idx),
+            dtype=specs[idx[0]].dtype,
+            device=specs[idx[0]].device,
+        )
+        for idx in closed
+    )
+    return BucketPlan(buckets=buckets, num_leaves=len(specs))
+
+
+def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Copy each bucket's leaves into one new flat buffer (one copy per element).
+
+    ``None`` leaves become zeros. The inputs are never aliased, so the buffers can be reduced in place.
+
+    Args:
+        plan: the plan the leaves follow.
+        leaves: the leaves in tree-flatten order.
+        dtype: cast every buffer to this dtype in the same copy (for compressed communication);
+            ``None`` keeps each bucket's dtype.
+
+    Returns:
+        One 1-D tensor per bucket.
+
+    Example:
+        >>> specs = (LeafSpec((2,), torch.float32, torch.device("cpu")),) * 2
+        >>> flatten(make_plan(specs), [torch.ones(2), None])
+        [tensor([0., 0., 1., 1.])]
+    """
+    flats = []
+    for b in plan.buckets:
+        out_dtype = b.dtype if dtype is None else dtype
+        parts = [
+            torch.zeros(n, dtype=out_dtype, device=b.device) if leaves[i] is None else leaves[i].reshape(-1)
+            for i, n in zip(b.indices, b.numels)
+        ]
+        flat = torch.empty(b.numel, dtype=out_dtype, device=b.device)
+        torch.cat(parts, out=flat)  # casts, when asked to, inside the one copy
+        flats.append(flat)
+    return flats
+
+
+def unflatten(plan: BucketPlan, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Return the leaves as views into the bucket buffers (no copy), in tree-flatten order.
+
+    Example:
+        >>> specs = (LeafSpec((2,), torch.float32, torch.device("cpu")),) * 2
+        >>> plan = make_plan(specs)
+        >>> unflatten(plan, [torch.arange(4.0)])
+        [tensor([2., 3.]), tensor([0., 1.])]
+    """
+    leaves: list[torch.Tensor | None] = [None] * plan.num_leaves
+    for b, flat in zip(plan.buckets, flats):
+        for i, piece, shape in zip(b.indices, flat.split(b.numels), b.shapes):
+            leaves[i] = piece.view(shape)
+    return leaves  # type: ignore[return-value]

@@ -1,0 +1,179 @@
+"""Collectives over bucket buffers, and the cross-rank signature check that guards them.
+
+Every function here takes ``group`` (a torch.distributed process group, ``None`` for the default
+one), launches one collective per bucket asynchronously and waits at the end, so buckets travel
+back to back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
+from fddp.runtime import require_initialized
+
+__all__ = ["MismatchError", "check_signature", "tree_leaves_with_paths", "all_reduce_mean", "broadcast"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class MismatchError(RuntimeError):
+    """Ranks disagree on a tree (structure, leaf paths, shapes, dtypes or devices).
+
+    Raised on every rank of the group, with the same message, before any bucket is sent: the
+    alternative is a hang or a silent mix of unrelated values.
+    """
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """Format an optree path as ``a/b/0``: the key a user sees in their dict of parameters."""
+    return "/".join(str(k) for k in path) if path else "<root>"
+
+
+def tree_leaves_with_paths(tree: Any, what: str) -> tuple[list[str], list[torch.Tensor], Any]:
+    """Flatten a tree whose leaves must all be tensors; name the first leaf that is not."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"fddp.{what}: every leaf must be a torch.Tensor, but leaf {path_str(path)!r} is "
+                f"{type(leaf).__name__}"
+            )
+    return [path_str(p) for p in paths], leaves, spec
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL-only groups cannot reduce CPU tensors; mixed "cpu:gloo,cuda:nccl" groups can.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _group_key(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else id(group)
+
+
+_checked: set[tuple[Any, int]] = set()
+
+
+def _signature(spec: Any, paths: Sequence[str], specs: Sequence[LeafSpec]) -> list[tuple[str, str]]:
+    # Device *type* only: cuda:0 on one rank and cuda:1 on another is the normal case.
+    rows = [("<tree structure>", str(spec))]
+    rows += [(p, f"shape={tuple(s.shape)} dtype={s.dtype} device={s.device.type}") for p, s in zip(paths, specs)]
+    return rows
+
+
+def _digest(rows: list[tuple[str, str]]) -> int:
+    h = hashlib.blake2b(repr(rows).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little", signed=True) >> 1  # keep -digest representable in int64
+
+
+def check_signature(
+    spec: Any, paths: Sequence[str], specs: Sequence[LeafSpec], group: dist.ProcessGroup | None, what: str
+) -> None:
+    """Raise :class:`MismatchError` on every rank unless all ranks hold the same tree signature.
+
+    One small all-reduce (max of the digest and of its negation) per new signature and group;
+    signatures already checked are remembered, so steady-state steps pay nothing. Only on a
+    mismatch do the ranks gather their full signatures, to name the first differing leaf.
+    """
+    key = (spec, tuple(specs), _group_key(group))
+    if key in _checked:
+        return
+    rows = _signature(spec, paths, specs)
+    d = _digest(rows)
+    t = torch.tensor([d, -d], dtype=torch.int64, device=_collective_device(group))
+    wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), what, "signature check")
+    if t[0].item() == -t[1].item():
+        _checked.add(key)
+        return
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, rows, group=group)
+    raise MismatchError(f"fddp.{what}: ranks hold different trees. {_first_difference(gathered)}")
+
+
+def _first_difference(per_rank: list[list[tuple[str, str]]]) -> str:
+    ref = per_rank[0]
+    for r, rows in enumerate(per_rank[1:], start=1):
+        for i in range(max(len(ref), len(rows))):
+            a = ref[i] if i < len(ref) else ("<missing>", "<no leaf>")
+            b = rows[i] if i < len(rows) else ("<missing>", "<no leaf>")
+            if a != b:
+                if a[0] == b[0]:
+                    return f"First difference at leaf {a[0]!r}: rank 0 has {a[1]}, rank {r} has {b[1]}."
+                return f"First difference at leaf #{i}: rank 0 has {a[0]!r} ({a[1]}), rank {r} has {b[0]!r} ({b[1]})."
+    return "The signatures hash differently but compare equal."  # pragma: no cover
+
+
+def wait(work: Any, what: str, doing: str) -> None:
+    """Wait for an async collective; on failure say which rank, which call and what it was doing."""
+    try:
+        work.wait()
+    except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout
+        r, w = dist.get_rank(), dist.get_world_size()
+        raise RuntimeError(
+            f"fddp.{what}: rank {r} of {w} failed during {doing}: {e}. A peer may have crashed, be "
+            "stuck, or be running different code; the process group's timeout (fddp.init(timeout=...)) "
+            "bounds the wait."
+        ) from e
+
+
+def all_reduce_mean(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None, what: str) -> None:
+    """Average bucket buffers in place over the group: one async all-reduce per bucket.
+
+    fp32/fp64 buckets are summed then divided, the exact mean up to the sum's rounding. fp16/bf16
+    buckets are divided first, because their sum can overflow where the mean would not.
+    """
+    n = dist.get_world_size(group)
+    works = []
+    for flat in flats:
+        if flat.dtype in _LOW_PRECISION:
+            flat.div_(n)
+        works.append(dist.all_reduce(flat, group=group, async_op=True))
+    for i, (flat, work) in enumerate(zip(flats, works)):
+        wait(work, what, f"the all-reduce of bucket {i} of {len(flats)}")
+        if flat.dtype not in _LOW_PRECISION:
+            flat.div_(n)
+
+
+def broadcast(tree: Any, src: int = 0, group: dist.ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0) -> Any:
+    """Return ``tree`` with rank ``src``'s values on every rank, in a few fused broadcasts.
+
+    The leaves are packed into flat buckets (the same planner as :func:`fddp.ddp_step`) and each
+    bucket is broadcast with one collective. The input is not modified; the returned leaves are
+    views into the received buffers. Before the first broadcast of a tree structure the ranks
+    compare its signature and raise :class:`MismatchError` on any difference.
+
+    Args:
+        tree: a pytree of tensors (parameters, optimizer state, buffers).
+        src: the rank, within ``group``, whose values everyone receives.
+        group: the process group; ``None`` for the default one.
+        bucket_cap_mb: the size of each fused broadcast, in MiB.
+
+    Returns:
+        A tree of the same structure holding ``src``'s values.
+
+    Example:
+        >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 2))
+        >>> params = fddp.broadcast(params)  # every rank now starts from rank 0's initialisation
+    """
+    require_initialized("broadcast")
+    paths, leaves, spec = tree_leaves_with_paths(tree, "broadcast")
+    n = dist.get_world_size(group)
+    if not 0 <= src < n:
+        raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src}")
+    specs = tuple(LeafSpec.of(t) for t in leaves)
+    check_signature(spec, paths, specs, group, "broadcast")
+    plan = make_plan(specs, bucket_cap_mb, bucket_cap_mb)
+    flats = flatten(plan, [t.detach() for t in leaves])
+    if n > 1:
+        global_src = src if group is None else dist.get_global_rank(group, src)
+        works = [dist.broadcast(f, src=global_src, group=group, async_op=True) for f in flats]
+        for i, work in enumerate(works):
+            wait(work, "broadcast", f"the broadcast of bucket {i} of {len(flats)}")
+    return optree.tree_unflatten(spec, unflatten(plan, flats))

@@ -1,0 +1,129 @@
+"""The process-group runtime: initialise from torchrun's environment, query rank and world size."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and timeout > 0:
+        return datetime.timedelta(seconds=float(timeout))
+    raise ValueError(f"fddp.init: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+
+
+def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
+    """Initialise the default process group from torchrun's environment.
+
+    Idempotent: a second call (or a process group the user created) is left as it is. Without
+    torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) this gives a
+    one-process world, so the same script runs under plain ``python``.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"`` or any torch.distributed backend string. ``None`` picks
+            ``"cpu:gloo,cuda:nccl"`` when CUDA is available (and selects the GPU ``LOCAL_RANK``),
+            else ``"gloo"``.
+        timeout: seconds (or a ``timedelta``) after which a collective that cannot complete
+            raises instead of hanging. ``None`` keeps torch's default.
+
+    Example:
+        >>> import fddp
+        >>> fddp.init()
+        >>> fddp.rank(), fddp.world_size()
+        (0, 1)
+    """
+    td = _as_timedelta(timeout)
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available() and "nccl" in backend:
+        torch.cuda.set_device(local_rank())
+    kwargs = {} if td is None else {"timeout": td}
+    if all(v in os.environ for v in _TORCHRUN_VARS):
+        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    else:
+        # An in-memory store: a one-process world needs no rendezvous and no free port.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def is_initialized() -> bool:
+    """Return whether the default process group exists.
+
+    Example:
+        >>> fddp.is_initialized()
+        True
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def require_initialized(what: str) -> None:
+    """Raise a RuntimeError that tells the user how to start the runtime."""
+    if not is_initialized():
+        raise RuntimeError(
+            f"fddp.{what}: the torch.distributed process group is not initialised. Call fddp.init() "
+            "first (it reads torchrun's environment, or makes a one-process world under plain "
+            "python), or launch with `torchrun --nproc-per-node=N script.py`."
+        )
+
+
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """Return this process's rank in ``group`` (the default group when None); 0 before ``init``.
+
+    Example:
+        >>> fddp.rank()
+        0
+    """
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Return the number of ranks in ``group`` (the default group when None); 1 before ``init``.
+
+    Example:
+        >>> fddp.world_size()
+        1
+    """
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def is_main(group: dist.ProcessGroup | None = None) -> bool:
+    """Return whether this process is rank 0 of ``group``: the one that logs and writes files.
+
+    Example:
+        >>> if fddp.is_main():
+        ...     print("only once")
+        only once
+    """
+    return rank(group) == 0
+
+
+def local_rank() -> int:
+    """Return the rank within this machine (torchrun's ``LOCAL_RANK``; 0 without torchrun).
+
+    Example:
+        >>> fddp.local_rank()
+        0
+    """
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def device() -> torch.device:
+    """Return the device this process should compute on: its local GPU when CUDA is used, else CPU.
+
+    Example:
+        >>> fddp.device()
+        device(type='cpu')
+    """
+    if torch.cuda.is_available() and is_initialized() and "nccl" in str(dist.get_backend()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,85 @@
+"""``ddp_step``: average a gradient pytree over the ranks with a few fused all-reduces."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
+from fddp.comm import all_reduce_mean, check_signature, tree_leaves_with_paths
+from fddp.runtime import require_initialized
+
+__all__ = ["ddp_step"]
+
+
+def _check_grads(paths: list[str], p_specs: tuple[LeafSpec, ...], p_spec: Any, grads: Any) -> list[torch.Tensor | None]:
+    """Return the grads' leaves, or raise naming the first leaf that does not match its parameter."""
+    g_leaves, g_spec = optree.tree_flatten(grads, none_is_leaf=True)
+    if g_spec != p_spec:
+        raise ValueError(
+            "fddp.ddp_step: grads must have the same tree structure as params.\n"
+            f"  params: {p_spec}\n  grads:  {g_spec}"
+        )
+    for path, ps, g in zip(paths, p_specs, g_leaves):
+        if g is None:
+            continue  # a parameter unused this step: counts as a zero gradient
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"fddp.ddp_step: grad {path!r} must be a torch.Tensor or None, got {type(g).__name__}")
+        if tuple(g.shape) != ps.shape or g.dtype != ps.dtype or g.device != ps.device:
+            raise ValueError(
+                f"fddp.ddp_step: grad {path!r} does not match its parameter: expected shape "
+                f"{ps.shape}, dtype {ps.dtype}, device {ps.device}; got shape {tuple(g.shape)}, "
+                f"dtype {g.dtype}, device {g.device}"
+            )
+    return g_leaves
+
+
+def ddp_step(
+    params: Any,
+    grads: Any,
+    /,
+    *,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> Any:
+    """Return ``grads`` averaged over the ranks of ``group``.
+
+    The gradients are packed into flat buckets (reverse leaf order, one bucket per dtype and device
+    up to ``bucket_cap_mb``, the first one small so it starts early, as torch DDP does); each bucket
+    is copied once, all-reduced with one asynchronous collective, and the results come back as views
+    into the reduced buffers. Pure: neither input is modified.
+
+    ``None`` gradients (parameters unused this step) count as zeros. Before the first step of a new
+    tree signature the ranks compare it and raise :class:`fddp.MismatchError` on every rank if they
+    differ, instead of hanging or mixing unrelated values.
+
+    Args:
+        params: the parameter pytree; it fixes the structure, shapes, dtypes and devices expected
+            of ``grads``.
+        grads: the local gradients, a tree of the same structure (leaves may be ``None``).
+        group: the process group to average over; ``None`` for the default group.
+        bucket_cap_mb: the cap of each bucket, in MiB.
+        first_bucket_mb: the cap of the first bucket, in MiB.
+
+    Returns:
+        The mean gradients, a tree of the same structure as ``params``.
+
+    Example:
+        >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
+        >>> loss = lambda p, x: apply_fn(p, x).pow(2).mean()
+        >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
+    """
+    require_initialized("ddp_step")
+    paths, p_leaves, p_spec = tree_leaves_with_paths(params, "ddp_step")
+    p_specs = tuple(LeafSpec.of(p) for p in p_leaves)
+    g_leaves = _check_grads(paths, p_specs, p_spec, grads)
+    check_signature(p_spec, paths, p_specs, group, "ddp_step")
+    plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb)
+    flats = flatten(plan, [None if g is None else g.detach() for g in g_leaves])
+    if dist.get_world_size(group) > 1:
+        all_reduce_mean(flats, group, "ddp_step")
+    return optree.tree_unflatten(p_spec, unflatten(plan, flats))

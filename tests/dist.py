@@ -1,0 +1,147 @@
+"""Multi-process test harness: run a function on N gloo ranks and collect each rank's result.
+
+``run(fn, world_size, *args)`` calls ``fn(*args)`` on every rank of a gloo process group made of
+separate processes and returns the list of results, indexed by rank. A rank that raises fails the
+call with that rank's traceback; a call that does not finish within ``timeout`` seconds kills the
+group and raises, so a broken collective fails a test instead of hanging the suite.
+
+Workers are kept between calls (one pool per world size) because starting a process and importing
+torch costs seconds; a pool that saw an error or a timeout is killed and rebuilt on next use.
+``fn`` must be picklable: a module-level function of a test module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+# A collective that waits longer than this raises inside the worker, well before the test's timeout.
+COLLECTIVE_TIMEOUT_S = 30.0
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+def _worker(rank: int, world_size: int, store_path: str, conn: Any, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # several ranks share 2 cores
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    import fddp.comm
+
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        fddp.comm._checked.clear()  # each call starts with no remembered signatures, on every rank
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+            conn.send(("err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Pool:
+    """``world_size`` worker processes joined in one gloo process group."""
+
+    def __init__(self, world_size: int, collective_timeout: float = COLLECTIVE_TIMEOUT_S):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tmp = tempfile.mkdtemp(prefix="fddp-test-")
+        store = os.path.join(self.tmp, "store")
+        self.conns, self.procs = [], []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, world_size, store, child, collective_timeout), daemon=True)
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float) -> list[Any]:
+        for c in self.conns:
+            c.send((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            if errors:  # a failed rank's peers may be stuck in a collective: give them a moment
+                deadline = min(deadline, time.monotonic() + 3.0)
+            left = deadline - time.monotonic()
+            ready = mpc.wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending], max(left, 0))
+            if not ready:
+                if errors:
+                    break
+                raise TimeoutError(f"ranks {sorted(pending)} of {self.world_size} did not finish within {timeout} s")
+            for r in sorted(pending):
+                if self.conns[r] in ready or self.conns[r].poll():
+                    status, payload = self.conns[r].recv()
+                    pending.discard(r)
+                    if status == "ok":
+                        results[r] = payload
+                    else:
+                        errors[r] = payload
+                elif self.procs[r].sentinel in ready:
+                    pending.discard(r)
+                    errors[r] = f"rank {r} died with exit code {self.procs[r].exitcode}"
+        if errors:
+            r = min(errors)
+            raise RankError(f"rank {r} of {self.world_size} failed:\n{errors[r]}")
+        return results
+
+    def close(self, graceful: bool = False) -> None:
+        for c, p in zip(self.conns, self.procs):
+            if graceful and p.is_alive():
+                try:
+                    c.send(None)
+                except OSError:
+                    pass
+        for p in self.procs:
+            p.join(timeout=2 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_pools: dict[int, Pool] = {}
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90.0, **kwargs: Any) -> list[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    Raises:
+        RankError: a rank raised (the message holds its traceback) or died.
+        TimeoutError: the ranks did not all finish within ``timeout`` seconds.
+    """
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = Pool(world_size)
+    try:
+        return pool.run(fn, args, kwargs, timeout)
+    except BaseException:
+        # Peers of a failed rank may be stuck in a collective: never reuse the group.
+        _pools.pop(world_size).close()
+        raise
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in _pools.values():
+        pool.close(graceful=True)
+    _pools.clear()

@@ -8,7 +8,9 @@ with ``torch.load(..., weights_only=True)``, and a file that would need to run c
 Supported trees are nested ``dict`` (and ``OrderedDict``), ``list``, ``tuple`` and ``NamedTuple``
 (optimizer states) nodes, with leaves that are tensors or ``int``, ``float``, ``complex``, ``bool``,
 ``str``, ``bytes`` or ``None`` (a step count, ``torch.get_rng_state()``, ``random.getstate()``).
-Other dict subclasses are saved as dicts, other tuple/list subclasses as tuples/lists.
+Other dict subclasses are saved as dicts, other tuple/list subclasses as tuples/lists; subclasses
+of the scalar types (numpy scalars, enums) are refused at save time, since loading them would need
+their class. Tensors are stored on the CPU.
 
 Writes are atomic: the file is written next to its destination under a temporary name, flushed,
 fsynced and renamed over the destination, then the directory is fsynced. A writer killed at any
@@ -64,12 +66,14 @@ def _key_str(key: Any) -> str:
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
-    """Return a detached tensor whose storage holds exactly its own elements.
+    """Return a detached CPU tensor whose storage holds exactly its own elements.
 
     ``torch.save`` writes a tensor's whole storage, so a 10-element view of a 100 MB gradient
-    bucket would otherwise cost 100 MB on disk.
+    bucket would otherwise cost 100 MB on disk. Moving to the CPU first means the copy of a view
+    never takes accelerator memory (torch.save copies to the host anyway), and the file loads on
+    any machine.
     """
-    t = t.detach()
+    t = t.detach().cpu()
     if t.layout is not torch.strided:
         return t
     if t.is_conj() or t.is_neg():
@@ -89,15 +93,26 @@ def _encode(node: Any, path: str, leaves: list, paths: list) -> tuple:
         leaves.append(_compact(node))
         paths.append(path)
         return ("leaf",)
-    if isinstance(node, _PRIMITIVES):
+    if type(node) in _PRIMITIVES:
         leaves.append(node)
         paths.append(path)
         return ("leaf",)
+    if isinstance(node, _PRIMITIVES):
+        # numpy scalars and enums subclass int/float/str but pickle as their own class, which
+        # weights_only refuses: fail now, not when the checkpoint is needed.
+        raise TypeError(
+            f"checkpoint: leaf at {path} is a {type(node).__qualname__}, a subclass of "
+            f"{next(b for b in _PRIMITIVES if isinstance(node, b)).__name__}; convert it to a plain "
+            "Python value first"
+        )
     if isinstance(node, dict):
         keys = tuple(node)
         for k in keys:
-            if not isinstance(k, _PRIMITIVES):
-                raise TypeError(f"checkpoint: dict key {k!r} at {path} is not a str/int/float/bool/None")
+            if type(k) not in _PRIMITIVES:
+                raise TypeError(
+                    f"checkpoint: dict key {k!r} at {path} is a {type(k).__qualname__}, not a plain "
+                    "str/int/float/bool/bytes/None"
+                )
         kind = "odict" if isinstance(node, collections.OrderedDict) else "dict"
         children = tuple(_encode(node[k], path + _key_str(k), leaves, paths) for k in keys)
         return (kind, keys, children)
@@ -308,8 +323,8 @@ def save(
     The file is written as ``<path>.tmp-<pid>`` in the same directory, flushed and fsynced, then
     renamed over ``path`` and the directory is fsynced, so ``path`` always holds either the old
     checkpoint or the complete new one. Missing parent directories are created. Tensors are
-    stored detached and compact (a view saves only its own elements, not its base's storage), as
-    plain ``torch.Tensor`` on their current device.
+    stored detached, compact (a view saves only its own elements, not its base's storage) and on
+    the CPU, as plain ``torch.Tensor``; :func:`load` puts them back on a device.
 
     Args:
         path: destination file.

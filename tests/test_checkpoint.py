@@ -4,6 +4,7 @@ against code in checkpoint files, and the keep-last-N directory helpers."""
 from __future__ import annotations
 
 import collections
+import enum
 import io
 import os
 import pickle
@@ -119,10 +120,23 @@ def test_save_does_not_modify_input_and_detaches(tmp_path):
     assert again["w"].requires_grad and not again["p"].requires_grad
 
 
-def test_unsupported_leaf_is_rejected_at_save_with_path(tmp_path):
-    with pytest.raises(TypeError, match=r"tree\['a'\]\[1\]"):
-        ckpt.save(tmp_path / "c.pt", {"a": [1, object()]})
-    assert not os.listdir(tmp_path)  # no stray temporary file
+class Color(enum.IntEnum):
+    RED = 1
+
+
+@pytest.mark.parametrize(
+    "tree, where",
+    [
+        ({"a": [1, object()]}, r"tree\['a'\]\[1\]"),
+        ({"a": (Color.RED,)}, r"tree\['a'\]\[0\].*subclass of int"),  # would pickle its class
+        ({Color.RED: 1}, r"dict key.*at tree"),
+        ({"a": {"b": {1, 2}}}, r"tree\['a'\]\['b'\].*set"),
+    ],
+)
+def test_unsupported_leaf_is_rejected_at_save_with_path(tmp_path, tree, where):
+    with pytest.raises(TypeError, match=where):
+        ckpt.save(tmp_path / "c.pt", tree)
+    assert not os.listdir(tmp_path)  # nothing written, not even a temporary file
 
 
 def test_like_moves_to_like_device_and_meta_keeps_map_location(tmp_path):

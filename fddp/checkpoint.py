@@ -35,7 +35,7 @@ import os
 import pickle
 import re
 import zipfile
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -190,7 +190,9 @@ class _Decoder:
         try:
             return next(self.leaves)
         except StopIteration:
-            raise CheckpointError(f"{self.where}: corrupt checkpoint: fewer leaves than its structure") from None
+            raise CheckpointError(
+                f"{self.where}: corrupt checkpoint: fewer leaves than its structure"
+            ) from None
 
     def decode(self, node: Any, like: Any, path: str) -> Any:
         if not isinstance(node, tuple) or not node or not isinstance(node[0], str):
@@ -244,7 +246,9 @@ class _Decoder:
             if missing:
                 raise self.fail(path + _key_str(missing[0]), "an entry", "no such key in the checkpoint")
             if extra:
-                raise self.fail(path + _key_str(extra[0]), "no such key (like has none)", "an entry in the checkpoint")
+                raise self.fail(
+                    path + _key_str(extra[0]), "no such key (like has none)", "an entry in the checkpoint"
+                )
         values = {
             k: self.decode(c, like[k] if like is not _MISSING else _MISSING, path + _key_str(k))
             for k, c in zip(keys, children)
@@ -252,10 +256,14 @@ class _Decoder:
         if like is not _MISSING:
             # The expected tree decides key order and dict flavour.
             ordered = [(k, values[k]) for k in like]
-            return collections.OrderedDict(ordered) if isinstance(like, collections.OrderedDict) else dict(ordered)
+            if isinstance(like, collections.OrderedDict):
+                return collections.OrderedDict(ordered)
+            return dict(ordered)
         return collections.OrderedDict(values) if kind == "odict" else values
 
     def namedtuple(self, qualname: str, fields: tuple, children: tuple, like: Any, path: str) -> Any:
+        if len(fields) != len(children):
+            raise CheckpointError(f"{self.where}: corrupt checkpoint structure at {path}")
         if like is _MISSING:
             cls = _generated_namedtuple(qualname, tuple(fields), self.where)
             return cls(*(self.decode(c, _MISSING, f"{path}.{f}") for f, c in zip(fields, children)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import io
 import os
 import pickle
 import random
@@ -14,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from typing import NamedTuple
 
 import pytest
@@ -43,7 +41,10 @@ def make_tree(seed: int = 0) -> dict:
     zeros = {k: torch.zeros_like(v) for k, v in params.items()}
     return {
         "params": params,
-        "opt": (AdamState(torch.tensor(seed, dtype=torch.int32), zeros, {k: v + 1 for k, v in zeros.items()}), EmptyState()),
+        "opt": (
+            AdamState(torch.tensor(seed, dtype=torch.int32), zeros, {k: v + 1 for k, v in zeros.items()}),
+            EmptyState(),
+        ),
         "step": 100 + seed,
         "rng": torch.get_rng_state(),
         "py_rng": random.Random(seed).getstate(),
@@ -150,20 +151,35 @@ def test_like_moves_to_like_device_and_meta_keeps_map_location(tmp_path):
 # ----------------------------------------------------------------------------- like= errors
 
 
+P = r"tree\['params'\]"
+OPT = r"tree\['opt'\]\[0\]"
+
+
+def case(id, mutate, where, what):
+    return pytest.param(mutate, where, what, id=id)
+
+
 @pytest.mark.parametrize(
     "mutate, where, what",
     [
-        (lambda t: t["params"].pop("b"), r"tree\['params'\]\['b'\]", "expected no such key.*found an entry"),
-        (lambda t: t["params"].update(c=torch.ones(1)), r"tree\['params'\]\['c'\]", "expected an entry, found no such key in the checkpoint"),
-        (lambda t: t["params"].update(w=torch.zeros(3, 5)), r"tree\['params'\]\['w'\]", r"shape \(3, 5\).*found.*shape \(3, 4\)"),
-        (lambda t: t["params"].update(b=torch.zeros(4)), r"tree\['params'\]\['b'\]", "torch.float32, found.*torch.float64"),
-        (lambda t: t.update(step=torch.tensor(1)), r"tree\['step'\]", "expected tensor.*found int"),
-        (lambda t: t.update(step=1.0), r"tree\['step'\]", "expected a float, found int"),
-        (lambda t: t.update(misc=tuple(t["misc"])), r"tree\['misc'\]", "expected tuple of length 7, found list"),
-        (lambda t: t["misc"].pop(), r"tree\['misc'\]", "length 6, found list of length 7"),
-        (lambda t: t.update(opt=(EmptyState(), EmptyState())), r"tree\['opt'\]\[0\]", r"fields \(\), found NamedTuple AdamState"),
-        (lambda t: t.update(opt=(tuple(t["opt"][0]), EmptyState())), r"tree\['opt'\]\[0\]", "expected tuple of length 3, found NamedTuple"),
-        (lambda t: t["opt"][0].mu.update(w=torch.zeros(3, 4, dtype=torch.float16)), r"tree\['opt'\]\[0\]\.mu\['w'\]", "float16"),
+        case("extra-key", lambda t: t["params"].pop("b"), P + r"\['b'\]", "expected no such key.*found an entry"),
+        case("missing-key", lambda t: t["params"].update(c=torch.ones(1)), P + r"\['c'\]",
+             "expected an entry, found no such key in the checkpoint"),
+        case("shape", lambda t: t["params"].update(w=torch.zeros(3, 5)), P + r"\['w'\]",
+             r"shape \(3, 5\).*found.*shape \(3, 4\)"),
+        case("dtype", lambda t: t["params"].update(b=torch.zeros(4)), P + r"\['b'\]",
+             "torch.float32, found.*torch.float64"),
+        case("tensor-vs-int", lambda t: t.update(step=torch.tensor(1)), r"tree\['step'\]", "expected tensor.*found int"),
+        case("float-vs-int", lambda t: t.update(step=1.0), r"tree\['step'\]", "expected a float, found int"),
+        case("tuple-vs-list", lambda t: t.update(misc=tuple(t["misc"])), r"tree\['misc'\]",
+             "expected tuple of length 7, found list"),
+        case("length", lambda t: t["misc"].pop(), r"tree\['misc'\]", "length 6, found list of length 7"),
+        case("namedtuple-fields", lambda t: t.update(opt=(EmptyState(), EmptyState())), OPT,
+             r"fields \(\), found NamedTuple AdamState"),
+        case("tuple-vs-namedtuple", lambda t: t.update(opt=(tuple(t["opt"][0]), EmptyState())), OPT,
+             "expected tuple of length 3, found NamedTuple"),
+        case("nested-in-state", lambda t: t["opt"][0].mu.update(w=torch.zeros(3, 4, dtype=torch.float16)),
+             OPT + r"\.mu\['w'\]", "float16"),
     ],
 )
 def test_like_mismatch_names_the_leaf(tmp_path, mutate, where, what):
@@ -202,7 +218,8 @@ def test_views_of_a_big_buffer_are_saved_compactly(tmp_path):
 # only decide *when* it stops; the write path (temporary file, fsync, rename) is the real one.
 CHILD = textwrap.dedent(
     """
-    import os, sys, time, io, torch
+    import io, os, sys, time
+    import torch
     from fddp import checkpoint as ckpt
     mode, directory, target = sys.argv[1], sys.argv[2], sys.argv[3]
     real_save = torch.save
@@ -425,3 +442,14 @@ def test_only_rank_zero_writes(tmp_path, monkeypatch):
     ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)}, barrier=True)
     assert os.listdir(tmp_path) == ["ckpt-00000003.pt"]
     assert calls == [None, None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_views_saved_on_cpu_and_restored_to_like_device(tmp_path):
+    bucket = torch.randn(1_000_000, device="cuda")
+    tree = {"w": bucket[:12].view(3, 4), "step": 1}
+    path = ckpt.save(tmp_path / "c.pt", tree)
+    assert os.path.getsize(path) < 64 * 1024
+    assert ckpt.load(path, map_location=None)["w"].device.type == "cpu"
+    out = ckpt.load(path, like={"w": torch.empty(3, 4, device="cuda"), "step": 0})
+    assert out["w"].device.type == "cuda" and torch.equal(out["w"], tree["w"])

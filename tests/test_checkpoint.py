@@ -9,6 +9,7 @@ import os
 import pickle
 import random
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -263,7 +264,10 @@ def run_and_kill(mode: str, directory, target: str) -> str:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
-        line = proc.stdout.readline()  # blocks until the child reaches the stop point
+        # Wait (bounded) for the child to reach its stop point.
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "child never reached the stop point"
+        line = proc.stdout.readline()
         assert line, proc.stderr.read()
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL

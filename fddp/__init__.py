@@ -13,13 +13,14 @@ Example:
     >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
 """
 
-from fddp.comm import MismatchError, broadcast
+from fddp.comm import MismatchError, SyncInfo, broadcast
 from fddp.module import functionalize, functionalize_with_buffers
 from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
 from fddp.step import ddp_step
 
 __all__ = [
     "MismatchError",
+    "SyncInfo",
     "broadcast",
     "ddp_step",
     "device",

@@ -8,7 +8,7 @@ back to back.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import optree
 import torch
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
 from fddp.runtime import require_initialized
 
-__all__ = ["MismatchError", "check_signature", "tree_leaves_with_paths", "all_reduce_mean", "broadcast"]
+__all__ = ["MismatchError", "SyncInfo", "Reducer", "check_signature", "tree_leaves_with_paths", "broadcast"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -123,22 +123,133 @@ def wait(work: Any, what: str, doing: str) -> None:
         ) from e
 
 
-def all_reduce_mean(flats: Sequence[torch.Tensor], group: dist.ProcessGroup | None, what: str) -> None:
-    """Average bucket buffers in place over the group: one async all-reduce per bucket.
+class SyncInfo(NamedTuple):
+    """What one synchronisation did, returned by ``ddp_step(..., return_info=True)``.
 
-    fp32/fp64 buckets are summed then divided, the exact mean up to the sum's rounding. fp16/bf16
-    buckets are divided first, because their sum can overflow where the mean would not.
+    Attributes:
+        finite: with ``check_finite=True``, a bool tensor, True when every reduced gradient is
+            finite. The reduced buffers are bitwise identical on all ranks, so every rank reaches
+            the same verdict without another collective. ``None`` otherwise.
+        weight: with ``weight=``, the sum of the weights over the ranks (a float64 tensor).
+        bytes_sent: bytes this rank handed to collectives (the payload, before the backend's own
+            ring or tree traffic).
+        collectives: the number of collectives issued.
     """
-    n = dist.get_world_size(group)
-    works = []
-    for flat in flats:
-        if flat.dtype in _LOW_PRECISION:
-            flat.div_(n)
-        works.append(dist.all_reduce(flat, group=group, async_op=True))
-    for i, (flat, work) in enumerate(zip(flats, works)):
-        wait(work, what, f"the all-reduce of bucket {i} of {len(flats)}")
-        if flat.dtype not in _LOW_PRECISION:
-            flat.div_(n)
+
+    finite: torch.Tensor | None
+    weight: torch.Tensor | None
+    bytes_sent: int
+    collectives: int
+
+
+_COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Reducer:
+    """Average one tree's bucket buffers over a group: launch each bucket as it is ready, then finish.
+
+    ``ddp_step`` launches every bucket at once; ``fddp.grad_and_value`` launches each from inside
+    the backward pass as soon as its gradients exist. Both then call :meth:`finish`, so the two
+    paths share every numeric choice made here.
+
+    Args:
+        num_buckets: how many buckets will be launched.
+        group: the process group.
+        what: the public function's name, for error messages.
+        weight: this rank's weight (e.g. its number of samples). The result is then
+            ``sum_r w_r g_r / sum_r w_r``, and ``sum_r w_r`` travels in bucket 0's all-reduce.
+        compression: ``None``, ``"bf16"`` or ``"fp16"``: the dtype buckets travel in.
+        check_finite: compute :attr:`SyncInfo.finite`.
+    """
+
+    def __init__(
+        self,
+        num_buckets: int,
+        group: dist.ProcessGroup | None,
+        what: str,
+        *,
+        weight: float | torch.Tensor | None = None,
+        compression: str | None = None,
+        check_finite: bool = False,
+    ) -> None:
+        if compression not in _COMPRESSION:
+            raise ValueError(f"fddp.{what}: compression must be one of None, 'bf16', 'fp16'; got {compression!r}")
+        self.group, self.what, self.check_finite = group, what, check_finite
+        self.n = dist.get_world_size(group)
+        self.comm_dtype = _COMPRESSION[compression]
+        self.weight = None if weight is None else _as_weight(weight, what)
+        self.sent: list[torch.Tensor | None] = [None] * num_buckets
+        self.dtypes: list[torch.dtype | None] = [None] * num_buckets
+        self.works: list[Any] = []
+        self.weight_buf: torch.Tensor | None = None
+        self.bytes_sent = 0
+
+    def launch(self, i: int, flat: torch.Tensor) -> None:
+        """Start bucket ``i``'s all-reduce. ``flat`` is this rank's buffer; it may be reused in place."""
+        self.dtypes[i] = flat.dtype
+        comm_dtype = self.comm_dtype or flat.dtype
+        # Low precision: divide before the sum, which could overflow where the mean does not.
+        low = comm_dtype in _LOW_PRECISION
+        if comm_dtype != flat.dtype:
+            flat = flat.to(comm_dtype)
+        if self.weight is not None:
+            # Low precision still divides first: send w/n * g; the raw weight travels for the denominator.
+            w = (self.weight / self.n if low else self.weight).to(flat.dtype)
+            if i == 0 and not low:
+                # The weight rides in bucket 0's all-reduce: one extra element, no extra collective.
+                buf = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
+                torch.mul(flat, w, out=buf[:-1])
+                buf[-1] = self.weight
+                self.weight_buf, flat = buf, buf
+            else:
+                flat.mul_(w)
+                if i == 0:  # a low-precision bucket 0 cannot carry the weight exactly: send it alone
+                    self.weight_buf = self.weight.reshape(1).to(flat.device)
+                    self._issue(self.weight_buf)
+            if self.weight == 0:
+                # A rank with no data: its gradients may be NaN (a mean over nothing), and 0 * NaN is NaN.
+                (flat[:-1] if flat is self.weight_buf else flat).zero_()
+        elif low:
+            flat.div_(self.n)
+        self.sent[i] = flat
+        self._issue(flat)
+
+    def _issue(self, t: torch.Tensor) -> None:
+        self.bytes_sent += t.numel() * t.element_size()
+        self.works.append(dist.all_reduce(t, group=self.group, async_op=True))
+
+    def finish(self) -> tuple[list[torch.Tensor], SyncInfo]:
+        """Wait for every bucket; return the mean buffers (in each bucket's own dtype) and the info."""
+        for k, work in enumerate(self.works):
+            wait(work, self.what, f"all-reduce {k + 1} of {len(self.works)}")
+        wsum = None
+        if self.weight is not None:
+            wsum = self.weight_buf[-1].to(torch.float64)
+            # All ranks empty: every numerator is zero too, and the mean is taken as zero.
+            denom = wsum.clamp_min(torch.finfo(torch.float64).tiny)
+        out = []
+        for i, (flat, dtype) in enumerate(zip(self.sent, self.dtypes)):
+            if self.weight is not None and i == 0 and flat is self.weight_buf:
+                flat = flat[:-1]
+            low = flat.dtype in _LOW_PRECISION
+            if flat.dtype != dtype:
+                flat = flat.to(dtype)
+            if wsum is not None:
+                flat = flat.div_((denom / self.n if low else denom).to(dtype))
+            elif not low:
+                flat = flat.div_(self.n)
+            out.append(flat)
+        finite = None
+        if self.check_finite:
+            finite = torch.stack([torch.isfinite(f).all() for f in out]).all() if out else torch.tensor(True)
+        return out, SyncInfo(finite, wsum, self.bytes_sent, len(self.works))
+
+
+def _as_weight(weight: float | torch.Tensor, what: str) -> torch.Tensor:
+    w = torch.as_tensor(weight, dtype=torch.float64).detach().cpu()
+    if w.numel() != 1:
+        raise ValueError(f"fddp.{what}: weight must be a scalar (this rank's sample count), got shape {tuple(w.shape)}")
+    return w.reshape(())
 
 
 def broadcast(tree: Any, src: int = 0, group: dist.ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0) -> Any:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
-from fddp.comm import all_reduce_mean, check_signature, tree_leaves_with_paths
+from fddp.comm import Reducer, check_signature, tree_leaves_with_paths
 from fddp.runtime import require_initialized
 
 __all__ = ["ddp_step"]
@@ -45,6 +45,10 @@ def ddp_step(
     group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
+    weight: float | torch.Tensor | None = None,
+    compression: str | None = None,
+    check_finite: bool = False,
+    return_info: bool = False,
 ) -> Any:
     """Return ``grads`` averaged over the ranks of ``group``.
 
@@ -64,9 +68,19 @@ def ddp_step(
         group: the process group to average over; ``None`` for the default group.
         bucket_cap_mb: the cap of each bucket, in MiB.
         first_bucket_mb: the cap of the first bucket, in MiB.
+        weight: this rank's weight, usually its local number of samples. The result is then the
+            weighted mean ``sum_r w_r g_r / sum_r w_r``: the gradient of the mean loss over the
+            global batch even when ranks hold different batch sizes (a rank with weight 0
+            contributes nothing, even NaN). The sum of weights rides in bucket 0's all-reduce.
+        compression: ``"bf16"`` or ``"fp16"`` to send buckets in half precision (halving the bytes;
+            divided before the sum, as torch's ``fp16_compress_hook``); ``None`` sends them as they are.
+        check_finite: compute ``info.finite``, one bool that is the same on every rank, so all
+            ranks can skip a step with NaN/Inf gradients together.
+        return_info: return ``(grads, info)`` with a :class:`fddp.SyncInfo` instead of ``grads``.
 
     Returns:
-        The mean gradients, a tree of the same structure as ``params``.
+        The mean gradients, a tree of the same structure as ``params``; with ``return_info``, the
+        pair ``(grads, info)``.
 
     Example:
         >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
@@ -79,7 +93,11 @@ def ddp_step(
     g_leaves = _check_grads(paths, p_specs, p_spec, grads)
     check_signature(p_spec, paths, p_specs, group, "ddp_step")
     plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb)
-    flats = flatten(plan, [None if g is None else g.detach() for g in g_leaves])
-    if dist.get_world_size(group) > 1:
-        all_reduce_mean(flats, group, "ddp_step")
-    return optree.tree_unflatten(p_spec, unflatten(plan, flats))
+    reducer = Reducer(
+        len(plan.buckets), group, "ddp_step", weight=weight, compression=compression, check_finite=check_finite
+    )
+    for i, flat in enumerate(flatten(plan, [None if g is None else g.detach() for g in g_leaves])):
+        reducer.launch(i, flat)
+    flats, info = reducer.finish()
+    out = optree.tree_unflatten(p_spec, unflatten(plan, flats))
+    return (out, info) if return_info else out

@@ -1,0 +1,40 @@
+"""Functional optimizers for pytrees of tensors (optax's design, torch.optim's arithmetic).
+
+An optimizer is a ``GradientTransformation(init, update)`` of two pure functions::
+
+    opt = fddp.optim.adamw(lr=1e-3)
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = fddp.optim.apply_updates(params, updates)
+
+``update`` never modifies its inputs, keeps the step count as a tensor and never calls
+``.item()``, so it works under ``torch.func.vmap`` (an ensemble) and inside ``torch.compile``.
+Gradients must be tensors: a ``None`` gradient is rejected (pass zeros or drop the leaf).
+"""
+
+from .accumulate import AccumulateState, accumulate
+from .adam import AdamState, adam, adamw
+from .base import EmptyState, GradientTransformation, apply_updates, chain
+from .clip import clip_by_global_norm
+from .schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
+from .sgd import SGDState, sgd
+
+__all__ = [
+    "GradientTransformation",
+    "EmptyState",
+    "apply_updates",
+    "chain",
+    "sgd",
+    "SGDState",
+    "adam",
+    "adamw",
+    "AdamState",
+    "clip_by_global_norm",
+    "accumulate",
+    "AccumulateState",
+    "constant",
+    "linear",
+    "cosine_decay",
+    "warmup_cosine_decay",
+    "exponential_decay",
+]

@@ -1,0 +1,234 @@
+"""Core of ``fddp.optim``: ``GradientTransformation``, ``chain``, ``apply_updates`` and shared checks.
+
+An optimizer is a pair of pure functions over pytrees of tensors (optax's design):
+``init(params) -> state`` and ``update(grads, state, params) -> (updates, new_state)``. Updates are
+added to parameters (``params + updates``), so a descent step has negative updates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Sequence, Union
+
+import optree
+import torch
+from torch import Tensor
+
+PyTree = Any
+Params = PyTree
+Updates = PyTree
+OptState = Any
+Schedule = Callable[[Tensor], Tensor]
+ScalarOrSchedule = Union[float, Schedule]
+
+_functorch = torch._C._functorch
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions ``init`` and ``update`` (an optimizer or a piece of one).
+
+    Attributes:
+        init: ``init(params) -> state``; the state is a pytree of tensors (NamedTuples).
+        update: ``update(grads, state, params=None) -> (updates, new_state)``; never modifies
+            its inputs.
+
+    Example:
+        >>> opt = fddp.optim.sgd(lr=0.1)
+        >>> state = opt.init(params)
+        >>> updates, state = opt.update(grads, state, params)
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+def apply_updates(params: Params, updates: Updates, /) -> Params:
+    """Return ``params + updates``, cast back to each parameter's dtype.
+
+    A ``None`` update leaves its parameter unchanged. Inputs are not modified.
+
+    Args:
+        params: a pytree of tensors.
+        updates: a pytree with the same structure, as returned by ``update``.
+
+    Returns:
+        The new parameters, a pytree with the structure of ``params``.
+
+    Example:
+        >>> updates, state = opt.update(grads, state, params)
+        >>> params = fddp.optim.apply_updates(params, updates)
+    """
+    p_leaves, treedef = _flatten(params)
+    u_leaves = _leaves_like(updates, treedef, "updates", "params")
+    idx = [i for i, u in enumerate(u_leaves) if u is not None and p_leaves[i] is not None]
+    ps = [p_leaves[i] for i in idx]
+    us = [u_leaves[i] for i in idx]
+    if _use_foreach(ps) and all(p.dtype == u.dtype for p, u in zip(ps, us)):
+        new = torch._foreach_add(ps, us)
+    else:
+        # Adding in the wider dtype then casting is what optax does for bf16 params + fp32 updates.
+        new = [torch.add(p, u).to(p.dtype) for p, u in zip(ps, us)]
+    out = list(p_leaves)
+    for i, t in zip(idx, new):
+        out[i] = t
+    return optree.tree_unflatten(treedef, out)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transformations: each one's updates are the next one's gradients.
+
+    The state is a tuple holding one state per transformation.
+
+    Args:
+        *transforms: the transformations, applied left to right.
+
+    Returns:
+        A ``GradientTransformation``.
+
+    Example:
+        >>> opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(1e-3))
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(f"chain: argument {i} must be a GradientTransformation, got {type(t).__name__}")
+
+    def init(params: Params) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads: Updates, state: tuple, params: Params | None = None) -> tuple[Updates, tuple]:
+        if type(state) is not tuple or len(state) != len(transforms):
+            raise TypeError(
+                f"chain.update expected a tuple of {len(transforms)} states (from this chain's init), "
+                f"got {_describe(state)}"
+            )
+        new_states = []
+        for t, s in zip(transforms, state):
+            grads, s = t.update(grads, s, params)
+            new_states.append(s)
+        return grads, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers (private).
+
+
+def _flatten(tree: PyTree) -> tuple[list, optree.PyTreeSpec]:
+    # None leaves are kept so that "missing" gradients are reported rather than silently dropped.
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
+def _paths(treedef: optree.PyTreeSpec) -> list[str]:
+    return ["".join(f"[{k!r}]" for k in path) or "<root>" for path in treedef.paths()]
+
+
+def _leaves_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, ref: str) -> list:
+    """Flatten ``tree``, raising a ValueError naming the leaf paths if it does not match ``treedef``."""
+    leaves, got = _flatten(tree)
+    if got != treedef:
+        want_paths, got_paths = _paths(treedef), _paths(got)
+        missing = [p for p in want_paths if p not in set(got_paths)]
+        extra = [p for p in got_paths if p not in set(want_paths)]
+        detail = ""
+        if missing:
+            detail += f"; missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        if extra:
+            detail += f"; unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"
+        raise ValueError(
+            f"{name} must have the same tree structure as {ref}: expected {treedef}, got {got}{detail}"
+        )
+    return leaves
+
+
+def _check_grads(grads: Updates, treedef: optree.PyTreeSpec | None, where: str) -> tuple[list, optree.PyTreeSpec]:
+    """Flatten grads, checking structure against ``treedef`` (if given) and rejecting ``None`` leaves."""
+    if treedef is None:
+        leaves, treedef = _flatten(grads)
+    else:
+        leaves = _leaves_like(grads, treedef, "grads", "the optimizer state (params at init)")
+    if not all(isinstance(g, Tensor) for g in leaves):
+        for path, g in zip(_paths(treedef), leaves):
+            if not isinstance(g, Tensor):
+                raise TypeError(
+                    f"{where}: grads{path} must be a tensor, got {_describe(g)}; "
+                    "pass zeros for frozen parameters or drop them from both params and grads"
+                )
+    return leaves, treedef
+
+
+def _params_leaves(params: Params | None, treedef: optree.PyTreeSpec, where: str, why: str) -> list:
+    if params is None:
+        raise ValueError(f"{where}: params are required ({why}); call update(grads, state, params)")
+    return _leaves_like(params, treedef, "params", "grads")
+
+
+def _check_state(state: Any, cls: type, where: str) -> None:
+    if type(state) is not cls:
+        raise TypeError(
+            f"{where} expected a {cls.__name__} (from this optimizer's init), got {_describe(state)}; "
+            "was the state created by a different optimizer?"
+        )
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
+    return type(x).__name__
+
+
+def _use_foreach(tensors: Sequence[Tensor]) -> bool:
+    """Whether multi-tensor ``torch._foreach_*`` ops may be used on ``tensors``.
+
+    Foreach ops have no vmap batching rule, so inside any torch.func transform (vmap, grad,
+    jacrev, ...) we use per-leaf ops. The interpreter stack is the robust signal: it is non-empty
+    whenever a functorch transform is active, even if a particular leaf is not batched.
+    """
+    if not tensors:
+        return False
+    if _functorch.peek_interpreter_stack() is not None:
+        return False
+    return not _functorch.is_functorch_wrapped_tensor(tensors[0])
+
+
+def _check_lr(lr: ScalarOrSchedule, where: str) -> None:
+    if callable(lr):
+        return
+    if isinstance(lr, Tensor):
+        raise TypeError(f"{where}: lr must be a float or a schedule (a function of the step count), got a Tensor")
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"{where}: invalid lr={lr!r}; expected a finite float >= 0 or a schedule")
+
+
+def _check_nonneg(value: float, name: str, where: str) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: invalid {name}={value!r}; expected a finite float >= 0")
+
+
+def _lr_at(lr: ScalarOrSchedule, count: Tensor) -> float | Tensor:
+    """The learning rate for the update at ``count`` (0 for the first update)."""
+    return lr(count) if callable(lr) else float(lr)
+
+
+def _cast_per_leaf(scalar: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """``scalar`` cast to each leaf's dtype, for use as a tensor *operand* (e.g. ``addcmul``'s).
+
+    Without an explicit cast the batching rules of some ops promote a batched float64 scalar and
+    the result to float64 under vmap; outside vmap, the cast is what TensorIterator does anyway.
+    """
+    by_dtype: dict = {}
+    for t in tensors:
+        if t.dtype not in by_dtype:
+            by_dtype[t.dtype] = scalar.to(t.dtype)
+    return [by_dtype[t.dtype] for t in tensors]
+
+
+def _zeros_count(leaves: Sequence[Tensor]) -> Tensor:
+    # The count lives with the parameters so that scalar tensors derived from it (lr, bias
+    # corrections) can be mixed with parameter tensors in foreach ops and under vmap.
+    device = next((t.device for t in leaves if isinstance(t, Tensor)), torch.device("cpu"))
+    return torch.zeros((), dtype=torch.int64, device=device)

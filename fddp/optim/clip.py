@@ -1,0 +1,51 @@
+"""Gradient clipping by global norm, as ``torch.nn.utils.clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import EmptyState, GradientTransformation, Params, Updates, _check_grads, _check_state, _use_foreach
+import optree
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale gradients so that their global L2 norm is at most ``max_norm``.
+
+    Same arithmetic as ``torch.nn.utils.clip_grad_norm_``: the scale is
+    ``min(1, max_norm / (total_norm + 1e-6))``, applied without branching on its value.
+
+    Args:
+        max_norm: the largest allowed global norm, > 0.
+
+    Returns:
+        A stateless ``GradientTransformation`` (state ``EmptyState``).
+
+    Example:
+        >>> opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.sgd(0.1))
+    """
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm: invalid max_norm={max_norm!r}; expected a float > 0")
+    where = "clip_by_global_norm.update"
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
+        _check_state(state, EmptyState, where)
+        gs, treedef = _check_grads(grads, None, where)
+        if not gs:
+            return grads, state
+        if _use_foreach(gs):
+            norms = torch._foreach_norm(gs)
+        else:
+            norms = [torch.linalg.vector_norm(g) for g in gs]
+        total = torch.linalg.vector_norm(torch.stack([n.to(gs[0].device) for n in norms]))
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if _use_foreach(gs):
+            out = torch._foreach_mul(gs, scale)
+        else:
+            out = [torch.mul(g, scale.to(g.device)) for g in gs]
+        return optree.tree_unflatten(treedef, out), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,149 @@
+"""Benchmark fddp.optim against torch.optim in the same run.
+
+1. AdamW on ~100 parameter tensors / ~10M values: ``fddp.optim.adamw`` (update + apply_updates,
+   and update alone) against ``torch.optim.AdamW(foreach=True).step()``.
+2. An ensemble of 16 small models: one ``vmap(opt.update)`` + apply against a Python loop of 16
+   ``torch.optim.AdamW`` steps.
+
+Prints a table of medians and ratios and writes JSON (default ``benchmarks/results/optim.json``).
+
+Usage:
+    python benchmarks/optim.py [--repeats 21] [--out benchmarks/results/optim.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch.func import stack_module_state, vmap
+
+from fddp import optim
+
+
+def median_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median wall time of each function, interleaving them so that all see the same machine load."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_large(repeats: int) -> dict:
+    torch.manual_seed(0)
+    # 50 Linear layers of 447x447: 100 tensors, ~10.0M values.
+    layers = [torch.nn.Linear(447, 447) for _ in range(50)]
+    tparams = [p for layer in layers for p in layer.parameters()]
+    for p in tparams:
+        p.grad = torch.randn_like(p)
+    topt = torch.optim.AdamW(tparams, lr=1e-3, foreach=True)
+
+    params = {f"p{i}": p.detach().clone() for i, p in enumerate(tparams)}
+    grads = {f"p{i}": p.grad.clone() for i, p in enumerate(tparams)}
+    opt = optim.adamw(lr=1e-3)
+    box = {"params": params, "state": opt.init(params)}
+
+    def fddp_step():
+        updates, box["state"] = opt.update(grads, box["state"], box["params"])
+        box["params"] = optim.apply_updates(box["params"], updates)
+
+    def fddp_update_only():
+        opt.update(grads, box["state"], box["params"])
+
+    t = median_times({"torch": topt.step, "step": fddp_step, "update": fddp_update_only}, repeats)
+    t_torch, t_step, t_update = t["torch"], t["step"], t["update"]
+    return {
+        "tensors": len(tparams),
+        "values": sum(p.numel() for p in tparams),
+        "torch_adamw_foreach_s": t_torch,
+        "fddp_update_and_apply_s": t_step,
+        "fddp_update_only_s": t_update,
+        "ratio_update_and_apply": t_step / t_torch,
+        "ratio_update_only": t_update / t_torch,
+    }
+
+
+def bench_ensemble(repeats: int, n_models: int = 16) -> dict:
+    torch.manual_seed(0)
+
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                   torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    models = [make() for _ in range(n_models)]
+    topts = []
+    for m in models:
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        topts.append(torch.optim.AdamW(m.parameters(), lr=1e-3))
+
+    stacked, _ = stack_module_state(models)
+    stacked = {k: v.detach() for k, v in stacked.items()}
+    grads = {k: torch.randn_like(v) for k, v in stacked.items()}
+    opt = optim.adamw(lr=1e-3)
+    box = {"params": stacked, "state": vmap(opt.init)(stacked)}
+    vupdate = vmap(opt.update)
+
+    def fddp_step():
+        updates, box["state"] = vupdate(grads, box["state"], box["params"])
+        box["params"] = optim.apply_updates(box["params"], updates)
+
+    def torch_loop():
+        for o in topts:
+            o.step()
+
+    t = median_times({"torch": torch_loop, "fddp": fddp_step}, repeats)
+    t_torch, t_fddp = t["torch"], t["fddp"]
+    return {
+        "models": n_models,
+        "tensors_per_model": len(list(models[0].parameters())),
+        "values_per_model": sum(p.numel() for p in models[0].parameters()),
+        "torch_loop_s": t_torch,
+        "fddp_vmap_s": t_fddp,
+        "speedup": t_torch / t_fddp,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=21)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "optim.json"))
+    args = ap.parse_args()
+
+    large = bench_large(args.repeats)
+    ens = bench_ensemble(args.repeats)
+    rows = [
+        ("adamw 100 tensors/10M: torch AdamW(foreach=True).step", large["torch_adamw_foreach_s"], "1.00x"),
+        ("adamw 100 tensors/10M: fddp update+apply_updates", large["fddp_update_and_apply_s"],
+         f"{large['ratio_update_and_apply']:.2f}x torch (target <= 1.0x)"),
+        ("adamw 100 tensors/10M: fddp update only", large["fddp_update_only_s"],
+         f"{large['ratio_update_only']:.2f}x torch"),
+        ("ensemble 16 MLPs: loop of 16 torch AdamW.step", ens["torch_loop_s"], "1.00x"),
+        ("ensemble 16 MLPs: fddp vmap(update)+apply", ens["fddp_vmap_s"],
+         f"{ens['speedup']:.2f}x faster (target >= 3x)"),
+    ]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
+    print(f"{'case':58s} {'median ms':>10s}  ratio")
+    for name, t, ratio in rows:
+        print(f"{name:58s} {t * 1e3:10.2f}  {ratio}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": args.repeats,
+                   "large": large, "ensemble": ens}, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

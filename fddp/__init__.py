@@ -13,6 +13,7 @@ Example:
     >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
 """
 
+from fddp import checkpoint, optim
 from fddp.comm import MismatchError, SyncInfo, broadcast
 from fddp.module import functionalize, functionalize_with_buffers
 from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
@@ -22,6 +23,7 @@ __all__ = [
     "MismatchError",
     "SyncInfo",
     "broadcast",
+    "checkpoint",
     "ddp_step",
     "device",
     "functionalize",
@@ -30,6 +32,7 @@ __all__ = [
     "is_initialized",
     "is_main",
     "local_rank",
+    "optim",
     "rank",
     "world_size",
 ]

@@ -14,7 +14,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
+from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
+from fddp.compress import PowerSGD, PowerSGDStep, as_compressor, skip
 from fddp.runtime import require_initialized
 
 __all__ = ["MismatchError", "SyncInfo", "Reducer", "check_signature", "tree_leaves_with_paths", "broadcast"]
@@ -59,6 +60,7 @@ def _group_key(group: dist.ProcessGroup | None) -> int:
 
 
 _checked: set[tuple[Any, int]] = set()
+_calls: dict[str, int] = {}  # calls per public function in this process, named in timeout errors
 
 
 def _signature(spec: Any, paths: Sequence[str], specs: Sequence[LeafSpec]) -> list[tuple[str, str]]:
@@ -74,18 +76,33 @@ def _digest(rows: list[tuple[str, str]]) -> int:
 
 
 def check_signature(
-    spec: Any, paths: Sequence[str], specs: Sequence[LeafSpec], group: dist.ProcessGroup | None, what: str
+    spec: Any,
+    paths: Sequence[str],
+    specs: Sequence[LeafSpec],
+    group: dist.ProcessGroup | None,
+    what: str,
+    *,
+    options: str = "",
 ) -> None:
     """Raise :class:`MismatchError` on every rank unless all ranks hold the same tree signature.
+
+    ``options`` describes call options that change what travels (e.g. whether a weight rides
+    along); it is part of the signature.
 
     One small all-reduce (max of the digest and of its negation) per new signature and group;
     signatures already checked are remembered, so steady-state steps pay nothing. Only on a
     mismatch do the ranks gather their full signatures, to name the first differing leaf.
+
+    Every synchronising call starts here, so this also numbers the calls to ``fddp.<what>`` in
+    this process, for the error :func:`wait` raises ("call 1234 to fddp.ddp_step").
     """
-    key = (spec, tuple(specs), _group_key(group))
+    _calls[what] = _calls.get(what, 0) + 1
+    key = (spec, tuple(specs), _group_key(group), options)
     if key in _checked:
         return
     rows = _signature(spec, paths, specs)
+    if options:
+        rows.append(("<options>", options))
     d = _digest(rows)
     t = torch.tensor([d, -d], dtype=torch.int64, device=_collective_device(group))
     wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), what, "signature check")
@@ -116,10 +133,14 @@ def wait(work: Any, what: str, doing: str) -> None:
         work.wait()
     except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout
         r, w = dist.get_rank(), dist.get_world_size()
+        n = _calls.get(what)
+        call = f" (call {n} to fddp.{what} in this process)" if n else ""
+        verb = "timed out" if "timed out" in str(e).lower() else "failed"
         raise RuntimeError(
-            f"fddp.{what}: rank {r} of {w} failed during {doing}: {e}. A peer may have crashed, be "
-            "stuck, or be running different code; the process group's timeout (fddp.init(timeout=...)) "
-            "bounds the wait."
+            f"fddp.{what}: rank {r} of {w} {verb} during {doing}{call}: {e}. A peer may have crashed, "
+            "be stuck, or have skipped or reordered this call (every rank must make the same fddp "
+            "calls in the same order); the process group's timeout (fddp.init(timeout=...)) bounds "
+            "the wait."
         ) from e
 
 
@@ -134,15 +155,15 @@ class SyncInfo(NamedTuple):
         bytes_sent: bytes this rank handed to collectives (the payload, before the backend's own
             ring or tree traffic).
         collectives: the number of collectives issued.
+        compression_state: with a stateful compressor (:class:`fddp.PowerSGD`), its state after
+            this step, to pass as ``compression_state=`` next time; ``None`` otherwise.
     """
 
     finite: torch.Tensor | None
     weight: torch.Tensor | None
     bytes_sent: int
     collectives: int
-
-
-_COMPRESSION = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    compression_state: Any = None
 
 
 class Reducer:
@@ -158,8 +179,11 @@ class Reducer:
         what: the public function's name, for error messages.
         weight: this rank's weight (e.g. its number of samples). The result is then
             ``sum_r w_r g_r / sum_r w_r``, and ``sum_r w_r`` travels in bucket 0's all-reduce.
-        compression: ``None``, ``"bf16"`` or ``"fp16"``: the dtype buckets travel in.
+        compression: ``None``, ``"bf16"``, ``"fp16"``, a :class:`fddp.Cast` or a :class:`fddp.PowerSGD`.
         check_finite: compute :attr:`SyncInfo.finite`.
+        compression_state: PowerSGD's state (from ``PowerSGD.init``); its successor is returned
+            in :attr:`SyncInfo.compression_state`.
+        plan: the bucket plan the buffers follow; PowerSGD needs it to see the leaves in a bucket.
     """
 
     def __init__(
@@ -169,24 +193,52 @@ class Reducer:
         what: str,
         *,
         weight: float | torch.Tensor | None = None,
-        compression: str | None = None,
+        compression: Any = None,
         check_finite: bool = False,
+        compression_state: Any = None,
+        plan: BucketPlan | None = None,
     ) -> None:
-        if compression not in _COMPRESSION:
-            raise ValueError(f"fddp.{what}: compression must be one of None, 'bf16', 'fp16'; got {compression!r}")
+        compressor = as_compressor(compression, what)
         self.group, self.what, self.check_finite = group, what, check_finite
         self.n = dist.get_world_size(group)
-        self.comm_dtype = _COMPRESSION[compression]
+        self.comm_dtype = None if compressor is None or isinstance(compressor, PowerSGD) else compressor.dtype
         self.weight = None if weight is None else _as_weight(weight, what)
         self.sent: list[torch.Tensor | None] = [None] * num_buckets
         self.dtypes: list[torch.dtype | None] = [None] * num_buckets
         self.works: list[Any] = []
         self.weight_buf: torch.Tensor | None = None
         self.bytes_sent = 0
+        self.collectives = 0
+        # PowerSGD: `powersgd` drives the compressed steps; before start_iter the buckets take
+        # the plain path and only the state's step count moves.
+        self.powersgd: PowerSGDStep | None = None
+        self.new_state: Any = None
+        if isinstance(compressor, PowerSGD):
+            self._start_powersgd(compressor, compression_state, plan, num_buckets)
+        elif compression_state is not None:
+            raise ValueError(f"fddp.{what}: compression_state is only used with compression=fddp.PowerSGD(...), got compression={compression!r}")
+
+    def _start_powersgd(self, config: PowerSGD, state: Any, plan: BucketPlan | None, num_buckets: int) -> None:
+        if self.weight is not None:
+            raise ValueError(f"fddp.{self.what}: weight= cannot be combined with PowerSGD compression")
+        if plan is None or len(plan.buckets) != num_buckets:
+            raise ValueError(f"fddp.{self.what}: PowerSGD needs the bucket plan of the {num_buckets} buckets (plan=)")
+        if not (isinstance(state, tuple) and hasattr(state, "step") and isinstance(state.step, torch.Tensor)):
+            raise ValueError(
+                f"fddp.{self.what}: PowerSGD needs compression_state= (from PowerSGD.init(params)), got "
+                f"{type(state).__name__}"
+            )
+        if int(state.step) < config.start_iter:
+            self.new_state = skip(state)
+        else:
+            self.powersgd = PowerSGDStep(config, state, plan, self.n, self.what)
 
     def launch(self, i: int, flat: torch.Tensor) -> None:
         """Start bucket ``i``'s all-reduce. ``flat`` is this rank's buffer; it may be reused in place."""
         self.dtypes[i] = flat.dtype
+        if self.powersgd is not None:
+            self.powersgd.launch(i, flat, self._start)
+            return
         comm_dtype = self.comm_dtype or flat.dtype
         # Low precision: divide before the sum, which could overflow where the mean does not.
         low = comm_dtype in _LOW_PRECISION
@@ -215,11 +267,19 @@ class Reducer:
         self._issue(flat)
 
     def _issue(self, t: torch.Tensor) -> None:
+        self.works.append(self._start(t))
+
+    def _start(self, t: torch.Tensor) -> Any:
+        """Start an all-reduce (sum) of ``t``, count it, and return its work handle."""
         self.bytes_sent += t.numel() * t.element_size()
-        self.works.append(dist.all_reduce(t, group=self.group, async_op=True))
+        self.collectives += 1
+        return dist.all_reduce(t, group=self.group, async_op=True)
 
     def finish(self) -> tuple[list[torch.Tensor], SyncInfo]:
         """Wait for every bucket; return the mean buffers (in each bucket's own dtype) and the info."""
+        if self.powersgd is not None:
+            out, self.new_state = self.powersgd.finish(self._start, lambda work, doing: wait(work, self.what, doing))
+            return out, self._info(out, None)
         for k, work in enumerate(self.works):
             wait(work, self.what, f"all-reduce {k + 1} of {len(self.works)}")
         wsum = None
@@ -239,10 +299,13 @@ class Reducer:
             elif not low:
                 flat = flat.div_(self.n)
             out.append(flat)
+        return out, self._info(out, wsum)
+
+    def _info(self, out: list[torch.Tensor], wsum: torch.Tensor | None) -> SyncInfo:
         finite = None
         if self.check_finite:
             finite = torch.stack([torch.isfinite(f).all() for f in out]).all() if out else torch.tensor(True)
-        return out, SyncInfo(finite, wsum, self.bytes_sent, len(self.works))
+        return SyncInfo(finite, wsum, self.bytes_sent, self.collectives, self.new_state)
 
 
 def _as_weight(weight: float | torch.Tensor, what: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Sequence
 import optree
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
 from fddp.compress import PowerSGD, PowerSGDStep, as_compressor, skip
@@ -93,9 +94,18 @@ def check_signature(
     signatures already checked are remembered, so steady-state steps pay nothing. Only on a
     mismatch do the ranks gather their full signatures, to name the first differing leaf.
 
+    The check catches ranks that build different trees (different models, code or dtypes). It
+    cannot catch one rank switching, mid-run, to a tree it has not used before while its peers
+    keep a tree they already checked: their caches then disagree on whether to check, and only a
+    collective on every step could tell. That would cost what this design saves.
+
     Every synchronising call starts here, so this also numbers the calls to ``fddp.<what>`` in
     this process, for the error :func:`wait` raises ("call 1234 to fddp.ddp_step").
     """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the cache or the digest; a compiled step relies on its guards (a new
+        # tree re-traces) and on an eager call (fddp.broadcast, a first eager step) having checked.
+        return
     _calls[what] = _calls.get(what, 0) + 1
     key = (spec, tuple(specs), _group_key(group), options)
     if key in _checked:
@@ -273,6 +283,8 @@ class Reducer:
         """Start an all-reduce (sum) of ``t``, count it, and return its work handle."""
         self.bytes_sent += t.numel() * t.element_size()
         self.collectives += 1
+        if torch.compiler.is_compiling():
+            return _TracedAllReduce(t, self.group)
         return dist.all_reduce(t, group=self.group, async_op=True)
 
     def finish(self) -> tuple[list[torch.Tensor], SyncInfo]:
@@ -306,6 +318,18 @@ class Reducer:
         if self.check_finite:
             finite = torch.stack([torch.isfinite(f).all() for f in out]).all() if out else torch.tensor(True)
         return SyncInfo(finite, wsum, self.bytes_sent, self.collectives, self.new_state)
+
+
+class _TracedAllReduce:
+    """An all-reduce torch.compile puts in its graph (a functional collective); ``wait`` copies the
+    result back into the input, the in-place contract of ``dist.all_reduce`` the callers rely on."""
+
+    def __init__(self, t: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        self.t = t
+        self.out = funcol.all_reduce(t, "sum", group if group is not None else dist.group.WORLD)
+
+    def wait(self) -> None:
+        self.t.copy_(funcol.wait_tensor(self.out))
 
 
 def _as_weight(weight: float | torch.Tensor, what: str) -> torch.Tensor:

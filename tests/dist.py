@@ -90,19 +90,26 @@ class Pool:
                 raise TimeoutError(f"ranks {sorted(pending)} of {self.world_size} did not finish within {timeout} s")
             for r in sorted(pending):
                 if self.conns[r] in ready or self.conns[r].poll():
-                    status, payload = self.conns[r].recv()
                     pending.discard(r)
+                    try:
+                        status, payload = self.conns[r].recv()
+                    except EOFError:  # the worker died before it could answer
+                        status, payload = "err", f"rank {r} died (exit code {self._exitcode(r)})"
                     if status == "ok":
                         results[r] = payload
                     else:
                         errors[r] = payload
                 elif self.procs[r].sentinel in ready:
                     pending.discard(r)
-                    errors[r] = f"rank {r} died with exit code {self.procs[r].exitcode}"
+                    errors[r] = f"rank {r} died (exit code {self._exitcode(r)})"
         if errors:
             r = min(errors)
             raise RankError(f"rank {r} of {self.world_size} failed:\n{errors[r]}")
         return results
+
+    def _exitcode(self, r: int) -> int | None:
+        self.procs[r].join(timeout=1)
+        return self.procs[r].exitcode
 
     def close(self, graceful: bool = False) -> None:
         for c, p in zip(self.conns, self.procs):

@@ -333,3 +333,29 @@ def _failing_worker():
     if fddp.rank() == 1:
         raise ValueError("boom on rank 1")
     fddp.ddp_step({"w": torch.zeros(2)}, {"w": torch.zeros(2)})  # rank 0 waits for a peer that is gone
+
+
+def _subgroup_worker():
+    rank = fddp.rank()
+    # new_group must be called by every rank, in the same order, for every group
+    groups = [tdist.new_group([0, 1]), tdist.new_group([2, 3])]
+    group = groups[rank // 2]
+    tree = {"w": torch.full((3,), float(rank))}
+    grads = fddp.ddp_step(tree, tree, group=group)
+    mismatch = None
+    other = {"w": torch.zeros(5)} if rank != 3 else {"w": torch.zeros(4)}
+    try:
+        fddp.ddp_step(other, other, group=group)
+    except fddp.MismatchError as e:
+        mismatch = str(e)
+    return grads["w"], fddp.broadcast(tree, src=1, group=group)["w"], mismatch
+
+
+def test_subgroups():
+    outs = run(_subgroup_worker, 4)
+    for r, (mean, bcast, mismatch) in enumerate(outs):
+        pair = [2 * (r // 2), 2 * (r // 2) + 1]
+        assert torch.equal(mean, torch.full((3,), sum(pair) / 2))
+        assert torch.equal(bcast, torch.full((3,), float(pair[1])))  # src is a rank *within* the group
+        # the mismatch lives in group {2, 3} only; group {0, 1} agrees
+        assert (mismatch is not None) == (r >= 2)

@@ -1,0 +1,404 @@
+"""Gradient compression for the bucket all-reduce: half-precision casts and PowerSGD.
+
+A compressor is an immutable configuration passed as ``compression=`` to :func:`fddp.ddp_step`.
+:class:`Cast` (``"bf16"`` / ``"fp16"``) is stateless. :class:`PowerSGD` keeps state between steps
+(the step count, error-feedback residuals, warm-start factors and the seed generator); that state is
+a :class:`PowerSGDState` pytree of tensors that goes into ``ddp_step`` and comes out in
+``info.compression_state``, so a training step stays pure and the state checkpoints with
+:mod:`fddp.checkpoint` like any optimizer state.
+
+PowerSGD follows torch's ``powerSGD_hook`` (Vogels et al., 2019) step for step, with the same
+arithmetic, so for the same gradients and buckets the results are bitwise equal to it (tested
+against DDP with the hook): per bucket, the error of the previous step is added, every leaf viewed
+as an ``(n, m)`` matrix (``shape[0]`` rows) that compression shrinks by more than
+``min_compression_rate`` is compressed to rank ``r``, the rest travel uncompressed in one flat
+all-reduce, and ``M ~ P Q^T`` comes from two all-reduces: ``P = M Q`` (summed, then
+orthogonalised) and ``Q = M^T P`` (averaged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import optree
+import torch
+
+from fddp.buckets import BucketPlan
+
+__all__ = ["Cast", "PowerSGD", "PowerSGDState", "as_compressor"]
+
+_CAST_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_MAX_SEED = 1_000_000_000  # torch's PowerSGDState draws Q's seeds as rng.randint(1_000_000_000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """Send buckets in a half-precision dtype, divided by the world size before the sum.
+
+    The same arithmetic as torch's ``bf16_compress_hook`` / ``fp16_compress_hook``: cast down,
+    divide (so the fp16 sum cannot overflow where the mean would not), all-reduce, cast back.
+    ``compression="bf16"`` is ``Cast(torch.bfloat16)`` and ``"fp16"`` is ``Cast(torch.float16)``.
+
+    Args:
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+
+    Example:
+        >>> grads = fddp.ddp_step(params, grads, compression=fddp.Cast(torch.bfloat16))
+    """
+
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _CAST_NAMES.values():
+            raise ValueError(f"fddp.Cast: dtype must be torch.bfloat16 or torch.float16, got {self.dtype!r}")
+
+
+class PowerSGDState(NamedTuple):
+    """PowerSGD's state between steps: a pytree of tensors, checkpointable as it is.
+
+    Attributes:
+        step: int64 scalar, the number of synchronisations so far; compression starts when it
+            reaches ``start_iter``.
+        rng: int64 ``(625,)``, the state of the NumPy MT19937 generator that draws one seed per
+            bucket whenever fresh random ``Q`` factors are needed (torch's convention, so the same
+            ``seed`` gives torch's ``Q``).
+        error: with error feedback, a tree shaped like the parameters holding each leaf's
+            residual (what compression left out last step); ``None`` otherwise.
+        q: with warm start, a tree shaped like the parameters holding each compressed leaf's last
+            ``Q`` factor, ``(m, rank)``, and ``None`` at uncompressed leaves; ``None`` otherwise.
+    """
+
+    step: torch.Tensor
+    rng: torch.Tensor
+    error: Any
+    q: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class PowerSGD:
+    """Rank-``rank`` PowerSGD compression with error feedback and warm start, as torch's hook.
+
+    Immutable configuration; :meth:`init` makes the state, which ``ddp_step`` takes as
+    ``compression_state=`` and returns, updated, as ``info.compression_state``. Before step
+    ``start_iter`` buckets are all-reduced uncompressed (the state only counts steps). Torch
+    requires ``start_powerSGD_iter > 1`` because DDP rebuilds its buckets after the first step;
+    fddp's buckets never change, so any ``start_iter >= 0`` is allowed.
+
+    Per step and bucket, PowerSGD sends ``n * r + m * r`` elements for each compressed ``(n, m)``
+    matrix (in two all-reduces, P and Q, for the whole bucket) plus every uncompressed element (in
+    one more); ``info.bytes_sent`` counts them.
+
+    Args:
+        rank: the rank ``r`` of the approximation (torch's ``matrix_approximation_rank``).
+        start_iter: the number of uncompressed steps first (torch's ``start_powerSGD_iter``).
+        min_compression_rate: compress an ``(n, m)`` matrix only if
+            ``(n + m) * r * min_compression_rate < n * m``.
+        error_feedback: add last step's compression error to this step's gradient.
+        warm_start: start each step's power iteration from the last step's ``Q`` instead of a
+            fresh random one.
+        orthogonalization_epsilon: added to column norms in Gram-Schmidt, against division by zero.
+        seed: seeds the generator of the random ``Q`` factors (torch's ``random_seed``).
+
+    Example:
+        >>> ps = fddp.PowerSGD(rank=2, start_iter=10)
+        >>> state = ps.init(params)
+        >>> grads, info = fddp.ddp_step(params, grads, compression=ps, compression_state=state, return_info=True)
+        >>> state = info.compression_state
+    """
+
+    rank: int = 1
+    start_iter: int = 1000
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "start_iter", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "rank" else 0):
+                raise ValueError(f"fddp.PowerSGD: {name} must be an int >= {1 if name == 'rank' else 0}, got {v!r}")
+        if not self.min_compression_rate >= 0 or not self.orthogonalization_epsilon >= 0:
+            raise ValueError(
+                "fddp.PowerSGD: min_compression_rate and orthogonalization_epsilon must be >= 0, got "
+                f"{self.min_compression_rate!r} and {self.orthogonalization_epsilon!r}"
+            )
+
+    def compressed_shape(self, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """Return ``(n, m, r)`` if a leaf of this shape is compressed, else ``None``.
+
+        Example:
+            >>> fddp.PowerSGD(rank=2).compressed_shape((64, 3, 3))
+            (64, 9, 2)
+        """
+        if len(shape) < 1:
+            return None
+        n = shape[0]
+        m = 1
+        for d in shape[1:]:
+            m *= d
+        r = min(n, m, self.rank)
+        return (n, m, r) if (n + m) * r * self.min_compression_rate < n * m else None
+
+    def q_shape(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """Return the shape of the ``Q`` factor of a leaf of this shape, ``None`` if uncompressed."""
+        nmr = self.compressed_shape(shape)
+        return None if nmr is None else (nmr[1], nmr[2])
+
+    def init(self, params: Any, /) -> PowerSGDState:
+        """Return the state before the first step, for a tree shaped like ``params``.
+
+        Example:
+            >>> state = fddp.PowerSGD(rank=1, start_iter=100).init(params)
+        """
+        error = optree.tree_map(torch.zeros_like, params) if self.error_feedback else None
+
+        def q0(p: torch.Tensor) -> torch.Tensor | None:
+            shape = self.q_shape(tuple(p.shape))
+            return None if shape is None else torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+        q = optree.tree_map(q0, params) if self.warm_start else None
+        return PowerSGDState(torch.tensor(0, dtype=torch.int64), _rng_tensor(np.random.RandomState(self.seed)), error, q)
+
+    def expected_bytes(self, params: Any, /, *, compressed: bool = True) -> int:
+        """Return the payload bytes one step sends for ``params`` (uncompressed if not ``compressed``).
+
+        Example:
+            >>> ps = fddp.PowerSGD(rank=2)
+            >>> ps.expected_bytes(params, compressed=False) / ps.expected_bytes(params)  # the compression factor
+        """
+        total = 0
+        for p in optree.tree_leaves(params):
+            shape = self.compressed_shape(tuple(p.shape)) if compressed else None
+            total += p.element_size() * (p.numel() if shape is None else (shape[0] + shape[1]) * shape[2])
+        return total
+
+
+def as_compressor(compression: Any, what: str) -> Cast | PowerSGD | None:
+    """Normalise ``compression=``: ``None``/``"none"``, ``"bf16"``, ``"fp16"``, a :class:`Cast` or a :class:`PowerSGD`."""
+    if compression is None or compression == "none":
+        return None
+    if isinstance(compression, str) and compression in _CAST_NAMES:
+        return Cast(_CAST_NAMES[compression])
+    if isinstance(compression, (Cast, PowerSGD)):
+        return compression
+    raise ValueError(
+        f"fddp.{what}: compression must be None, 'bf16', 'fp16', fddp.Cast or fddp.PowerSGD; got {compression!r}"
+    )
+
+
+# --- the generator of Q's seeds, as a tensor ----------------------------------------------------
+
+
+def _rng_tensor(rs: np.random.RandomState) -> torch.Tensor:
+    _, keys, pos, _, _ = rs.get_state(legacy=True)
+    return torch.tensor(np.append(keys.astype(np.int64), pos), dtype=torch.int64)
+
+
+def _draw_seed(rng: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Draw one seed as torch's ``PowerSGDState.rng.randint(1_000_000_000)``; return it and the new state."""
+    a = rng.cpu().numpy()
+    rs = np.random.RandomState()
+    rs.set_state(("MT19937", a[:624].astype(np.uint32), int(a[624])))
+    seed = int(rs.randint(_MAX_SEED))
+    return seed, _rng_tensor(rs)
+
+
+# --- orthogonalisation, as torch's powerSGD_hook._orthogonalize ---------------------------------
+
+
+def _orthogonalize(matrices: torch.Tensor, epsilon: float) -> None:
+    """Orthonormalise the columns of each ``(batch, n, r)`` matrix in place (``n >= r``)."""
+    rank = matrices.shape[2]
+    if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
+        for i in range(rank):
+            col = matrices[:, :, i : i + 1]
+            norm = torch.norm(col, dim=1, keepdim=True)
+            # epsilon guards against an all-zero column (a layer whose gradient vanished); torch
+            # adds it only when it is nonzero, and so must we to round the same.
+            col /= norm + epsilon if epsilon else norm
+            if i + 1 < rank:
+                rest = matrices[:, :, i + 1 :]
+                rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+    else:
+        r = torch.empty(matrices.shape[0], rank, rank, device=matrices.device, dtype=matrices.dtype)
+        torch.linalg.qr(matrices, out=(matrices, r))
+
+
+# --- one step -----------------------------------------------------------------------------------
+
+
+Issue = Callable[[torch.Tensor], Any]  # start an all-reduce (sum), count it, return its work handle
+Wait = Callable[[Any, str], None]  # wait for a work handle; the string says what it was
+
+
+class _Bucket:
+    """One bucket's tensors between launch and finish."""
+
+    def __init__(self) -> None:
+        self.flat: torch.Tensor
+        self.before: torch.Tensor | None = None  # the error-fed input, for the next residual
+        self.uncompressed: list[torch.Tensor] = []  # views into flat
+        self.u_buf: torch.Tensor | None = None
+        self.u_work: Any = None
+        self.matrices: list[torch.Tensor] = []  # (1, n, m) views into flat
+        self.leaf_ids: list[int] = []  # the leaf index of each matrix
+        self.ps: list[torch.Tensor] = []
+        self.qs: list[torch.Tensor] = []
+        self.p_buf: torch.Tensor | None = None
+        self.q_buf: torch.Tensor | None = None
+        self.p_work: Any = None
+        self.q_work: Any = None
+
+
+class PowerSGDStep:
+    """PowerSGD for one synchronisation of a bucket plan: driven by :class:`fddp.comm.Reducer`.
+
+    ``launch`` takes each bucket's flat gradient (which it may overwrite) and starts the
+    uncompressed and ``P`` all-reduces; ``finish`` orthogonalises ``P``, sends ``Q``, and rebuilds
+    the buckets. Only used once ``state.step >= start_iter``; before that the Reducer reduces
+    uncompressed and the state only counts the step (:func:`advance`).
+    """
+
+    def __init__(self, config: PowerSGD, state: PowerSGDState, plan: BucketPlan, world: int, what: str) -> None:
+        self.config, self.plan, self.world, self.what = config, plan, world, what
+        self.step = int(state.step)
+        self.first = self.step == config.start_iter  # the first compressed step: no residual, no Q yet
+        self.rng = state.rng
+        self.error, self.error_spec = (None, None)
+        self.q, self.q_spec = (None, None)
+        if config.error_feedback:
+            self.error, self.error_spec = _leaves(state.error, plan, what, "error", lambda shape: shape)
+        if config.warm_start:
+            self.q, self.q_spec = _leaves(state.q, plan, what, "q", config.q_shape)
+        self.buckets: list[_Bucket | None] = [None] * len(plan.buckets)
+
+    def launch(self, i: int, flat: torch.Tensor, issue: Issue) -> None:
+        """Compress bucket ``i`` and start its uncompressed and ``P`` all-reduces."""
+        cfg, b, s = self.config, self.plan.buckets[i], _Bucket()
+        s.flat = flat
+        views = flat.split(b.numels)
+        if self.error is not None:
+            if not self.first:
+                for v, leaf in zip(views, b.indices):
+                    v.add_(self.error[leaf].reshape(-1))
+            s.before = flat.clone()
+        # Group compressed matrices by shape, in first-seen order: torch's order, which fixes
+        # which random numbers each fresh Q receives.
+        groups: dict[tuple[int, int, int], list[tuple[int, torch.Tensor]]] = {}
+        for v, leaf, shape in zip(views, b.indices, b.shapes):
+            nmr = cfg.compressed_shape(shape)
+            if nmr is None:
+                s.uncompressed.append(v)
+            else:
+                groups.setdefault(nmr, []).append((leaf, v.view(1, nmr[0], nmr[1])))
+        sizes = [(n, m, r) for (n, m, r), members in groups.items() for _ in members]
+        s.p_buf = torch.empty(sum(n * r for n, _, r in sizes), dtype=flat.dtype, device=flat.device)
+        s.q_buf = torch.empty(sum(m * r for _, m, r in sizes), dtype=flat.dtype, device=flat.device)
+        p_at = q_at = 0
+        for (n, m, r), members in groups.items():
+            for leaf, matrix in members:
+                s.leaf_ids.append(leaf)
+                s.matrices.append(matrix)
+                s.ps.append(s.p_buf[p_at : p_at + n * r].view(1, n, r))
+                s.qs.append(s.q_buf[q_at : q_at + m * r].view(1, m, r))
+                p_at, q_at = p_at + n * r, q_at + m * r
+        if self.q is None or self.first:
+            # One seed per bucket, drawn even when the bucket has nothing to compress, as torch does.
+            seed, self.rng = _draw_seed(self.rng)
+            gen = torch.Generator().manual_seed(seed)
+            for q in s.qs:
+                q.copy_(torch.randn(*q.shape, generator=gen, dtype=q.dtype))
+        else:
+            for q, leaf in zip(s.qs, s.leaf_ids):
+                q.copy_(self.q[leaf].view(q.shape))
+        for q in s.qs:
+            _orthogonalize(q, cfg.orthogonalization_epsilon)
+        for matrix, q, p in zip(s.matrices, s.qs, s.ps):
+            torch.bmm(matrix, q, out=p)
+        if s.uncompressed:
+            s.u_buf = torch.cat([v.reshape(-1) for v in s.uncompressed])
+            s.u_work = issue(s.u_buf)
+        if s.matrices:
+            # P is orthogonalised after the sum, so it needs no division by the world size.
+            s.p_work = issue(s.p_buf)
+        self.buckets[i] = s
+
+    def finish(self, issue: Issue, wait: Wait) -> tuple[list[torch.Tensor], PowerSGDState]:
+        """Send every bucket's ``Q``, decompress, and return the mean buffers and the new state."""
+        eps = self.config.orthogonalization_epsilon
+        for i, s in enumerate(self.buckets):
+            if s is None:
+                raise RuntimeError(f"fddp.{self.what}: bucket {i} of {len(self.buckets)} was never launched")
+            if s.u_work is not None:
+                wait(s.u_work, f"the uncompressed all-reduce of bucket {i}")
+                at = 0
+                u = s.u_buf.div_(self.world)
+                for v in s.uncompressed:
+                    v.copy_(u[at : at + v.numel()])
+                    at += v.numel()
+            if s.p_work is not None:
+                wait(s.p_work, f"the P all-reduce of bucket {i}")
+                for p in s.ps:
+                    _orthogonalize(p, eps)
+                for matrix, p, q in zip(s.matrices, s.ps, s.qs):
+                    torch.bmm(matrix.transpose(1, 2), p, out=q)
+                s.q_work = issue(s.q_buf)
+        new_error = [None] * self.plan.num_leaves if self.error is not None else None
+        new_q = list(self.q) if self.q is not None else None
+        for i, s in enumerate(self.buckets):
+            if s.q_work is not None:
+                wait(s.q_work, f"the Q all-reduce of bucket {i}")
+                s.q_buf.div_(self.world)
+                for p, q, matrix in zip(s.ps, s.qs, s.matrices):
+                    torch.bmm(p, q.transpose(1, 2), out=matrix)
+            b = self.plan.buckets[i]
+            if new_error is not None:
+                for leaf, e, shape in zip(b.indices, (s.before - s.flat).split(b.numels), b.shapes):
+                    new_error[leaf] = e.view(shape)
+            if new_q is not None:
+                for leaf, q in zip(s.leaf_ids, s.qs):
+                    new_q[leaf] = q.view(q.shape[1:])
+        state = PowerSGDState(
+            torch.tensor(self.step + 1, dtype=torch.int64),
+            self.rng,
+            None if new_error is None else optree.tree_unflatten(self.error_spec, new_error),
+            None if new_q is None else optree.tree_unflatten(self.q_spec, new_q),
+        )
+        return [s.flat for s in self.buckets], state
+
+
+def advance(state: PowerSGDState) -> PowerSGDState:
+    """The state after an uncompressed step (before ``start_iter``): only the count moves."""
+    return state._replace(step=torch.tensor(int(state.step) + 1, dtype=torch.int64))
+
+
+def _leaves(
+    tree: Any, plan: BucketPlan, what: str, field: str, expect: Callable[[tuple[int, ...]], tuple[int, ...] | None]
+) -> tuple[list[Any], Any]:
+    """Flatten a params-shaped state field; raise naming the first leaf that does not fit the params."""
+    if tree is None:
+        raise ValueError(
+            f"fddp.{what}: compression_state.{field} is None, but this PowerSGD config needs it; make "
+            "the state with the same config's init(params)"
+        )
+    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    if len(leaves) != plan.num_leaves:
+        raise ValueError(
+            f"fddp.{what}: compression_state.{field} has {len(leaves)} leaves, but params have "
+            f"{plan.num_leaves}; make the state with PowerSGD.init(params)"
+        )
+    shapes = {i: s for b in plan.buckets for i, s in zip(b.indices, b.shapes)}
+    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+        want = expect(shapes[i])
+        got = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None if leaf is None else type(leaf).__name__
+        if got != want:
+            raise ValueError(
+                f"fddp.{what}: compression_state.{field} leaf {'/'.join(map(str, path))!r} should be "
+                f"{'None' if want is None else f'a tensor of shape {want}'}, got "
+                f"{'None' if got is None else got}; make the state with the same config's init(params)"
+            )
+    return leaves, spec

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
-from fddp.compress import PowerSGD, PowerSGDStep, as_compressor, skip
+from fddp.compress import PowerSGD, PowerSGDStep, advance, as_compressor
 from fddp.runtime import require_initialized
 
 __all__ = ["MismatchError", "SyncInfo", "Reducer", "check_signature", "tree_leaves_with_paths", "broadcast"]
@@ -239,7 +239,7 @@ class Reducer:
                 f"{type(state).__name__}"
             )
         if int(state.step) < config.start_iter:
-            self.new_state = skip(state)
+            self.new_state = advance(state)
         else:
             self.powersgd = PowerSGDStep(config, state, plan, self.n, self.what)
 

@@ -15,12 +15,16 @@ Example:
 
 from fddp import checkpoint, optim
 from fddp.comm import MismatchError, SyncInfo, broadcast
+from fddp.compress import Cast, PowerSGD, PowerSGDState
 from fddp.module import functionalize, functionalize_with_buffers
 from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
 from fddp.step import ddp_step
 
 __all__ = [
+    "Cast",
     "MismatchError",
+    "PowerSGD",
+    "PowerSGDState",
     "SyncInfo",
     "broadcast",
     "checkpoint",

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
 from fddp.comm import Reducer, check_signature, tree_leaves_with_paths
+from fddp.compress import Cast, PowerSGD
 from fddp.runtime import require_initialized
 
 __all__ = ["ddp_step"]
@@ -46,7 +47,8 @@ def ddp_step(
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     weight: float | torch.Tensor | None = None,
-    compression: str | None = None,
+    compression: str | Cast | PowerSGD | None = None,
+    compression_state: Any = None,
     check_finite: bool = False,
     return_info: bool = False,
 ) -> Any:
@@ -72,11 +74,16 @@ def ddp_step(
             weighted mean ``sum_r w_r g_r / sum_r w_r``: the gradient of the mean loss over the
             global batch even when ranks hold different batch sizes (a rank with weight 0
             contributes nothing, even NaN). The sum of weights rides in bucket 0's all-reduce.
-        compression: ``"bf16"`` or ``"fp16"`` to send buckets in half precision (halving the bytes;
-            divided before the sum, as torch's ``fp16_compress_hook``); ``None`` sends them as they are.
+        compression: ``"bf16"`` or ``"fp16"`` (or :class:`fddp.Cast`) to send buckets in half
+            precision (halving the bytes; divided before the sum, as torch's ``fp16_compress_hook``);
+            a :class:`fddp.PowerSGD` to send low-rank approximations (requires ``compression_state``
+            and ``return_info``); ``None`` sends them as they are.
+        compression_state: PowerSGD's state, from ``PowerSGD.init(params)`` or the previous step's
+            ``info.compression_state``. Not modified.
         check_finite: compute ``info.finite``, one bool that is the same on every rank, so all
             ranks can skip a step with NaN/Inf gradients together.
-        return_info: return ``(grads, info)`` with a :class:`fddp.SyncInfo` instead of ``grads``.
+        return_info: return ``(grads, info)`` with a :class:`fddp.SyncInfo` instead of ``grads``;
+            ``info.compression_state`` holds PowerSGD's next state.
 
     Returns:
         The mean gradients, a tree of the same structure as ``params``; with ``return_info``, the
@@ -88,13 +95,22 @@ def ddp_step(
         >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
     """
     require_initialized("ddp_step")
+    if isinstance(compression, PowerSGD) and not return_info:
+        raise ValueError("fddp.ddp_step: PowerSGD returns its next state in info.compression_state; pass return_info=True")
     paths, p_leaves, p_spec = tree_leaves_with_paths(params, "ddp_step")
     p_specs = tuple(LeafSpec.of(p) for p in p_leaves)
     g_leaves = _check_grads(paths, p_specs, p_spec, grads)
     check_signature(p_spec, paths, p_specs, group, "ddp_step")
     plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb)
     reducer = Reducer(
-        len(plan.buckets), group, "ddp_step", weight=weight, compression=compression, check_finite=check_finite
+        len(plan.buckets),
+        group,
+        "ddp_step",
+        weight=weight,
+        compression=compression,
+        check_finite=check_finite,
+        compression_state=compression_state,
+        plan=plan,
     )
     for i, flat in enumerate(flatten(plan, [None if g is None else g.detach() for g in g_leaves])):
         reducer.launch(i, flat)

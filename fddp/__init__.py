@@ -14,18 +14,24 @@ Example:
 """
 
 from fddp import checkpoint, optim
+from fddp.accumulation import GradAccumulator, accumulate_grads
+from fddp.buffers import sync_buffers
 from fddp.comm import MismatchError, SyncInfo, broadcast
 from fddp.compress import Cast, PowerSGD, PowerSGDState
+from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers
 from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
 from fddp.step import ddp_step
 
 __all__ = [
     "Cast",
+    "GradAccumulator",
+    "Join",
     "MismatchError",
     "PowerSGD",
     "PowerSGDState",
     "SyncInfo",
+    "accumulate_grads",
     "broadcast",
     "checkpoint",
     "ddp_step",
@@ -38,6 +44,7 @@ __all__ = [
     "local_rank",
     "optim",
     "rank",
+    "sync_buffers",
     "world_size",
 ]
 __version__ = "0.1.0"

@@ -18,6 +18,8 @@ __all__ = ["ddp_step"]
 
 def _check_grads(paths: list[str], p_specs: tuple[LeafSpec, ...], p_spec: Any, grads: Any) -> list[torch.Tensor | None]:
     """Return the grads' leaves, or raise naming the first leaf that does not match its parameter."""
+    if grads is None:  # a rank with nothing to contribute (out of data): all zeros
+        return [None] * len(paths)
     g_leaves, g_spec = optree.tree_flatten(grads, none_is_leaf=True)
     if g_spec != p_spec:
         raise ValueError(
@@ -66,7 +68,8 @@ def ddp_step(
     Args:
         params: the parameter pytree; it fixes the structure, shapes, dtypes and devices expected
             of ``grads``.
-        grads: the local gradients, a tree of the same structure (leaves may be ``None``).
+        grads: the local gradients, a tree of the same structure (leaves may be ``None``), or
+            ``None`` for a rank with no gradients at all (one out of data, see :class:`fddp.Join`).
         group: the process group to average over; ``None`` for the default group.
         bucket_cap_mb: the cap of each bucket, in MiB.
         first_bucket_mb: the cap of the first bucket, in MiB.
@@ -100,7 +103,9 @@ def ddp_step(
     paths, p_leaves, p_spec = tree_leaves_with_paths(params, "ddp_step")
     p_specs = tuple(LeafSpec.of(p) for p in p_leaves)
     g_leaves = _check_grads(paths, p_specs, p_spec, grads)
-    check_signature(p_spec, paths, p_specs, group, "ddp_step")
+    # A weight makes bucket 0 one element longer: ranks that disagree on it must not reach the buckets.
+    options = "weight=given" if weight is not None else "weight=none"
+    check_signature(p_spec, paths, p_specs, group, "ddp_step", options=options)
     plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb)
     reducer = Reducer(
         len(plan.buckets),

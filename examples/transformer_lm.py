@@ -41,15 +41,15 @@ SEQ_LEN = PROMPT_LEN + ANSWER_LEN
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="A small transformer LM trained data-parallel with fddp.")
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=64, help="sequences per rank per micro-batch")
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=int, default=100, help="warmup steps")
+    p.add_argument("--warmup", type=int, default=60, help="warmup steps")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="runs/transformer_lm")
     return p.parse_args()

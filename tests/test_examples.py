@@ -1,0 +1,112 @@
+"""Run every example briefly, as a user would (``torchrun``, 2 processes), and check that it trains.
+
+Each run is a real launch: ``python -m torch.distributed.run --standalone --nproc-per-node=2``
+with a handful of steps. The examples write ``metrics.json`` and a PNG into ``--out-dir``; the
+tests read the metrics to check that the loss fell (and, where the example makes a stronger claim,
+that claim) and that the plot file is a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn", reason="the examples need the 'examples' extra: pip install -e '.[examples]'")
+pytest.importorskip("matplotlib", reason="the examples need the 'examples' extra")
+pytest.importorskip("tqdm", reason="the examples need the 'examples' extra")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TIMEOUT_S = 240  # one launch; on 2 shared cores a launch takes seconds, a hang takes forever
+
+
+def launch(script: str, *args: str, nproc: int | None = 2, tmp: Path) -> str:
+    """Run ``examples/<script>`` under torchrun with ``nproc`` processes (plain python when None)."""
+    cmd = [sys.executable]
+    if nproc is not None:
+        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [str(EXAMPLES / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def read_outputs(out_dir: Path) -> dict:
+    png = out_dir / "curves.png"
+    assert png.is_file(), f"no plot at {png}"
+    assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
+    return json.loads((out_dir / "metrics.json").read_text())
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def test_train_digits_trains_and_resumes_to_the_same_numbers(tmp_path: Path) -> None:
+    # An uninterrupted 3-epoch run...
+    out = launch("train_digits.py", "--epochs", "3", "--out-dir", "full", tmp=tmp_path)
+    assert "final test accuracy" in out
+    full = read_outputs(tmp_path / "full")
+    assert full["world_size"] == 2
+    losses = [h["train_loss"] for h in full["history"]]
+    assert len(losses) == 3 and losses[2] < losses[1] < losses[0], losses
+    assert full["history"][-1]["test_acc"] > full["history"][0]["test_acc"]
+
+    # ...and one stopped after epoch 2 (23 steps an epoch: 1437 samples, 32 per rank) then restarted.
+    launch("train_digits.py", "--epochs", "3", "--max-steps", "46", "--out-dir", "resumed", tmp=tmp_path)
+    assert [h["epoch"] for h in read_outputs(tmp_path / "resumed")["history"]] == [1, 2]
+    out = launch("train_digits.py", "--epochs", "3", "--out-dir", "resumed", tmp=tmp_path)
+    assert "resumed from" in out and "epoch 2, step 46" in out, out
+    resumed = read_outputs(tmp_path / "resumed")
+    # Params, optimizer state and data order all come back, so the numbers are the same, exactly.
+    numbers = lambda h: {k: v for k, v in h.items() if k != "samples_per_s"}  # noqa: E731 - timing varies
+    assert [numbers(h) for h in resumed["history"]] == [numbers(h) for h in full["history"]]
+
+
+def test_train_digits_runs_under_plain_python(tmp_path: Path) -> None:
+    out = launch("train_digits.py", "--epochs", "2", "--max-steps", "30", "--out-dir", "one", nproc=None, tmp=tmp_path)
+    assert "training on 1 process(es)" in out
+    history = read_outputs(tmp_path / "one")["history"]
+    assert history[0]["step"] == 23 and history[1]["step"] == 30  # 1437 samples, 64 a batch
+    assert history[1]["train_loss"] < history[0]["train_loss"]
+
+
+def test_transformer_lm_trains(tmp_path: Path) -> None:
+    launch(
+        "transformer_lm.py",
+        *("--steps", "40", "--warmup", "5", "--micro-batch", "32", "--accum", "2", "--eval-every", "40"),
+        *("--out-dir", "lm"),
+        tmp=tmp_path,
+    )
+    m = read_outputs(tmp_path / "lm")
+    assert m["world_size"] == 2 and m["step"] == list(range(1, 41))
+    assert mean(m["loss"][-5:]) < mean(m["loss"][:5]) - 0.2, m["loss"]
+    assert m["lr"][0] == 0.0 and max(m["lr"]) == pytest.approx(3e-3, rel=0.05)  # warmup, then decay
+    assert m["lr"][-1] < max(m["lr"])
+
+
+def test_ensemble_vmap_trains_every_member(tmp_path: Path) -> None:
+    launch("ensemble_vmap.py", "--members", "4", "--epochs", "2", "--out-dir", "ens", tmp=tmp_path)
+    m = read_outputs(tmp_path / "ens")
+    first, last = m["history"][0], m["history"][-1]
+    assert len(last["member_loss"]) == 4
+    assert all(b < a for a, b in zip(first["member_loss"], last["member_loss"])), (first, last)
+    # Different initialisations give different members.
+    assert len(set(first["member_loss"])) == 4
+
+
+def test_port_from_ddp_matches_torch_ddp(tmp_path: Path) -> None:
+    out = launch("port_from_ddp.py", "--epochs", "1", "--out-dir", "port", tmp=tmp_path)
+    assert "largest parameter difference" in out
+    m = read_outputs(tmp_path / "port")
+    assert len(m["ddp_loss"]) == len(m["fddp_loss"]) == 29  # 1797 samples, 2 ranks, 32 per rank
+    assert mean(m["fddp_loss"][-5:]) < mean(m["fddp_loss"][:5])
+    # Same init, same batches, same SGD arithmetic: only float rounding may differ.
+    assert m["fddp_loss"] == pytest.approx(m["ddp_loss"], abs=1e-5)
+    assert m["max_param_diff"] < 1e-5

@@ -252,6 +252,11 @@ class Reducer:
         comm_dtype = self.comm_dtype or flat.dtype
         # Low precision: divide before the sum, which could overflow where the mean does not.
         low = comm_dtype in _LOW_PRECISION
+        scaled = False
+        if self.weight is not None and low and comm_dtype != flat.dtype:
+            # Scale before the cast: one rounding to comm_dtype, not two (w/n is rarely a bf16 number).
+            flat.mul_((self.weight / self.n).to(flat.dtype))
+            scaled = True
         if comm_dtype != flat.dtype:
             flat = flat.to(comm_dtype)
         if self.weight is not None:
@@ -264,7 +269,8 @@ class Reducer:
                 buf[-1] = self.weight
                 self.weight_buf, flat = buf, buf
             else:
-                flat.mul_(w)
+                if not scaled:
+                    flat.mul_(w)
                 if i == 0:  # a low-precision bucket 0 cannot carry the weight exactly: send it alone
                     self.weight_buf = self.weight.reshape(1).to(flat.device)
                     self._issue(self.weight_buf)

@@ -135,14 +135,13 @@ def main() -> None:
     history: dict[str, list] = {"step": [], "loss": [], "lr": [], "eval_step": [], "test_acc": []}
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
-        grads, loss_sum = None, 0.0
-        for _ in range(args.accum):  # no communication here: local sums only
+        acc, loss_sum = fddp.GradAccumulator(), 0.0
+        for _ in range(args.accum):  # a no-sync window: local sums only, no communication
             batch = encode(train[torch.randint(len(train), (args.micro_batch,), generator=data_gen)])
-            g, loss = torch.func.grad_and_value(loss_fn)(params, batch)
-            grads = g if grads is None else optree.tree_map(torch.add, grads, g)
+            grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+            acc = fddp.accumulate_grads(acc, grads)
             loss_sum += loss.item()
-        grads = optree.tree_map(lambda g: g / args.accum, grads)
-        grads = fddp.ddp_step(params, grads)  # one all-reduce per optimizer step
+        grads = fddp.ddp_step(params, acc.mean())  # one all-reduce per optimizer step
         updates, opt_state = opt.update(grads, opt_state, params)
         params = fddp.optim.apply_updates(params, updates)
 

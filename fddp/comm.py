@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
-from fddp.compress import PowerSGD, PowerSGDStep, advance, as_compressor
+from fddp.compress import PowerSGD, PowerSGDStep, advance, as_compressor, check_state
 from fddp.runtime import require_initialized
 
 __all__ = ["MismatchError", "SyncInfo", "Reducer", "check_signature", "tree_leaves_with_paths", "broadcast"]
@@ -233,11 +233,7 @@ class Reducer:
             raise ValueError(f"fddp.{self.what}: weight= cannot be combined with PowerSGD compression")
         if plan is None or len(plan.buckets) != num_buckets:
             raise ValueError(f"fddp.{self.what}: PowerSGD needs the bucket plan of the {num_buckets} buckets (plan=)")
-        if not (isinstance(state, tuple) and hasattr(state, "step") and isinstance(state.step, torch.Tensor)):
-            raise ValueError(
-                f"fddp.{self.what}: PowerSGD needs compression_state= (from PowerSGD.init(params)), got "
-                f"{type(state).__name__}"
-            )
+        state = check_state(config, state, self.what)
         if int(state.step) < config.start_iter:
             self.new_state = advance(state)
         else:

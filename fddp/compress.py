@@ -27,7 +27,7 @@ import torch
 
 from fddp.buckets import BucketPlan
 
-__all__ = ["Cast", "PowerSGD", "PowerSGDState", "as_compressor"]
+__all__ = ["Cast", "PowerSGD", "PowerSGDState", "as_compressor", "check_state", "signature_option"]
 
 _CAST_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MAX_SEED = 1_000_000_000  # torch's PowerSGDState draws Q's seeds as rng.randint(1_000_000_000)
@@ -188,6 +188,37 @@ def as_compressor(compression: Any, what: str) -> Cast | PowerSGD | None:
     raise ValueError(
         f"fddp.{what}: compression must be None, 'bf16', 'fp16', fddp.Cast or fddp.PowerSGD; got {compression!r}"
     )
+
+
+def check_state(config: PowerSGD, state: Any, what: str) -> PowerSGDState:
+    """Return ``state`` if it looks like a :class:`PowerSGDState`, else raise saying what arrived."""
+    if not (isinstance(state, tuple) and len(state) == 4 and isinstance(getattr(state, "step", None), torch.Tensor)):
+        raise ValueError(
+            f"fddp.{what}: compression={config!r} needs compression_state= (from its init(params), "
+            f"then each step's info.compression_state), got {type(state).__name__}"
+        )
+    return state
+
+
+def signature_option(compression: Any, state: Any, what: str) -> str:
+    """Describe what ``compression`` does to the collectives, for the cross-rank signature check.
+
+    Ranks that disagree on the compressor, or on whether PowerSGD compresses this step, would send
+    buffers of different sizes; made part of the signature, the disagreement raises
+    :class:`fddp.MismatchError` on every rank instead. PowerSGD's switch to compressing changes the
+    string once, which costs one extra signature check.
+
+    Example:
+        >>> signature_option("bf16", None, "ddp_step")
+        'compression=torch.bfloat16'
+    """
+    c = as_compressor(compression, what)
+    if c is None:
+        return "compression=none"
+    if isinstance(c, Cast):
+        return f"compression={c.dtype}"
+    compressing = int(check_state(c, state, what).step) >= c.start_iter
+    return f"compression={c!r} compressing={compressing}"
 
 
 # --- the generator of Q's seeds, as a tensor ----------------------------------------------------

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
 from fddp.comm import Reducer, check_signature, tree_leaves_with_paths
-from fddp.compress import Cast, PowerSGD
+from fddp.compress import Cast, PowerSGD, signature_option
 from fddp.runtime import require_initialized
 
 __all__ = ["ddp_step"]
@@ -103,8 +103,11 @@ def ddp_step(
     paths, p_leaves, p_spec = tree_leaves_with_paths(params, "ddp_step")
     p_specs = tuple(LeafSpec.of(p) for p in p_leaves)
     g_leaves = _check_grads(paths, p_specs, p_spec, grads)
-    # A weight makes bucket 0 one element longer: ranks that disagree on it must not reach the buckets.
-    options = "weight=given" if weight is not None else "weight=none"
+    # A weight makes bucket 0 one element longer, and compression changes every bucket: ranks that
+    # disagree on either must not reach the buckets.
+    options = ("weight=given" if weight is not None else "weight=none") + " " + signature_option(
+        compression, compression_state, "ddp_step"
+    )
     check_signature(p_spec, paths, p_specs, group, "ddp_step", options=options)
     plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb)
     reducer = Reducer(

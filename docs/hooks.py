@@ -1,0 +1,114 @@
+"""MkDocs hooks: put the benchmark results into the docs, and tidy Sphinx roles in docstrings.
+
+The benchmark page holds a marker that is replaced at build time by tables made from
+``benchmarks/results/*.json``; the charts next to them (``*.png``) are served from where the
+benchmarks wrote them, so the page always shows the last measured numbers and never a stale copy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from mkdocs.structure.files import File, Files
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+MARKER = "<!-- benchmark-results -->"
+
+# What each mode of benchmarks/step.py runs (its docstring has the same list).
+STEP_MODES = {
+    "floor_torch": "module forward/backward + torch.optim, no communication",
+    "floor_fddp": "`torch.func.grad` + `fddp.optim`, no communication",
+    "ddp": "torch DDP + `torch.optim.SGD` (the reference)",
+    "per_tensor": "`torch.func.grad` + one all-reduce per tensor",
+    "ddp_step": "`torch.func.grad` + `fddp.ddp_step`",
+    "ddp_step_bf16": "the same, buckets sent in bfloat16",
+    "ddp_step_fp16": "the same, buckets sent in float16",
+    "grad_and_value": "`fddp.grad_and_value` (all-reduces overlap the backward pass)",
+    "compiled": "`torch.compile` of `torch.func.grad` + `fddp.ddp_step` + `fddp.optim`",
+}
+
+
+def on_files(files: Files, config: Any) -> Files:
+    for png in sorted(RESULTS.glob("*.png")):
+        files.append(File.generated(config, f"results/{png.name}", abs_src_path=str(png)))
+    return files
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    if MARKER not in markdown:
+        return markdown
+    return markdown.replace(MARKER, "\n\n".join([_step_section(), _optim_section()]))
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    # Docstrings use Sphinx roles (:func:`ddp_step`); Markdown renders them as ":func:" + code.
+    return re.sub(r":(?:func|class|meth|mod|attr|exc|data|obj):(?=<code)", "", html)
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _missing(command: str, what: str) -> str:
+    return f'!!! note "No results yet"\n    Run `{command}` to measure {what}; this page then shows the table and chart.'
+
+
+def _step_section() -> str:
+    command = "torchrun --standalone --nproc-per-node=2 benchmarks/step.py"
+    out = ["## One training step: fddp against torch DDP", f"Command: `{command}`."]
+    data = _load("step.json")
+    if data is None:
+        return "\n\n".join([*out, _missing(command, "a training step in every synchronisation mode")])
+    args = data.get("args", {})
+    out.append(
+        f"{data.get('world_size')} gloo processes on CPU, torch {data.get('torch')}; each cell is the median over "
+        f"{args.get('repeats', '?')} repeats of the mean time of {args.get('steps', '?')} steps (the slowest "
+        "rank's). **× DDP** is the ratio to torch DDP measured in the same run: below 1 is faster."
+    )
+    if (RESULTS / "step.png").is_file():
+        out.append("![Step time relative to torch DDP](results/step.png)")
+    for model, r in data["results"].items():
+        rows = [
+            f"### {model}: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors",
+            "| mode | what runs | median ms | × DDP | collectives | MB sent |",
+            "| --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for mode, d in r["modes"].items():
+            rows.append(
+                f"| `{mode}` | {STEP_MODES.get(mode, '')} | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} "
+                f"| {d['collectives']} | {d['bytes'] / 2**20:.2f} |"
+            )
+        out.append("\n".join(rows))
+    return "\n\n".join(out)
+
+
+def _optim_section() -> str:
+    command = "python benchmarks/optim.py"
+    out = ["## Optimizers: fddp.optim against torch.optim", f"Command: `{command}`."]
+    data = _load("optim.json")
+    if data is None:
+        return "\n\n".join([*out, _missing(command, "the optimizers")])
+    large, ens = data["large"], data["ensemble"]
+    out.append(
+        f"torch {data['torch']}, {data['threads']} threads, medians of {data['repeats']} repeats, "
+        "both sides timed in the same run."
+    )
+    out.append(
+        "\n".join([
+            "| case | median ms | relative to torch |",
+            "| --- | ---: | ---: |",
+            f"| AdamW, {large['tensors']} tensors / {large['values'] / 1e6:.0f}M values: "
+            f"`torch.optim.AdamW(foreach=True).step()` | {large['torch_adamw_foreach_s'] * 1e3:.2f} | 1.00× |",
+            f"| the same with `fddp.optim.adamw`: `update` + `apply_updates` | "
+            f"{large['fddp_update_and_apply_s'] * 1e3:.2f} | {large['ratio_update_and_apply']:.2f}× the time |",
+            f"| ensemble of {ens['models']} small models: a loop of {ens['models']} torch AdamW steps | "
+            f"{ens['torch_loop_s'] * 1e3:.2f} | 1.00× |",
+            f"| the same with one `vmap(opt.update)` + `apply_updates` | {ens['fddp_vmap_s'] * 1e3:.2f} "
+            f"| {ens['speedup']:.2f}× faster |",
+        ])  # fmt: skip
+    )
+    return "\n\n".join(out)

@@ -188,7 +188,9 @@ class Reducer:
         group: the process group.
         what: the public function's name, for error messages.
         weight: this rank's weight (e.g. its number of samples). The result is then
-            ``sum_r w_r g_r / sum_r w_r``, and ``sum_r w_r`` travels in bucket 0's all-reduce.
+            ``sum_r w_r g_r / sum_r w_r``, and ``sum_r w_r`` travels in bucket 0's all-reduce; a
+            half-precision bucket needs it before it is sent (so that it carries ``w_r / W * g_r``,
+            which cannot overflow), and then it travels first, alone, in float64.
         compression: ``None``, ``"bf16"``, ``"fp16"``, a :class:`fddp.Cast` or a :class:`fddp.PowerSGD`.
         check_finite: compute :attr:`SyncInfo.finite`.
         compression_state: PowerSGD's state (from ``PowerSGD.init``); its successor is returned
@@ -217,6 +219,9 @@ class Reducer:
         self.dtypes: list[torch.dtype | None] = [None] * num_buckets
         self.works: list[Any] = []
         self.weight_buf: torch.Tensor | None = None
+        self.weight_work = -1  # index in works of the all-reduce that carries the weight
+        self.wsum: torch.Tensor | None = None  # sum_r w_r, once known
+        self.normalised = [False] * num_buckets  # buckets sent as w_r / W * g_r: no division after
         self.bytes_sent = 0
         self.collectives = 0
         # PowerSGD: `powersgd` drives the compressed steps; before start_iter the buckets take
@@ -248,28 +253,23 @@ class Reducer:
         comm_dtype = self.comm_dtype or flat.dtype
         # Low precision: divide before the sum, which could overflow where the mean does not.
         low = comm_dtype in _LOW_PRECISION
-        scaled = False
-        if self.weight is not None and low and comm_dtype != flat.dtype:
-            # Scale before the cast: one rounding to comm_dtype, not two (w/n is rarely a bf16 number).
-            flat.mul_((self.weight / self.n).to(flat.dtype))
-            scaled = True
+        if self.weight is not None and low:
+            # w_r * g_r / n overflows fp16 where the mean does not (w_r is a sample count, often in the
+            # thousands): learn W = sum_r w_r first, then send w_r / W * g_r, scaled before any cast
+            # (one rounding) by a float64 CPU scalar (kept exact inside the kernel). Its sum is the mean.
+            flat.mul_(self.weight / self._global_weight(flat.device).clamp_min(torch.finfo(torch.float64).tiny))
+            self.normalised[i] = True
         if comm_dtype != flat.dtype:
             flat = flat.to(comm_dtype)
         if self.weight is not None:
-            # Low precision still divides first: send w/n * g; the raw weight travels for the denominator.
-            w = (self.weight / self.n if low else self.weight).to(flat.dtype)
             if i == 0 and not low:
                 # The weight rides in bucket 0's all-reduce: one extra element, no extra collective.
                 buf = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
-                torch.mul(flat, w, out=buf[:-1])
+                torch.mul(flat, self.weight.to(flat.dtype), out=buf[:-1])
                 buf[-1] = self.weight
-                self.weight_buf, flat = buf, buf
-            else:
-                if not scaled:
-                    flat.mul_(w)
-                if i == 0:  # a low-precision bucket 0 cannot carry the weight exactly: send it alone
-                    self.weight_buf = self.weight.reshape(1).to(flat.device)
-                    self._issue(self.weight_buf)
+                self.weight_buf, self.weight_work, flat = buf, len(self.works), buf
+            elif not low:
+                flat.mul_(self.weight.to(flat.dtype))
             if self.weight == 0:
                 # A rank with no data: its gradients may be NaN (a mean over nothing), and 0 * NaN is NaN.
                 (flat[:-1] if flat is self.weight_buf else flat).zero_()
@@ -277,6 +277,22 @@ class Reducer:
             flat.div_(self.n)
         self.sent[i] = flat
         self._issue(flat)
+
+    def _global_weight(self, device: torch.device) -> torch.Tensor:
+        """Return ``sum_r w_r`` as a float64 CPU scalar, waiting for the collective that carries it.
+
+        Half-precision buckets need it before they are sent. If bucket 0 already carries the weight
+        (a float bucket 0, a half-precision later one) that all-reduce is waited for; otherwise
+        the weight travels alone, in float64, once per call.
+        """
+        if self.wsum is None:
+            if self.weight_buf is None:
+                # A copy: reshape/to alias the weight (the caller's tensor, even) on the same device.
+                self.weight_buf, self.weight_work = self.weight.reshape(1).to(device, copy=True), len(self.works)
+                self._issue(self.weight_buf)
+            wait(self.works[self.weight_work], self.what, "the all-reduce of the weights")
+            self.wsum = self.weight_buf[-1].to("cpu", torch.float64)
+        return self.wsum
 
     def _issue(self, t: torch.Tensor) -> None:
         self.works.append(self._start(t))
@@ -308,8 +324,10 @@ class Reducer:
             low = flat.dtype in _LOW_PRECISION
             if flat.dtype != dtype:
                 flat = flat.to(dtype)
-            if wsum is not None:
-                flat = flat.div_((denom / self.n if low else denom).to(dtype))
+            if self.normalised[i]:
+                pass
+            elif wsum is not None:
+                flat = flat.div_(denom.to(dtype))
             elif not low:
                 flat = flat.div_(self.n)
             out.append(flat)

@@ -76,7 +76,10 @@ def ddp_step(
         weight: this rank's weight, usually its local number of samples. The result is then the
             weighted mean ``sum_r w_r g_r / sum_r w_r``: the gradient of the mean loss over the
             global batch even when ranks hold different batch sizes (a rank with weight 0
-            contributes nothing, even NaN). The sum of weights rides in bucket 0's all-reduce.
+            contributes nothing, even NaN). The sum of weights rides in bucket 0's all-reduce (with
+            half-precision buckets it travels first, alone, so that each rank can send
+            ``w_r / W * g_r``, which cannot overflow fp16). ``info.weight`` is that sum, the same
+            on every rank: 0 when no rank had data (see :class:`fddp.Join`).
         compression: ``"bf16"`` or ``"fp16"`` (or :class:`fddp.Cast`) to send buckets in half
             precision (halving the bytes; divided before the sum, as torch's ``fp16_compress_hook``);
             a :class:`fddp.PowerSGD` to send low-rank approximations (requires ``compression_state``

@@ -191,6 +191,27 @@ def rel_error(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.to(ref.dtype) - ref).norm() / ref.norm())
 
 
+def _half_precision_weight_worker():
+    rank = fddp.rank()
+    # fp16: w_r * g_r / n = 2048 * 40 would overflow (65504); the mean of 20 and 60 does not.
+    big = torch.tensor(4096.0, dtype=torch.float64)
+    g = {"a": torch.full((4,), 20.0 + 40 * rank)}
+    fp16 = fddp.ddp_step({"a": torch.zeros(4)}, g, weight=big, compression="fp16")
+    # A float32 bucket 0 carries the weight; the bfloat16 bucket after it must wait for the sum.
+    params = {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2)}
+    g = {"a": torch.full((3,), 4.0 + 4 * rank, dtype=torch.bfloat16), "b": torch.full((2,), 1.0 + rank)}
+    mixed, info = fddp.ddp_step(params, g, weight=1 + 2 * rank, return_info=True)  # w = 1, 3: exact in bf16
+    return fp16, big, mixed, info.collectives
+
+
+def test_half_precision_weighted_paths():
+    for fp16, big, mixed, collectives in run(_half_precision_weight_worker, 2):
+        assert torch.equal(fp16["a"], torch.full((4,), 40.0))
+        assert float(big) == 4096.0  # the caller's weight tensor is not reduced in place
+        assert torch.equal(mixed["a"], torch.full((3,), 7.0, dtype=torch.bfloat16))  # (1*4 + 3*8) / 4
+        assert torch.equal(mixed["b"], torch.full((2,), 1.75)) and collectives == 2  # (1*1 + 3*2) / 4
+
+
 # --- Join: uneven loaders, 3 batches against 7 ----------------------------------------------------
 
 SHARDS = {0: [4, 6, 2], 1: [5, 3, 8, 1, 4, 6, 2]}

@@ -13,6 +13,7 @@ torch costs seconds; a pool that saw an error or a timeout is killed and rebuilt
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -145,6 +146,30 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90
         # Peers of a failed rank may be stuck in a collective: never reuse the group.
         _pools.pop(world_size).close()
         raise
+
+
+@contextlib.contextmanager
+def count_all_reduces():
+    """Count the all-reduces issued through ``torch.distributed.all_reduce`` while the block runs.
+
+    Yields a list that gets one ``(numel, in_backward)`` pair per call; ``in_backward`` says whether
+    the call was made from inside an autograd backward pass.
+    """
+    import torch
+    import torch.distributed as tdist
+
+    calls: list[tuple[int, bool]] = []
+    original = tdist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append((tensor.numel(), torch._C._current_graph_task_id() != -1))
+        return original(tensor, *args, **kwargs)
+
+    tdist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        tdist.all_reduce = original
 
 
 @atexit.register

@@ -1,0 +1,316 @@
+"""One data-parallel training step: torch DDP against fddp's ways of synchronising gradients.
+
+Run with ``torchrun --standalone --nproc-per-node=2 benchmarks/step.py`` (CPU, gloo). Every mode
+trains the same model with SGD (momentum 0.9) on each rank's own batch; modes are interleaved
+within every repeat so they share the machine's noise, and each result is the median over repeats
+of the mean step time (the slowest rank's). Prints a table of ratios against torch DDP measured in
+the same run, writes ``benchmarks/results/step.json`` and draws ``benchmarks/results/step.png``.
+
+Modes:
+    floor_torch       module forward/backward + torch.optim, no communication
+    floor_fddp        torch.func.grad + fddp.optim, no communication
+    ddp               torch DDP + torch.optim.SGD (the reference)
+    per_tensor        torch.func.grad + one all-reduce per tensor + fddp.optim
+    ddp_step          torch.func.grad + fddp.ddp_step + fddp.optim
+    ddp_step_bf16     the same, buckets sent in bfloat16
+    ddp_step_fp16     the same, buckets sent in float16
+    grad_and_value    fddp.grad_and_value (all-reduces overlap backward) + fddp.optim
+    compiled          torch.compile of torch.func.grad + fddp.ddp_step + fddp.optim, one graph
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fddp
+import fddp.optim as fopt
+from fddp.buckets import LeafSpec, make_plan
+
+LR, MOMENTUM = 0.01, 0.9
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class MLP(nn.Module):
+    """8 x (Linear(512) + LayerNorm) and a head: 2.1M values in 34 tensors."""
+
+    def __init__(self, width: int = 512, depth: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.ReLU()) for _ in range(depth)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+class Transformer(nn.Module):
+    """A TransformerEncoder of 8 layers (d=128): 100 parameter tensors."""
+
+    def __init__(self, d: int = 128, layers: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(32, d)
+        layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=4 * d, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+class ConvNet(nn.Module):
+    """Three 3x3 convolutions and a linear head, on 32x32 RGB images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.c3 = nn.Conv2d(3, 32, 3, padding=1), nn.Conv2d(32, 64, 3, padding=1), nn.Conv2d(64, 128, 3, padding=1)
+        self.head = nn.Linear(128 * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for c in (self.c1, self.c2, self.c3):
+            x = torch.max_pool2d(torch.relu(c(x)), 2)
+        return self.head(x.flatten(1))
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "mlp": (MLP, (64, 512)),
+    "transformer": (Transformer, (16, 32, 32)),
+    "conv": (ConvNet, (16, 3, 32, 32)),
+}
+
+
+# ----------------------------------------------------------------------------------------------- modes
+
+
+class Counter:
+    """Counts the all-reduces issued through ``torch.distributed.all_reduce`` and their bytes."""
+
+    def __init__(self) -> None:
+        self.calls, self.bytes = 0, 0
+
+    @contextlib.contextmanager
+    def active(self):
+        original = dist.all_reduce
+
+        def counting(t, *args, **kwargs):
+            self.calls += 1
+            self.bytes += t.numel() * t.element_size()
+            return original(t, *args, **kwargs)
+
+        dist.all_reduce = counting
+        try:
+            yield self
+        finally:
+            dist.all_reduce = original
+
+
+def _loss_fn(apply_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    return lambda p, x, y: F.cross_entropy(apply_fn(p, x), y)
+
+
+def _fddp_update(opt: fopt.GradientTransformation) -> Callable[..., Any]:
+    def update(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return fopt.apply_updates(params, updates), state
+
+    return update
+
+
+def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
+    """Build one closure per mode; each call makes one training step on its own copy of the model."""
+    modes: dict[str, Callable] = {}
+
+    def torch_mode(wrap: bool) -> Callable:
+        m = copy.deepcopy(model)
+        net = nn.parallel.DistributedDataParallel(m) if wrap else m
+        opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+
+        return step
+
+    def fddp_mode(sync: Callable[[Any, Callable, torch.Tensor, torch.Tensor], Any], compile_: bool = False) -> Callable:
+        apply_fn, params = fddp.functionalize(copy.deepcopy(model))
+        loss = _loss_fn(apply_fn)
+        opt = fopt.sgd(LR, momentum=MOMENTUM)
+        update = _fddp_update(opt)
+        box = {"params": {k: v.clone() for k, v in params.items()}}
+        box["state"] = opt.init(box["params"])
+
+        def one(params, state, x, y):
+            return update(params, state, sync(params, loss, x, y))
+
+        fn = torch.compile(one, fullgraph=True) if compile_ else one
+
+        def step(x, y):
+            box["params"], box["state"] = fn(box["params"], box["state"], x, y)
+
+        return step
+
+    def per_tensor(params, loss, x, y):
+        grads = torch.func.grad(loss)(params, x, y)
+        n = dist.get_world_size()
+        works = [dist.all_reduce(g, async_op=True) for g in grads.values()]
+        for w in works:
+            w.wait()
+        return {k: g.div_(n) for k, g in grads.items()}
+
+    grad_fn: dict[str, Callable] = {}
+
+    def overlapped(params, loss, x, y):
+        if "f" not in grad_fn:
+            grad_fn["f"] = fddp.grad(loss)
+        return grad_fn["f"](params, x, y)
+
+    modes["floor_torch"] = torch_mode(wrap=False)
+    modes["floor_fddp"] = fddp_mode(lambda p, loss, x, y: torch.func.grad(loss)(p, x, y))
+    modes["ddp"] = torch_mode(wrap=True)
+    modes["per_tensor"] = fddp_mode(per_tensor)
+    modes["ddp_step"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y)))
+    modes["ddp_step_bf16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="bf16"))
+    modes["ddp_step_fp16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="fp16"))
+    # PowerSGD goes here: modes["ddp_step_powersgd"] = fddp_mode(...)
+    modes["grad_and_value"] = fddp_mode(overlapped)
+    modes["compiled"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y)), compile_=True)
+    return modes
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+
+def comm_of(mode: str, step: Callable, model: nn.Module, batch: tuple) -> tuple[int, int]:
+    """Collectives and bytes one step of ``mode`` sends, from this rank."""
+    plan = make_plan(tuple(LeafSpec.of(p.detach()) for p in model.parameters()))
+    if mode.startswith("floor"):
+        return 0, 0
+    if mode in ("ddp", "compiled"):
+        # DDP's reducer and the compiled graph do not go through dist.all_reduce: count the plan
+        # (DDP assigns buckets by the same rule, tested in tests/test_buckets.py).
+        return len(plan.buckets), plan.nbytes
+    with Counter().active() as c:
+        step(*batch)
+    return c.calls, c.bytes
+
+
+def time_steps(step: Callable, batch: tuple, n: int) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step(*batch)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / n])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def bench_model(name: str, repeats: int, steps: int, warmup: int) -> dict[str, Any]:
+    ctor, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = ctor()
+    g = torch.Generator().manual_seed(1 + fddp.rank())
+    batch = (torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g))
+    modes = make_modes(model)
+    for step in modes.values():  # warm up (and compile) every mode before timing any
+        for _ in range(warmup):
+            step(*batch)
+    comm = {m: comm_of(m, s, model, batch) for m, s in modes.items()}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(repeats):
+        order = list(modes) if r % 2 == 0 else list(reversed(modes))  # interleave, alternate order
+        for m in order:
+            times[m].append(time_steps(modes[m], batch, steps))
+    med = {m: statistics.median(ts) for m, ts in times.items()}
+    n_params = sum(p.numel() for p in model.parameters())
+    return {
+        "values": n_params,
+        "tensors": len(list(model.parameters())),
+        "modes": {
+            m: {
+                "median_ms": 1e3 * med[m],
+                "all_ms": [1e3 * t for t in times[m]],
+                "ratio_to_ddp": med[m] / med["ddp"],
+                "collectives": comm[m][0],
+                "bytes": comm[m][1],
+            }
+            for m in modes
+        },
+    }
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    lines = [f"world size {dist.get_world_size()}, {args.repeats} repeats x {args.steps} steps, torch {torch.__version__}"]
+    for name, r in results.items():
+        mds = r["modes"]
+        lines.append(f"\n{name}: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors")
+        lines.append(f"  {'mode':<16}{'median ms':>10}{'x DDP':>8}{'comm ms':>9}{'colls':>7}{'MB sent':>9}")
+        for m, d in mds.items():
+            floor = mds["floor_torch" if m == "ddp" else "floor_fddp"]["median_ms"]
+            overhead = "" if m.startswith("floor") else f"{d['median_ms'] - floor:9.1f}"
+            lines.append(
+                f"  {m:<16}{d['median_ms']:10.1f}{d['ratio_to_ddp']:8.2f}{overhead:>9}{d['collectives']:7d}{d['bytes'] / 2**20:9.2f}"
+            )
+    lines.append("\ncomm ms = median step minus the no-communication floor (torch's for ddp, fddp's for the rest)")
+    print("\n".join(lines))
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    modes = list(results[names[0]]["modes"])
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(modes)
+    for j, m in enumerate(modes):
+        ys = [results[n]["modes"][m]["ratio_to_ddp"] for n in names]
+        ax.bar([i + j * width for i in range(len(names))], ys, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_ylabel("median step time / torch DDP")
+    ax.set_title(f"One training step, {dist.get_world_size()} gloo ranks on CPU (lower is better)")
+    ax.legend(ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # 2 ranks share 2 cores, for DDP and fddp alike
+    fddp.init()
+    results = {}
+    for name in args.models:
+        results[name] = bench_model(name, args.repeats, args.steps, args.warmup)
+    if fddp.is_main():
+        report(results, args)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump({"world_size": dist.get_world_size(), "torch": torch.__version__, "args": vars(args), "results": results}, f, indent=1)
+        plot(results, args.out + ".png")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

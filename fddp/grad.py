@@ -1,0 +1,278 @@
+"""``grad`` and ``grad_and_value``: torch.func's gradient transforms, averaged over the ranks.
+
+Each bucket's all-reduce starts from inside the backward pass, as soon as that bucket's gradient
+exists, and is waited on only at the end, so communication overlaps the rest of the backward pass
+(as torch DDP's does). The arithmetic is :class:`fddp.comm.Reducer`'s, the one ``ddp_step`` uses,
+so ``fddp.grad(fn)(params, ...)`` equals ``fddp.ddp_step(params, torch.func.grad(fn)(params, ...))``
+bit for bit.
+
+How: the differentiated leaves are laid out in the bucket plan's flat buffers (no copy when they
+already are views of such buffers, e.g. the gradients of the previous call or the output of
+:func:`flat_views`), the flat buffers are the inputs autograd differentiates, and ``fn`` sees the
+leaves as views (``split`` + ``view``) of them. The gradient of a flat buffer is one tensor,
+produced when the last of its leaves' gradients is, and a hook on the buffer launches its
+all-reduce. Buckets are launched in plan order on every rank (a bucket that is ready early waits
+for its predecessors), so ranks whose backward passes visit parameters in different orders still
+issue the same sequence of collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
+from fddp.comm import Reducer, SyncInfo, check_signature, tree_leaves_with_paths
+from fddp.runtime import require_initialized
+
+__all__ = ["grad", "grad_and_value", "flat_views"]
+
+ArgNums = int | tuple[int, ...]
+
+
+def grad_and_value(
+    fn: Callable[..., Any],
+    argnums: ArgNums = 0,
+    has_aux: bool = False,
+    *,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    weight: float | torch.Tensor | None = None,
+    compression: str | None = None,
+    check_finite: bool = False,
+    return_info: bool = False,
+) -> Callable[..., Any]:
+    """Return a function computing the rank-averaged gradient of ``fn`` and ``fn``'s value.
+
+    The signature and results are those of :func:`torch.func.grad_and_value`, except that the
+    gradients are already averaged over the ranks of ``group``, exactly as
+    ``fddp.ddp_step(args[argnums], torch.func.grad(fn, argnums)(*args), ...)`` averages them. The
+    all-reduces overlap the backward pass: each bucket's starts as soon as its gradients exist.
+
+    Every rank must call the returned function with trees of the same signature (checked once per
+    signature; a difference raises :class:`fddp.MismatchError` on every rank). A differentiated
+    leaf that ``fn`` does not use gets a zero gradient, and its bucket is still sent, so ranks that
+    use different parameters do not hang.
+
+    The returned gradients are views into a few flat buffers; so are the leaves of the trees that
+    :func:`flat_views` makes. Passing parameters laid out that way skips the one copy per bucket
+    that packs them otherwise.
+
+    Args:
+        fn: the function to differentiate; it must return a scalar tensor (or ``(scalar, aux)``
+            with ``has_aux``).
+        argnums: which positional argument(s) to differentiate with respect to: an int, or a
+            tuple of ints (the gradients are then a tuple of trees).
+        has_aux: ``fn`` returns ``(loss, aux)``; ``aux`` is returned alongside, not differentiated.
+        group: the process group to average over; ``None`` for the default group.
+        bucket_cap_mb: the cap of each bucket, in MiB.
+        first_bucket_mb: the cap of the first bucket, in MiB.
+        weight: this rank's weight (its sample count): the gradients are then the weighted mean,
+            as in :func:`fddp.ddp_step`.
+        compression: ``"bf16"`` or ``"fp16"`` to send buckets in half precision, as in
+            :func:`fddp.ddp_step`.
+        check_finite: compute ``info.finite`` (requires ``return_info``).
+        return_info: also return a :class:`fddp.SyncInfo`, as the last element.
+
+    Returns:
+        A function of ``fn``'s arguments returning ``(grads, value)``, where ``value`` is ``fn``'s
+        output (``(loss, aux)`` with ``has_aux``), detached; with ``return_info``,
+        ``(grads, value, info)``.
+
+    Example:
+        >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
+        >>> loss_fn = lambda p, x: apply_fn(p, x).pow(2).mean()
+        >>> grads, loss = fddp.grad_and_value(loss_fn)(params, torch.randn(8, 4))
+    """
+    nums = _check_argnums(argnums, "grad_and_value")
+    options = dict(weight=weight, compression=compression, check_finite=check_finite)
+
+    @functools.wraps(fn)
+    def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
+        grads, value, info = _grad_and_value(
+            fn, nums, argnums, has_aux, args, kwargs, group, bucket_cap_mb, first_bucket_mb, options, "grad_and_value"
+        )
+        return (grads, value, info) if return_info else (grads, value)
+
+    return grad_and_value_fn
+
+
+def grad(
+    fn: Callable[..., Any],
+    argnums: ArgNums = 0,
+    has_aux: bool = False,
+    *,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    weight: float | torch.Tensor | None = None,
+    compression: str | None = None,
+    check_finite: bool = False,
+    return_info: bool = False,
+) -> Callable[..., Any]:
+    """Return a function computing the rank-averaged gradient of ``fn``, as :func:`torch.func.grad`.
+
+    The same as :func:`grad_and_value` without the value: the returned function gives ``grads``,
+    ``(grads, aux)`` with ``has_aux``, and appends a :class:`fddp.SyncInfo` with ``return_info``.
+
+    Example:
+        >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
+        >>> grads = fddp.grad(lambda p, x: apply_fn(p, x).pow(2).mean())(params, torch.randn(8, 4))
+    """
+    nums = _check_argnums(argnums, "grad")
+    options = dict(weight=weight, compression=compression, check_finite=check_finite)
+
+    @functools.wraps(fn)
+    def grad_fn(*args: Any, **kwargs: Any) -> Any:
+        grads, value, info = _grad_and_value(
+            fn, nums, argnums, has_aux, args, kwargs, group, bucket_cap_mb, first_bucket_mb, options, "grad"
+        )
+        out = (grads, value[1]) if has_aux else (grads,)
+        out += (info,) if return_info else ()
+        return out if len(out) > 1 else out[0]
+
+    return grad_fn
+
+
+def flat_views(tree: Any, /, *, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Any:
+    """Return a copy of ``tree`` whose leaves are views into one flat buffer per bucket.
+
+    The layout is the bucket plan :func:`grad_and_value` uses with the same caps, so parameters
+    kept this way (and updated out of place with ``torch.add(flat, ..., out=...)`` or rebuilt with
+    this function) are differentiated without being packed again. Plain data: the values are
+    copied once, and the returned tree is an ordinary pytree of tensors.
+
+    Example:
+        >>> params = fddp.flat_views(params)
+        >>> grads, loss = fddp.grad_and_value(loss_fn)(params, x)  # no packing copy
+    """
+    _, leaves, spec = tree_leaves_with_paths(tree, "flat_views")
+    plan = make_plan(tuple(LeafSpec.of(t) for t in leaves), bucket_cap_mb, first_bucket_mb)
+    return optree.tree_unflatten(spec, unflatten(plan, flatten(plan, [t.detach() for t in leaves])))
+
+
+def _check_argnums(argnums: Any, what: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if (
+        not isinstance(nums, tuple)
+        or not nums
+        or not all(isinstance(a, int) and not isinstance(a, bool) for a in nums)
+        or len(set(nums)) != len(nums)
+    ):
+        raise TypeError(f"fddp.{what}: argnums must be an int or a non-empty tuple of distinct ints, got {argnums!r}")
+    return nums
+
+
+def _packed(plan: BucketPlan, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The plan's flat buffers holding ``leaves``: the leaves' own storage when they are laid out
+    exactly as the plan's views already, otherwise one new buffer per bucket (one copy)."""
+    flats = []
+    for b in plan.buckets:
+        first = leaves[b.indices[0]]
+        storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
+        offset = start
+        for i, n in zip(b.indices, b.numels):
+            t = leaves[i]
+            if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset or not t.is_contiguous():
+                return flatten(plan, [t.detach() for t in leaves])
+            offset += n
+        if offset * first.element_size() > first.untyped_storage().nbytes():  # pragma: no cover - defensive
+            return flatten(plan, [t.detach() for t in leaves])
+        flats.append(first.detach().as_strided((b.numel,), (1,), start))
+    return flats
+
+
+class _InOrder:
+    """Launch bucket gradients as they arrive, but always in plan order, so every rank issues the
+    same sequence of collectives whatever order its backward pass produced them in."""
+
+    def __init__(self, reducer: Reducer, plan: BucketPlan) -> None:
+        self.reducer, self.plan = reducer, plan
+        self.ready: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.next = 0
+
+    def arrive(self, i: int, g: torch.Tensor) -> None:
+        self.ready[i] = g
+        while self.next < len(self.ready) and self.ready[self.next] is not None:
+            self.reducer.launch(self.next, self.ready[self.next])
+            self.ready[self.next] = None
+            self.next += 1
+
+    def flush(self) -> None:
+        """Send zeros for the buckets whose gradient never arrived (their leaves were unused)."""
+        for i in range(self.next, len(self.ready)):
+            if self.ready[i] is None:
+                b = self.plan.buckets[i]
+                self.ready[i] = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+        if self.next < len(self.ready):
+            self.arrive(self.next, self.ready[self.next])
+
+
+def _grad_and_value(
+    fn: Callable[..., Any],
+    nums: tuple[int, ...],
+    argnums: ArgNums,
+    has_aux: bool,
+    args: tuple,
+    kwargs: dict,
+    group: dist.ProcessGroup | None,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
+    options: dict,
+    what: str,
+) -> tuple[Any, Any, SyncInfo]:
+    require_initialized(what)
+    for a in nums:
+        if not -len(args) <= a < len(args):
+            raise ValueError(f"fddp.{what}: argnums {argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments")
+    tree = args[nums[0]] if isinstance(argnums, int) else tuple(args[a] for a in nums)
+    paths, leaves, spec = tree_leaves_with_paths(tree, what)
+    for path, t in zip(paths, leaves):
+        if not (t.is_floating_point() or t.is_complex()):
+            raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {path!r} is {t.dtype}")
+    specs = tuple(LeafSpec.of(t) for t in leaves)
+    # The same options string as ddp_step's: a weight makes bucket 0 one element longer.
+    check_signature(spec, paths, specs, group, what, options="weight=given" if options["weight"] is not None else "weight=none")
+    plan = make_plan(specs, bucket_cap_mb, first_bucket_mb)
+
+    inputs = [f.detach().requires_grad_() for f in _packed(plan, leaves)]
+    reducer = Reducer(len(plan.buckets), group, what, plan=plan, **options)
+    order = _InOrder(reducer, plan)
+    for i, x in enumerate(inputs):
+        # The flat buffer feeds only its `split`, so its gradient is one fresh tensor (the `cat`
+        # of its leaves' gradients), produced once every leaf's gradient exists.
+        x.register_hook(functools.partial(order.arrive, i))
+    views = optree.tree_unflatten(spec, unflatten(plan, inputs))
+    call_args = list(args)
+    if isinstance(argnums, int):
+        call_args[nums[0]] = views
+    else:
+        for a, v in zip(nums, views):
+            call_args[a] = v
+
+    with torch.enable_grad():
+        out = fn(*call_args, **kwargs)
+        loss = _loss_of(out, has_aux, what)
+        if loss.requires_grad:
+            torch.autograd.grad(loss, inputs, allow_unused=True)
+    order.flush()
+    flats, info = reducer.finish()
+    grads = optree.tree_unflatten(spec, unflatten(plan, flats))
+    value = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+    return grads, value, info
+
+
+def _loss_of(out: Any, has_aux: bool, what: str) -> torch.Tensor:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"fddp.{what}(fn, has_aux=True): fn must return a (loss, aux) tuple, got {type(out).__name__}")
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"fddp.{what}: fn must return a scalar tensor (the loss), got {got}")
+    return out

@@ -18,6 +18,7 @@ from fddp.accumulation import GradAccumulator, accumulate_grads
 from fddp.buffers import sync_buffers
 from fddp.comm import MismatchError, SyncInfo, broadcast
 from fddp.compress import Cast, PowerSGD, PowerSGDState
+from fddp.grad import grad, grad_and_value
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers
 from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
@@ -38,6 +39,8 @@ __all__ = [
     "device",
     "functionalize",
     "functionalize_with_buffers",
+    "grad",
+    "grad_and_value",
     "init",
     "is_initialized",
     "is_main",

@@ -167,6 +167,10 @@ class SyncInfo(NamedTuple):
         collectives: the number of collectives issued.
         compression_state: with a stateful compressor (:class:`fddp.PowerSGD`), its state after
             this step, to pass as ``compression_state=`` next time; ``None`` otherwise.
+
+    Example:
+        >>> grads, info = fddp.ddp_step(params, grads, check_finite=True, return_info=True)
+        >>> skip = not info.finite  # the same verdict on every rank
     """
 
     finite: torch.Tensor | None

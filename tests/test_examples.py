@@ -16,10 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sklearn", reason="the examples need the 'examples' extra: pip install -e '.[examples]'")
-pytest.importorskip("matplotlib", reason="the examples need the 'examples' extra")
-pytest.importorskip("tqdm", reason="the examples need the 'examples' extra")
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TIMEOUT_S = 240  # one launch; on 2 shared cores a launch takes seconds, a hang takes forever

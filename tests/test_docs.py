@@ -1,0 +1,83 @@
+"""Keep the docs true to the code: docstrings carry examples, the README's loop runs and trains."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import fddp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _public(module: types.ModuleType) -> list[tuple[str, object]]:
+    return [(f"{module.__name__}.{name}", getattr(module, name)) for name in module.__all__]
+
+
+def _documented_objects() -> list[tuple[str, object]]:
+    """Every public function and class of fddp, fddp.optim and fddp.checkpoint."""
+    out = []
+    for module in (fddp, fddp.optim, fddp.checkpoint):
+        for name, obj in _public(module):
+            if inspect.isfunction(obj) or inspect.isclass(obj):
+                out.append((name, obj))
+    return out
+
+
+@pytest.mark.parametrize("name,obj", _documented_objects(), ids=lambda x: x if isinstance(x, str) else "")
+def test_public_api_has_docstring_with_example(name: str, obj: object) -> None:
+    doc = inspect.getdoc(obj)
+    assert doc, f"{name} has no docstring"
+    if inspect.isclass(obj) and (issubclass(obj, Exception) or _is_state_record(obj)):
+        return  # an exception or an optimizer/compressor state record: described, not called
+    assert re.search(r"^Example:$", doc, re.MULTILINE), f"{name}'s docstring has no 'Example:' section"
+
+
+def _is_state_record(cls: type) -> bool:
+    """A NamedTuple whose name ends in State (SGDState, AdamState, ...): plain data, made by init."""
+    return issubclass(cls, tuple) and hasattr(cls, "_fields") and cls.__name__.endswith("State")
+
+
+def _python_block(path: Path) -> str:
+    text = path.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    loops = [b for b in blocks if "fddp.init()" in b and "for epoch in" in b]
+    assert len(loops) == 1, f"{path}: expected one complete training loop, found {len(loops)}"
+    return loops[0]
+
+
+def test_readme_loop_is_the_docs_loop() -> None:
+    assert _python_block(ROOT / "README.md") == _python_block(ROOT / "docs" / "index.md")
+
+
+def test_readme_loop_trains(tmp_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(_python_block(ROOT / "README.md"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # torchrun's variables, if the suite itself runs under torchrun, would make this a rank of that job.
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    losses = [float(m) for m in re.findall(r"epoch \d+: loss ([0-9.]+)", proc.stdout)]
+    assert len(losses) == 10, proc.stdout
+    assert losses[-1] < losses[0] / 4, losses
+
+
+def test_readme_commands_are_the_quickstart_commands() -> None:
+    def commands(path: Path) -> list[str]:
+        return re.findall(r"^python -m venv .*$", path.read_text(), re.MULTILINE)
+
+    readme = commands(ROOT / "README.md")
+    assert len(readme) == 2 and "torchrun --standalone --nproc-per-node=2" in readme[0]
+    assert readme[1].endswith("python -m pytest -q")
+    assert commands(ROOT / "docs" / "quickstart.md") == readme
+    # CI runs the README's test command.
+    assert "\npython -m pytest -q\n" in (ROOT / ".ci" / "run").read_text()

@@ -7,6 +7,7 @@ import copy
 import os
 import tempfile
 
+import optree
 import pytest
 import torch
 import torch.distributed as tdist
@@ -252,3 +253,171 @@ def test_powersgd_equals_torch_powersgd_hook(name, driver, config, cap):
                 assert len(plan_layout) < row["collectives"] <= 3 * len(plan_layout)
             else:
                 assert sent == 4 * n_params and row["collectives"] == len(plan_layout)
+
+
+# --- PowerSGD training a digits classifier: accuracy, bytes, checkpoint and resume ------------
+
+
+def digits_data() -> tuple[torch.Tensor, ...]:
+    """scikit-learn's bundled 8x8 digits (1797 images, 10 classes): 1437 to train, 360 to test."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    return x[perm[360:]], y[perm[360:]], x[perm[:360]], y[perm[:360]]
+
+
+def _train(apply_fn, params, opt, opt_state, ps, ps_state, data, steps: range, batch: int = 64):
+    """SGD steps on global batches of ``batch`` images, each rank taking every world-th one."""
+    xtr, ytr = data[:2]
+    rank, world = fddp.rank(), fddp.world_size()
+    sent = []
+    for step in steps:
+        idx = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(step))[:batch][rank::world]
+        grads = _loss_grads(apply_fn, params, xtr[idx], ytr[idx])
+        grads, info = fddp.ddp_step(params, grads, compression=ps, compression_state=ps_state, return_info=True)
+        ps_state = info.compression_state
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = fddp.optim.apply_updates(params, updates)
+        sent.append((info.bytes_sent, info.collectives))
+    return params, opt_state, ps_state, sent
+
+
+def _accuracy(apply_fn, params, data) -> float:
+    with torch.no_grad():
+        return (apply_fn(params, data[2]).argmax(1) == data[3]).float().mean().item()
+
+
+def _digits_worker(steps: int):
+    data = digits_data()
+    apply_fn, params = fddp.functionalize(digits_mlp())
+    opt = fddp.optim.sgd(lr=0.1, momentum=0.9)
+    out = {}
+    for label, ps in [("none", None), ("powersgd", fddp.PowerSGD(rank=2, start_iter=10))]:
+        ps_state = None if ps is None else ps.init(params)
+        final, _, ps_state, sent = _train(apply_fn, params, opt, opt.init(params), ps, ps_state, data, range(steps))
+        out[label] = dict(accuracy=_accuracy(apply_fn, final, data), sent=sent, params=final)
+    return out
+
+
+def test_powersgd_rank2_trains_digits_as_well_with_a_tenth_of_the_bytes():
+    steps = 300
+    outs = run(_digits_worker, 2, steps, timeout=120)
+    # The analytic payload of one step, float32. Uncompressed: every value. PowerSGD rank 2:
+    # 64x64 weights send (64 + 64) * 2 values each; the 10x64 head (10 + 64) * 2, since
+    # (10 + 64) * 2 * min_compression_rate(2) < 640; the biases travel uncompressed.
+    plain = 4 * (64 * 64 + 64 + 64 * 64 + 64 + 10 * 64 + 10)
+    compressed = 4 * (2 * (64 + 64) * 2 + (10 + 64) * 2 + 64 + 64 + 10)
+    print(f"\ndigits MLP, bytes per step: uncompressed {plain}, PowerSGD rank 2 {compressed}, factor {plain / compressed:.2f}")
+    for out in outs:
+        assert out["none"]["sent"] == [(plain, 1)] * steps
+        assert out["powersgd"]["sent"] == [(plain, 1)] * 10 + [(compressed, 3)] * (steps - 10)
+    acc = {k: outs[0][k]["accuracy"] for k in ("none", "powersgd")}
+    print(f"test accuracy after {steps} steps: uncompressed {acc['none']:.4f}, PowerSGD rank 2 {acc['powersgd']:.4f}")
+    assert acc["none"] > 0.9  # a classifier that learned, so the comparison means something
+    assert abs(acc["powersgd"] - acc["none"]) <= 0.01, acc
+    for k in outs[0]["powersgd"]["params"]:
+        assert torch.equal(outs[0]["powersgd"]["params"][k], outs[1]["powersgd"]["params"][k]), "replicas differ"
+        assert not torch.equal(outs[0]["powersgd"]["params"][k], outs[0]["none"]["params"][k])
+
+
+def _resume_worker(directory: str, first: int, more: int):
+    data = digits_data()
+    apply_fn, params = fddp.functionalize(digits_mlp())
+    opt = fddp.optim.sgd(lr=0.1, momentum=0.9)
+    ps = fddp.PowerSGD(rank=2, start_iter=5)
+    params, opt_state, ps_state, _ = _train(apply_fn, params, opt, opt.init(params), ps, ps.init(params), data, range(first))
+    # Error-feedback residuals differ between ranks, so every rank saves its own state: a group of
+    # one makes each rank the writer of its file.
+    own, _ = tdist.new_subgroups(group_size=1)
+    path = os.path.join(directory, f"rank{fddp.rank()}.pt")
+    tree = {"params": params, "opt": opt_state, "powersgd": ps_state}
+    ckpt.save(path, tree, group=own)
+    saved = copy.deepcopy(tree)
+    cont = _train(apply_fn, params, opt, opt_state, ps, ps_state, data, range(first, first + more))[:3]
+    assert _tree_equal(tree, saved), "training modified the state it was given"
+    loaded = ckpt.load(path, like=tree)
+    resumed = _train(apply_fn, loaded["params"], opt, loaded["opt"], ps, loaded["powersgd"], data, range(first, first + more))[:3]
+    return cont, resumed, ps_state
+
+
+def _tree_equal(a, b) -> bool:
+    la, sa = optree.tree_flatten(a, none_is_leaf=True)
+    lb, sb = optree.tree_flatten(b, none_is_leaf=True)
+    return sa == sb and all((x is None and y is None) or torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def test_powersgd_state_checkpoints_and_training_resumes_bitwise():
+    with tempfile.TemporaryDirectory() as d:
+        outs = run(_resume_worker, 2, d, 12, 8)
+    for cont, resumed, _ in outs:
+        assert _tree_equal(cont, resumed)
+    err0, err1 = (optree.tree_leaves(o[2].error) for o in outs)
+    assert any(not torch.equal(a, b) for a, b in zip(err0, err1)), "residuals are per rank"
+    assert int(outs[0][0][2].step) == 20
+
+
+# --- the API: pure, validated, and the same compression decision as torch's --------------------
+
+
+def test_compressed_shapes_follow_torch_should_compress():
+    shapes = [(64, 64), (10, 64), (4, 128), (6, 1, 3, 3), (8, 6, 3, 3), (64,), (3, 3), (1, 100), (100, 1)]
+    for rank in (1, 2, 4):
+        for rate in (0.5, 2.0):
+            ps = fddp.PowerSGD(rank=rank, min_compression_rate=rate)
+            for shape in shapes:
+                n, m = shape[0], torch.Size(shape[1:]).numel()
+                r = min(n, m, rank)
+                compress, _, _ = powerSGD_hook._should_compress(n, m, r, rate)
+                assert (ps.compressed_shape(shape) is not None) == compress, (shape, rank, rate)
+                assert ps.compressed_shape(shape) in (None, (n, m, r))
+    assert fddp.PowerSGD().compressed_shape(()) is None  # a scalar travels uncompressed
+
+
+def _api_worker():
+    params = {"w": torch.zeros(16, 8), "b": torch.zeros(16)}
+    g = torch.Generator().manual_seed(fddp.rank())
+    grads = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(16, generator=g)}
+    ps = fddp.PowerSGD(rank=1, start_iter=0)
+    state = ps.init(params)
+    before = copy.deepcopy((grads, state))
+    _, info = fddp.ddp_step(params, grads, compression=ps, compression_state=state, return_info=True)
+    _, info = fddp.ddp_step(params, grads, compression=ps, compression_state=info.compression_state, return_info=True)
+    pure = _tree_equal((grads, state), before)
+    errors = {}
+    calls = {
+        "no_info": dict(compression=ps, compression_state=state),
+        "no_state": dict(compression=ps, return_info=True),
+        "weight": dict(compression=ps, compression_state=state, weight=3.0, return_info=True),
+        "state_without_powersgd": dict(compression="bf16", compression_state=state),
+        "unknown": dict(compression="int8"),
+        "other_params": dict(compression=ps, compression_state=ps.init({"w": torch.zeros(8, 16), "b": torch.zeros(16)}), return_info=True),
+    }
+    for name, kwargs in calls.items():
+        try:
+            fddp.ddp_step(params, grads, **kwargs)
+        except ValueError as e:
+            errors[name] = str(e)
+    return pure, info, errors
+
+
+def test_powersgd_step_is_pure_and_bad_calls_raise():
+    for pure, info, errors in run(_api_worker, 2):
+        assert pure, "ddp_step modified its grads or the PowerSGD state it was given"
+        assert int(info.compression_state.step) == 2 and info.compression_state.q["b"] is None
+        assert info.compression_state.q["w"].shape == (8, 1)
+        assert info.bytes_sent == 4 * (16 + (16 + 8)) and info.collectives == 3
+        expected = {
+            "no_info": ["return_info=True"],
+            "no_state": ["compression_state=", "NoneType"],
+            "weight": ["weight="],
+            "state_without_powersgd": ["compression_state", "bf16"],
+            "unknown": ["'int8'", "fddp.PowerSGD"],
+            "other_params": ["'w'", "(16, 8)", "(8, 16)"],
+        }
+        for name, parts in expected.items():
+            assert name in errors, f"{name}: no ValueError"
+            for part in parts:
+                assert part in errors[name], (name, part, errors[name])

@@ -6,9 +6,9 @@ exists, and is waited on only at the end, so communication overlaps the rest of 
 so ``fddp.grad(fn)(params, ...)`` equals ``fddp.ddp_step(params, torch.func.grad(fn)(params, ...))``
 bit for bit.
 
-How: the differentiated leaves are laid out in the bucket plan's flat buffers (no copy when they
-already are views of such buffers, e.g. the gradients of the previous call or the output of
-:func:`flat_views`), the flat buffers are the inputs autograd differentiates, and ``fn`` sees the
+How: the differentiated leaves are laid out in the bucket plan's flat buffers (one copy per
+bucket; none when they already are views laid out that way, as the returned gradients are), the
+flat buffers are the inputs autograd differentiates, and ``fn`` sees the
 leaves as views (``split`` + ``view``) of them. The gradient of a flat buffer is one tensor,
 produced when the last of its leaves' gradients is, and a hook on the buffer launches its
 all-reduce. Buckets are launched in plan order on every rank (a bucket that is ready early waits
@@ -29,7 +29,7 @@ from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
 from fddp.comm import Reducer, SyncInfo, check_signature, tree_leaves_with_paths
 from fddp.runtime import require_initialized
 
-__all__ = ["grad", "grad_and_value", "flat_views"]
+__all__ = ["grad", "grad_and_value"]
 
 ArgNums = int | tuple[int, ...]
 
@@ -59,9 +59,11 @@ def grad_and_value(
     leaf that ``fn`` does not use gets a zero gradient, and its bucket is still sent, so ranks that
     use different parameters do not hang.
 
-    The returned gradients are views into a few flat buffers; so are the leaves of the trees that
-    :func:`flat_views` makes. Passing parameters laid out that way skips the one copy per bucket
-    that packs them otherwise.
+    The returned gradients are views into one flat buffer per bucket. Leaves laid out that way
+    are differentiated in place; others are packed into new buffers (one copy per bucket).
+    Differentiation uses :func:`torch.autograd.grad` on those buffers, so ``fn`` must be
+    differentiable by autograd (as for :func:`torch.func.grad`), and this cannot be nested inside
+    other ``torch.func`` transforms.
 
     Args:
         fn: the function to differentiate; it must return a scalar tensor (or ``(scalar, aux)``
@@ -137,23 +139,6 @@ def grad(
         return out if len(out) > 1 else out[0]
 
     return grad_fn
-
-
-def flat_views(tree: Any, /, *, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Any:
-    """Return a copy of ``tree`` whose leaves are views into one flat buffer per bucket.
-
-    The layout is the bucket plan :func:`grad_and_value` uses with the same caps, so parameters
-    kept this way (and updated out of place with ``torch.add(flat, ..., out=...)`` or rebuilt with
-    this function) are differentiated without being packed again. Plain data: the values are
-    copied once, and the returned tree is an ordinary pytree of tensors.
-
-    Example:
-        >>> params = fddp.flat_views(params)
-        >>> grads, loss = fddp.grad_and_value(loss_fn)(params, x)  # no packing copy
-    """
-    _, leaves, spec = tree_leaves_with_paths(tree, "flat_views")
-    plan = make_plan(tuple(LeafSpec.of(t) for t in leaves), bucket_cap_mb, first_bucket_mb)
-    return optree.tree_unflatten(spec, unflatten(plan, flatten(plan, [t.detach() for t in leaves])))
 
 
 def _check_argnums(argnums: Any, what: str) -> tuple[int, ...]:

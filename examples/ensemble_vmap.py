@@ -4,10 +4,10 @@
 
 ``--members`` MLPs with different initialisations are stacked into one parameter tree
 (``torch.func.stack_module_state``: every leaf gains a leading member dimension) and trained as
-one: ``vmap`` runs every member on the same batch, one ``ddp_step`` averages the whole ensemble's
-gradients over the ranks in a few fused all-reduces, and ``vmap(opt.update)`` gives each member its
-own optimizer step, including its own gradient clipping. torch DDP cannot do this: its hooks live
-on ``nn.Module`` parameters and torch.func transforms do not see them.
+one: ``vmap`` runs every member on the same batch, one ``fddp.grad_and_value`` averages the whole
+ensemble's gradients over the ranks in a few fused all-reduces, and ``vmap(opt.update)`` gives
+each member its own optimizer step, including its own gradient clipping. torch DDP cannot do
+this: its hooks live on ``nn.Module`` parameters and torch.func transforms do not see them.
 
 Data: scikit-learn's bundled digits, sharded over the ranks with ``DistributedSampler``.
 Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
-from torch.func import grad_and_value, stack_module_state, vmap
+from torch.func import stack_module_state, vmap
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fddp
@@ -85,8 +85,8 @@ def main() -> None:
         sampler.set_epoch(epoch)
         loss_sum, batches = torch.zeros(args.members), 0
         for xb, yb in loader:
-            grads, (_, losses) = grad_and_value(loss_fn, has_aux=True)(params, xb, yb)
-            grads = fddp.ddp_step(params, grads)  # the whole ensemble in one fused all-reduce
+            # The whole ensemble's gradients, averaged over the ranks in a few fused all-reduces.
+            grads, (_, losses) = fddp.grad_and_value(loss_fn, has_aux=True)(params, xb, yb)
             updates, opt_state = update(grads, opt_state, params)
             params = fddp.optim.apply_updates(params, updates)
             loss_sum += losses.detach()

@@ -69,8 +69,7 @@ def train_fddp(args: argparse.Namespace, dataset: TensorDataset) -> tuple[list[f
     losses = []
     for epoch in range(args.epochs):
         for x, y in make_loader(dataset, args.batch_size, epoch):
-            grads, loss = torch.func.grad_and_value(loss_fn)(params, x, y)  # 4. backward: grads as a tree
-            grads = fddp.ddp_step(params, grads)  #                               ... averaged over the ranks
+            grads, loss = fddp.grad_and_value(loss_fn)(params, x, y)  # 4. backward, averaged over the ranks
             updates, opt_state = opt.update(grads, opt_state, params)  # 5. new values, nothing in place
             params = fddp.optim.apply_updates(params, updates)
             losses.append(loss.item())

@@ -142,8 +142,8 @@ def main() -> None:
         t0 = time.perf_counter()
         bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=None if fddp.is_main() else True)
         for x, y in bar:
-            grads, (loss, logits) = torch.func.grad_and_value(loss_fn, has_aux=True)(params, x, y)
-            grads = fddp.ddp_step(params, grads)  # mean over the ranks: one fused all-reduce
+            # Gradients averaged over the ranks; each bucket's all-reduce starts during backward.
+            grads, (loss, logits) = fddp.grad_and_value(loss_fn, has_aux=True)(params, x, y)
             updates, opt_state = opt.update(grads, opt_state, params)
             params = fddp.optim.apply_updates(params, updates)
             step += 1

@@ -1,15 +1,17 @@
 """Run every example briefly, as a user would (``torchrun``, 2 processes), and check that it trains.
 
 Each run is a real launch: ``python -m torch.distributed.run --standalone --nproc-per-node=2``
-with a handful of steps. The examples write ``metrics.json`` and a PNG into ``--out-dir``; the
+with a handful of steps. Most examples write ``metrics.json`` and a PNG into ``--out-dir``; the
 tests read the metrics to check that the loss fell (and, where the example makes a stronger claim,
-that claim) and that the plot file is a PNG.
+that claim) and that the plot file is a PNG. ``examples/resume.py`` (a kill-and-resume fault test)
+is run by tests/test_fault.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +108,10 @@ def test_port_from_ddp_matches_torch_ddp(tmp_path: Path) -> None:
     # Same init, same batches, same SGD arithmetic: only float rounding may differ.
     assert m["fddp_loss"] == pytest.approx(m["ddp_loss"], abs=1e-5)
     assert m["max_param_diff"] < 1e-5
+
+
+def test_uneven_accumulate_trains(tmp_path: Path) -> None:
+    # This example prints its loss (full training set, every epoch) and writes no files.
+    out = launch("uneven_accumulate.py", "--epochs", "3", "--samples", "800", tmp=tmp_path)
+    losses = [float(x) for x in re.findall(r"^epoch +\d+ +steps +\d+ +loss ([0-9.]+)$", out, re.MULTILINE)]
+    assert len(losses) == 3 and losses[2] < losses[1] < losses[0], out

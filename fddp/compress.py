@@ -8,12 +8,16 @@ a :class:`PowerSGDState` pytree of tensors that goes into ``ddp_step`` and comes
 :mod:`fddp.checkpoint` like any optimizer state.
 
 PowerSGD follows torch's ``powerSGD_hook`` (Vogels et al., 2019) step for step, with the same
-arithmetic, so for the same gradients and buckets the results are bitwise equal to it (tested
-against DDP with the hook): per bucket, the error of the previous step is added, every leaf viewed
-as an ``(n, m)`` matrix (``shape[0]`` rows) that compression shrinks by more than
+arithmetic, so for the same gradients and the same buckets the results are bitwise equal to it
+(tested against DDP with the hook): per bucket, the error of the previous step is added, every leaf
+viewed as an ``(n, m)`` matrix (``shape[0]`` rows) that compression shrinks by more than
 ``min_compression_rate`` is compressed to rank ``r``, the rest travel uncompressed in one flat
 all-reduce, and ``M ~ P Q^T`` comes from two all-reduces: ``P = M Q`` (summed, then
-orthogonalised) and ``Q = M^T P`` (averaged).
+orthogonalised) and ``Q = M^T P`` (averaged). "The same buckets" matters because fresh ``Q``
+factors are drawn per bucket, in the order of the leaves in it; a plain ``dict`` of parameters
+flattens in sorted key order, an ``OrderedDict`` in insertion order (DDP's). The steps before
+``start_iter`` are fddp's uncompressed mean (sum, then divide), where torch's hook divides first;
+the two agree bitwise for 2 ranks (halving is exact) and to a few ulps otherwise.
 """
 
 from __future__ import annotations
@@ -65,7 +69,11 @@ class PowerSGDState(NamedTuple):
             bucket whenever fresh random ``Q`` factors are needed (torch's convention, so the same
             ``seed`` gives torch's ``Q``).
         error: with error feedback, a tree shaped like the parameters holding each leaf's
-            residual (what compression left out last step); ``None`` otherwise.
+            residual (this rank's input last step minus what came back); ``None`` otherwise.
+            Residuals differ between ranks, so to resume exactly every rank saves its own state
+            (e.g. ``fddp.checkpoint.save(path_r, state, group=own)`` with ``own`` a group of one
+            rank from ``torch.distributed.new_subgroups(group_size=1)``); the other fields are
+            the same on every rank.
         q: with warm start, a tree shaped like the parameters holding each compressed leaf's last
             ``Q`` factor, ``(m, rank)``, and ``None`` at uncompressed leaves; ``None`` otherwise.
     """

@@ -54,6 +54,9 @@ def _loss_grads(apply_fn, params, x, y):
 # --- bf16 / fp16 against torch's compress hooks -----------------------------------------------
 
 
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _torch_bf16_hook(process_group, bucket):
     # DDP refuses a hook *named* bf16_compress_hook unless CUDA and NCCL are present; gloo reduces
     # bf16 on the CPU, so call torch's hook, unchanged, under another name.
@@ -80,6 +83,8 @@ def _cast_worker(steps: int, lr: float):
             local = _loss_grads(apply_fn, params, x, y)
             exact = fddp.ddp_step(params, local)
             reduced, info = fddp.ddp_step(params, local, compression=name, return_info=True)
+            as_object = fddp.ddp_step(params, local, compression=fddp.Cast(HALF[name]))
+            assert all(torch.equal(as_object[k], reduced[k]) for k in reduced), "Cast(dtype) differs from its name"
             _, plain = fddp.ddp_step(params, local, return_info=True)
             row[name] = dict(
                 torch={n: p.grad.clone() for n, p in ddp.module.named_parameters()},
@@ -310,6 +315,8 @@ def test_powersgd_rank2_trains_digits_as_well_with_a_tenth_of_the_bytes():
     # (10 + 64) * 2 * min_compression_rate(2) < 640; the biases travel uncompressed.
     plain = 4 * (64 * 64 + 64 + 64 * 64 + 64 + 10 * 64 + 10)
     compressed = 4 * (2 * (64 + 64) * 2 + (10 + 64) * 2 + 64 + 64 + 10)
+    ps, model_params = fddp.PowerSGD(rank=2), dict(digits_mlp().named_parameters())
+    assert ps.expected_bytes(model_params) == compressed and ps.expected_bytes(model_params, compressed=False) == plain
     print(f"\ndigits MLP, bytes per step: uncompressed {plain}, PowerSGD rank 2 {compressed}, factor {plain / compressed:.2f}")
     for out in outs:
         assert out["none"]["sent"] == [(plain, 1)] * steps

@@ -38,9 +38,30 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
+    if page.file.src_uri == "api.md":
+        return markdown + _undocumented_names(markdown)
     if MARKER not in markdown:
         return markdown
     return markdown.replace(MARKER, "\n\n".join([_step_section(), _optim_section()]))
+
+
+def _undocumented_names(markdown: str) -> str:
+    """Return reference entries for the names in ``fddp.__all__`` that api.md does not list yet.
+
+    A public name added to the package shows up in the reference even before someone places it
+    in its section by hand.
+    """
+    import fddp
+
+    listed = set(re.findall(r"^::: fddp\.([\w.]+)", markdown, re.MULTILINE))
+    missing = [
+        name
+        for name in fddp.__all__
+        if name not in listed and f"{name}.{name}" not in listed and not isinstance(getattr(fddp, name), type(fddp))
+    ]
+    if not missing:
+        return ""
+    return "\n\n## More\n\n" + "".join(f"::: fddp.{name}\n\n" for name in missing)
 
 
 def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:

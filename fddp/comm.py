@@ -318,6 +318,8 @@ class Reducer:
             wait(work, self.what, f"all-reduce {k + 1} of {len(self.works)}")
         wsum = None
         if self.weight is not None:
+            if self.weight_buf is None:  # no buckets (an empty tree): the weight still has to travel
+                self._global_weight(_collective_device(self.group))
             wsum = self.weight_buf[-1].to(torch.float64)
             # All ranks empty: every numerator is zero too, and the mean is taken as zero.
             denom = wsum.clamp_min(torch.finfo(torch.float64).tiny)

@@ -206,11 +206,13 @@ def _half_precision_weight_worker():
     params = {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2)}
     g = {"a": torch.full((3,), 4.0 + 4 * rank, dtype=torch.bfloat16), "b": torch.full((2,), 1.0 + rank)}
     mixed, info = fddp.ddp_step(params, g, weight=1 + 2 * rank, return_info=True)  # w = 1, 3: exact in bf16
-    return fp16, big, mixed, info.collectives
+    empty = fddp.ddp_step({}, {}, weight=1 + rank, return_info=True)[1]  # no buckets: the weight travels alone
+    return fp16, big, mixed, info.collectives, (float(empty.weight), empty.collectives)
 
 
-def test_half_precision_weighted_paths():
-    for fp16, big, mixed, collectives in run(_half_precision_weight_worker, 2):
+def test_weight_travel_paths():
+    for fp16, big, mixed, collectives, empty in run(_half_precision_weight_worker, 2):
+        assert empty == (3.0, 1)
         assert torch.equal(fp16["a"], torch.full((4,), 40.0))
         assert float(big) == 4096.0  # the caller's weight tensor is not reduced in place
         assert torch.equal(mixed["a"], torch.full((3,), 7.0, dtype=torch.bfloat16))  # (1*4 + 3*8) / 4

@@ -63,10 +63,10 @@ class GradAccumulator(NamedTuple):
     count: int = 0
 
     def mean(self) -> Any:
-        """Return the weighted mean gradient ``grad_sum / weight`` (zeros while ``weight`` is 0).
+        """Return the weighted mean gradient ``grad_sum / weight``; never NaN, even at weight 0.
 
-        ``None`` leaves stay ``None``, and an empty window gives ``None``; :func:`fddp.ddp_step`
-        counts both as zeros.
+        ``None`` leaves stay ``None`` (so do all leaves of a window of weight 0 given as numbers),
+        and an empty window gives ``None``; :func:`fddp.ddp_step` counts both as zeros.
 
         Example:
             >>> grads = fddp.ddp_step(params, acc.mean(), weight=acc.weight)

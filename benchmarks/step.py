@@ -14,6 +14,8 @@ Modes:
     ddp_step          torch.func.grad + fddp.ddp_step + fddp.optim
     ddp_step_bf16     the same, buckets sent in bfloat16
     ddp_step_fp16     the same, buckets sent in float16
+    ddp_step_psgd1    the same, PowerSGD rank 1 (torch's default rank), compressing from step 0
+    ddp_step_psgd4    the same, PowerSGD rank 4 (orthogonalised with QR)
     grad_and_value    fddp.grad_and_value (all-reduces overlap backward) + fddp.optim
     compiled          torch.compile of torch.func.grad + fddp.ddp_step + fddp.optim, one graph
 """
@@ -171,6 +173,21 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
             w.wait()
         return {k: g.div_(n) for k, g in grads.items()}
 
+    def powersgd(rank: int) -> Callable:
+        # No torch line to match: torch's powerSGD_hook chains its all-reduces in future callbacks,
+        # which on gloo can issue them in different orders on different ranks once a model has
+        # more than one bucket (tests/test_compress.py drives it one bucket at a time instead).
+        ps, box = fddp.PowerSGD(rank=rank, start_iter=0), {}
+
+        def sync(params, loss, x, y):
+            state = box.get("state") or ps.init(params)
+            grads = torch.func.grad(loss)(params, x, y)
+            grads, info = fddp.ddp_step(params, grads, compression=ps, compression_state=state, return_info=True)
+            box["state"] = info.compression_state
+            return grads
+
+        return sync
+
     grad_fn: dict[str, Callable] = {}
 
     def overlapped(params, loss, x, y):
@@ -185,7 +202,8 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
     modes["ddp_step"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y)))
     modes["ddp_step_bf16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="bf16"))
     modes["ddp_step_fp16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="fp16"))
-    # PowerSGD goes here: modes["ddp_step_powersgd"] = fddp_mode(...)
+    modes["ddp_step_psgd1"] = fddp_mode(powersgd(1))
+    modes["ddp_step_psgd4"] = fddp_mode(powersgd(4))
     modes["grad_and_value"] = fddp_mode(overlapped)
     modes["compiled"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y)), compile_=True)
     return modes

@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--members", type=int, default=8)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=64, help="global batch, split evenly over the ranks")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke tests)")

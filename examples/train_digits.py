@@ -151,6 +151,7 @@ def main() -> None:
             bar.set_postfix(loss=f"{loss.item():.4f}")
             if args.max_steps is not None and step >= args.max_steps:
                 break
+        bar.close()
         if world > 1:
             dist.all_reduce(totals)  # sums over the ranks, for the log line
         seconds = time.perf_counter() - t0

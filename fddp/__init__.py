@@ -19,20 +19,25 @@ from fddp.buffers import sync_buffers
 from fddp.comm import MismatchError, SyncInfo, broadcast
 from fddp.compress import Cast, PowerSGD, PowerSGDState
 from fddp.grad import grad, grad_and_value
+from fddp.guard import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers
+from fddp.replicas import verify_replicas
 from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
 from fddp.step import ddp_step
 
 __all__ = [
     "Cast",
+    "DynamicLossScale",
     "GradAccumulator",
     "Join",
+    "LossScaleState",
     "MismatchError",
     "PowerSGD",
     "PowerSGDState",
     "SyncInfo",
     "accumulate_grads",
+    "apply_if_finite",
     "broadcast",
     "checkpoint",
     "ddp_step",
@@ -48,6 +53,7 @@ __all__ = [
     "optim",
     "rank",
     "sync_buffers",
+    "verify_replicas",
     "world_size",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,369 @@
+"""Reliability: skipping non-finite steps on every rank, loss scaling, replica checks, timeouts.
+
+References: ``torch.amp.GradScaler`` (scale schedule, skipped steps), torch DDP with GradScaler (a
+NaN on one rank skips the step everywhere), and plain ``torch.equal`` on bytes for checksums.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch.func import grad, vmap
+
+import fddp
+import fddp.comm
+import fddp.optim
+from dist import run
+from fddp.replicas import checksum
+from models import make_batch, make_model
+
+# --- DynamicLossScale against torch.amp.GradScaler -------------------------------------------
+
+PATTERN = [True] * 3 + [False] + [True] * 7 + [False, False] + [True] * 5  # finite or not, per step
+
+
+@pytest.mark.parametrize(
+    "init_scale, growth_factor, backoff_factor, growth_interval",
+    [(2.0**16, 2.0, 0.5, 3), (3.0, 1.1, 0.3, 2), (2.0**126, 2.0, 0.5, 1)],  # the last one grows to inf
+)
+def test_loss_scale_matches_grad_scaler(init_scale, growth_factor, backoff_factor, growth_interval):
+    """Scale, growth tracker, unscaled gradients and parameters follow GradScaler + torch.optim.SGD."""
+    torch.manual_seed(0)
+    w0 = torch.randn(5)
+    x = torch.randn(len(PATTERN), 5)
+    w = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=growth_interval
+    )
+    loss_scale = fddp.DynamicLossScale(init_scale, growth_factor, backoff_factor, growth_interval)
+    ls = loss_scale.init()
+    params = {"w": w0.clone()}
+    fopt = fddp.optim.sgd(lr=0.1, momentum=0.9)
+    state = fopt.init(params)
+
+    def loss_fn(p, xi, bad):
+        return (p["w"] * xi).sum() * (float("inf") if bad else 1.0)
+
+    grown = False
+    for i, finite in enumerate(PATTERN):
+        scaler.scale(loss_fn({"w": w}, x[i], not finite)).backward()
+        scaler.unscale_(opt)
+        torch_grad = w.grad.clone()
+        torch_finite = bool(torch.isfinite(torch_grad).all())  # GradScaler skips the step otherwise
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+        g = grad(lambda p: loss_scale.scale_loss(ls, loss_fn(p, x[i], not finite)))(params)
+        g = loss_scale.unscale_grads(ls, g)
+        ok = torch.isfinite(g["w"]).all()
+        assert bool(ok) == torch_finite, i  # with a huge scale, finite gradients overflow too
+        updates, new_state = fopt.update(g, state, params)
+        before = params
+        params, state = fddp.apply_if_finite(ok, (fddp.optim.apply_updates(params, updates), new_state), (params, state))
+        ls = loss_scale.update(ls, ok)
+        assert torch.equal(params["w"], before["w"]) != torch_finite, i  # skipped exactly when not finite
+
+        if torch_finite:
+            assert torch.equal(g["w"], torch_grad), i
+        assert ls.scale.item() == scaler.get_scale(), (i, ls.scale.item(), scaler.get_scale())
+        assert ls.growth_tracker.item() == scaler._growth_tracker.item(), i
+        # fddp.optim.sgd and torch.optim.SGD round differently (see test_optim); skips are exact above.
+        torch.testing.assert_close(params["w"], w.detach(), rtol=1e-6, atol=1e-7, msg=f"step {i}")
+        grown |= ls.scale.item() > init_scale
+    assert grown and ls.scale.dtype == torch.float32 and ls.growth_tracker.dtype == torch.int32
+
+
+def test_loss_scale_defaults_are_grad_scalers():
+    s, ls = torch.amp.GradScaler("cpu"), fddp.DynamicLossScale()
+    assert (ls.init_scale, ls.growth_factor, ls.backoff_factor, ls.growth_interval) == (
+        s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"init_scale": 0.0}, "init_scale"),
+        ({"init_scale": float("inf")}, "init_scale"),
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"growth_interval": 2.5}, "growth_interval"),
+    ],
+)
+def test_loss_scale_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fddp.DynamicLossScale(**kwargs)
+
+
+# --- apply_if_finite ----------------------------------------------------------------------------
+
+
+def test_apply_if_finite_selects_whole_trees():
+    new = {"a": torch.ones(3), "n": (torch.full((2,), 2.0), torch.tensor(5))}
+    old = {"a": torch.zeros(3), "n": (torch.zeros(2), torch.tensor(4))}
+    for finite, want in [(torch.tensor(True), new), (torch.tensor(False), old), (True, new), (torch.tensor([False]), old)]:
+        out = fddp.apply_if_finite(finite, new, old)
+        assert optree_equal(out, want)
+    shared = torch.ones(2)
+    assert fddp.apply_if_finite(torch.tensor(False), {"s": shared}, {"s": shared})["s"] is shared
+
+
+def optree_equal(a, b) -> bool:
+    import optree
+
+    la, sa = optree.tree_flatten(a)
+    lb, sb = optree.tree_flatten(b)
+    return sa == sb and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(la, lb))
+
+
+def test_apply_if_finite_under_vmap_selects_per_member():
+    new = {"w": torch.arange(6.0).reshape(3, 2)}
+    old = {"w": -torch.ones(3, 2)}
+    finite = torch.tensor([True, False, True])
+    out = vmap(fddp.apply_if_finite)(finite, new, old)
+    assert torch.equal(out["w"], torch.tensor([[0.0, 1.0], [-1.0, -1.0], [4.0, 5.0]]))
+
+
+@pytest.mark.parametrize(
+    "finite, new, old, error, parts",
+    [
+        (torch.tensor(1.0), {"a": torch.ones(1)}, {"a": torch.ones(1)}, TypeError, ["bool", "torch.float32"]),
+        (torch.tensor([True, False]), {"a": torch.ones(1)}, {"a": torch.ones(1)}, TypeError, ["one element", "(2,)"]),
+        (True, {"a": torch.ones(1)}, {"b": torch.ones(1)}, ValueError, ["same tree structure"]),
+        (True, {"a": {"b": torch.ones(2)}}, {"a": {"b": torch.ones(3)}}, ValueError, ["'a/b'", "(2,)", "(3,)"]),
+        (True, {"a": torch.ones(2)}, {"a": torch.ones(2, dtype=torch.float64)}, ValueError, ["'a'", "float64"]),
+        (True, {"step": 2}, {"step": 1}, TypeError, ["'step'", "must be a tensor"]),
+    ],
+)
+def test_apply_if_finite_errors_name_the_leaf(finite, new, old, error, parts):
+    with pytest.raises(error) as e:
+        fddp.apply_if_finite(finite, new, old)
+    for part in parts:
+        assert part in str(e.value), (part, str(e.value))
+
+
+# --- A NaN on one rank: every rank skips the step, as torch DDP + GradScaler does ----------------
+
+NAN_STEP, STEPS, LR = 2, 6, 0.05
+
+
+def one_nan(g: torch.Tensor) -> torch.Tensor:
+    return g.flatten().index_fill(0, torch.tensor([7]), float("nan")).view_as(g)
+
+
+def _nan_worker():
+    rank = fddp.rank()
+    # torch's reference: DDP averages the NaN into every rank's gradients; GradScaler skips the step.
+    ddp = torch.nn.parallel.DistributedDataParallel(make_model("mlp"))
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    poison = {"on": False}
+    target = dict(ddp.module.named_parameters())["5.weight"]  # a middle layer: not the first bucket
+    target.register_hook(lambda g: one_nan(g) if poison["on"] else g)
+
+    apply_fn, params = fddp.functionalize(make_model("mlp"))
+    params = fddp.broadcast(params)
+    fopt = fddp.optim.sgd(lr=LR, momentum=0.9)
+    state = fopt.init(params)
+    loss_scale = fddp.DynamicLossScale(growth_interval=2)
+    ls = loss_scale.init()
+    history = []
+    for step in range(STEPS):
+        x, y = make_batch("mlp", seed=100 * step + rank)
+        poison["on"] = step == NAN_STEP and rank == 1
+        scaler.scale(F.cross_entropy(ddp(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+        g = grad(lambda p: loss_scale.scale_loss(ls, F.cross_entropy(apply_fn(p, x), y)))(params)
+        if poison["on"]:
+            g["5.weight"] = one_nan(g["5.weight"])
+        g, info = fddp.ddp_step(params, g, check_finite=True, return_info=True, bucket_cap_mb=0.004, first_bucket_mb=0.001)
+        g = loss_scale.unscale_grads(ls, g)
+        updates, new_state = fopt.update(g, state, params)
+        new_params = fddp.optim.apply_updates(params, updates)
+        before = copy.deepcopy((params, state))
+        params, state = fddp.apply_if_finite(info.finite, (new_params, new_state), (params, state))
+        ls = loss_scale.update(ls, info.finite)
+        unchanged = optree_equal((params, state), before)
+        history.append((bool(info.finite), unchanged, ls.scale.item(), scaler.get_scale()))
+    torch_params = {k: p.detach() for k, p in ddp.module.named_parameters()}
+    return history, params, torch_params
+
+
+def test_nan_on_one_rank_skips_the_step_on_every_rank():
+    (h0, p0, t0), (h1, p1, _) = run(_nan_worker, 2, timeout=90)
+    assert h0 == h1, "the ranks disagree"
+    for step, (finite, unchanged, scale, torch_scale) in enumerate(h0):
+        assert finite == (step != NAN_STEP) and unchanged == (step == NAN_STEP), (step, h0)
+        assert scale == torch_scale, (step, h0)
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), f"replicas differ at {k}"
+        torch.testing.assert_close(p0[k], t0[k], rtol=0, atol=1e-6, msg=f"param {k} vs torch DDP + GradScaler")
+
+
+# --- verify_replicas ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.complex64])
+def test_checksum_sees_every_one_ulp_change_and_swap(dtype):
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(7, 3, generator=g).to(dtype) if dtype != torch.int64 else torch.randint(-9, 9, (7, 3), generator=g)
+    c = checksum(t)
+    flat = t.reshape(-1)
+    for i in range(flat.numel()):
+        u = flat.clone()
+        if dtype.is_floating_point:
+            u[i] = torch.nextafter(u[i : i + 1], torch.tensor([float("inf")], dtype=dtype))[0]
+        elif dtype.is_complex:
+            re = torch.view_as_real(u)
+            re[i, 1] = torch.nextafter(re[i, 1 : 2], torch.tensor([float("inf")], dtype=re.dtype))[0]
+        else:
+            u[i] += 1
+        assert not torch.equal(u, flat) and checksum(u) != c, i
+    swapped = flat.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert checksum(swapped) != c
+    assert checksum(t.t().contiguous().t()) == c  # layout does not matter, only values in order
+    assert checksum(torch.tensor([0.0])) != checksum(torch.tensor([-0.0]))
+
+
+def _verify_worker(case: str):
+    rank = fddp.rank()
+    tree = {"a": torch.arange(6.0).reshape(2, 3), "b": [torch.ones(4, dtype=torch.bfloat16), torch.arange(3)]}
+    if case in ("ulp", "two") and rank == 1:
+        tree["b"][0][2] = 1.0078125  # 1 + 2**-7: one bf16 ulp above 1
+    if case == "two" and rank == 1:
+        tree["a"][1, 1] = 5.0
+    if case == "shape" and rank == 1:
+        tree["b"][1] = torch.arange(4)
+    calls: list[int] = []
+    original = tdist.all_reduce
+    tdist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or original(t, *a, **k)
+    try:
+        fddp.verify_replicas(tree)
+        fddp.verify_replicas(tree)  # the signature is known now: one all-reduce
+    except fddp.MismatchError as e:
+        return str(e)
+    finally:
+        tdist.all_reduce = original
+    return calls
+
+
+def test_verify_replicas_passes_with_one_small_all_reduce():
+    for calls in run(_verify_worker, 2, "equal"):
+        assert calls == [2, 6, 6]  # signature check, then [checksums, -checksums] of 3 leaves, twice
+
+
+@pytest.mark.parametrize(
+    "case, parts",
+    [
+        ("ulp", ["at leaf 'b/0': rank 1 differs from rank 0"]),
+        ("two", ["at leaf 'a' (and 1 more of the 3 leaves): rank 1 differs from rank 0"]),
+        ("shape", ["'b/1'", "shape=(3,)", "shape=(4,)"]),
+    ],
+)
+def test_verify_replicas_raises_on_every_rank(case, parts):
+    messages = run(_verify_worker, 2, case)
+    assert messages[0] == messages[1] and isinstance(messages[0], str), messages
+    for part in parts:
+        assert part in messages[0], (part, messages[0])
+
+
+# --- timeouts: a rank that skips a collective -----------------------------------------------------
+
+
+def _skip_worker(what: str):
+    group = tdist.new_group(timeout=datetime.timedelta(seconds=2))  # short, for this test only
+    p = {"w": torch.zeros(3)}
+    call = {"ddp_step": lambda: fddp.ddp_step(p, p, group=group), "verify_replicas": lambda: fddp.verify_replicas(p, group)}[what]
+    call()  # both ranks: the signature is checked and remembered
+    n = fddp.comm._calls[what] + 1
+    message = None
+    if fddp.rank() == 0:
+        try:
+            call()
+        except RuntimeError as e:
+            message = str(e)
+    else:
+        time.sleep(3)  # alive but absent, as a stuck or diverged rank would be
+    tdist.destroy_process_group(group)
+    return message, n
+
+
+@pytest.mark.parametrize(
+    "what, doing", [("ddp_step", "all-reduce 1 of 1"), ("verify_replicas", "the checksum all-reduce")]
+)
+def test_a_skipped_collective_times_out_with_a_clear_error(what, doing):
+    (message, n), (other, _) = run(_skip_worker, 2, what, timeout=60)
+    assert other is None
+    for part in [f"fddp.{what}: rank 0 of 2 timed out during {doing}", f"(call {n} to fddp.{what} in this process)", "Timed out", "skipped"]:
+        assert part in message, (part, message)
+
+
+# --- fddp.init(timeout=...) under torchrun's environment, in fresh processes -----------------------
+
+INIT_SCRIPT = """
+import os, sys, time, torch, fddp
+fddp.init(timeout=float(sys.argv[1]))
+p = {"w": torch.zeros(2)}
+fddp.ddp_step(p, p); fddp.ddp_step(p, p)
+if fddp.rank() == 1:
+    if sys.argv[2] == "die":
+        os._exit(0)  # gone without a word
+    time.sleep(float(sys.argv[1]) + 5)  # stuck
+    sys.exit(0)
+try:
+    fddp.ddp_step(p, p)
+except RuntimeError as e:
+    print("ERROR:", e, flush=True)
+    sys.exit(3)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fault, parts", [("stuck", ["timed out", "Timed out"]), ("die", ["failed"])])
+def test_init_timeout_bounds_the_wait_for_a_missing_peer(fault, parts):
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(INIT_SCRIPT), "3", fault],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == 0, outs[1]
+    assert procs[0].returncode == 3, outs[0]
+    for part in ["fddp.ddp_step: rank 0 of 2", "during all-reduce 1 of 1 (call 3 to fddp.ddp_step in this process)", *parts]:
+        assert part in outs[0], (part, outs[0])
+
+
+def test_init_rejects_a_bad_timeout():
+    for bad in (0, -1.0, "10"):
+        with pytest.raises(ValueError, match="timeout"):
+            fddp.init(timeout=bad)

@@ -118,7 +118,8 @@ def main() -> None:
         logits = apply_fn(params, x)
         return F.cross_entropy(logits, y), logits
 
-    # Resume: every rank reads the same file, so every rank holds the same state afterwards.
+    # Resume: every rank reads the same file, so every rank holds the same state afterwards. The
+    # RNG state saved is rank 0's; it is every rank's, since all seed alike and draw nothing apart.
     state = {"params": params, "opt_state": opt_state, "epoch": 0, "step": 0, "rng": torch.get_rng_state()}
     history: list[dict] = []
     path = ckpt.latest(ckpt_dir)

@@ -49,11 +49,40 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     if torch.cuda.is_available() and "nccl" in backend:
         torch.cuda.set_device(local_rank())
     kwargs = {} if td is None else {"timeout": td}
-    if all(v in os.environ for v in _TORCHRUN_VARS):
+    store = _restart_scoped_store(td)
+    if store is not None:
+        rank_, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=backend, store=store, rank=rank_, world_size=size, **kwargs)
+    elif all(v in os.environ for v in _TORCHRUN_VARS):
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     else:
         # An in-memory store: a one-process world needs no rendezvous and no free port.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def _restart_scoped_store(timeout: datetime.timedelta | None) -> dist.Store | None:
+    """Return torchrun's shared store with keys scoped to this restart, when that is safe; else None.
+
+    torchrun (c10d rendezvous) hosts one TCP store for all of a job's restarts, and the process
+    group's rendezvous keys (each rank's address) are not scoped by restart: after a worker is
+    killed and the group restarted, a rank may read its dead predecessor's address and fail with
+    "Connection refused" (pytorch issue #135712). Prefixing the keys with the restart count fixes
+    that. The count is per torchrun agent, so it is used only when one agent runs every rank;
+    several agents can disagree on it, and there env:// is left as it is.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    if not all(v in env for v in _TORCHRUN_VARS) or env.get("LOCAL_WORLD_SIZE") != env["WORLD_SIZE"]:
+        return None
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        int(env["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout or dist.constants.default_pg_timeout,
+    )
+    return dist.PrefixStore(f"fddp/restart_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def is_initialized() -> bool:

@@ -26,6 +26,8 @@ STEP_MODES = {
     "ddp_step": "`torch.func.grad` + `fddp.ddp_step`",
     "ddp_step_bf16": "the same, buckets sent in bfloat16",
     "ddp_step_fp16": "the same, buckets sent in float16",
+    "ddp_step_psgd1": "the same, PowerSGD rank 1, compressing from step 0",
+    "ddp_step_psgd4": "the same, PowerSGD rank 4",
     "grad_and_value": "`fddp.grad_and_value` (all-reduces overlap the backward pass)",
     "compiled": "`torch.compile` of `torch.func.grad` + `fddp.ddp_step` + `fddp.optim`",
 }

@@ -180,11 +180,13 @@ def main() -> None:
                   f"test loss {test_loss:.4f}  test acc {test_acc:.4f}  "
                   f"{record['samples_per_s']:,.0f} samples/s", flush=True)  # fmt: skip
 
+    # Every rank must hold bitwise the same model and optimizer state; this raises on every rank if not.
+    fddp.verify_replicas((params, opt_state))
     if fddp.is_main() and history:
         plot(history, os.path.join(args.out_dir, "curves.png"))
         print(f"final test accuracy {history[-1]['test_acc']:.4f} after {history[-1]['epoch']} epochs; "
-              f"{time.perf_counter() - t_start:.1f} s; curves in {os.path.join(args.out_dir, 'curves.png')}",
-              flush=True)  # fmt: skip
+              f"{time.perf_counter() - t_start:.1f} s; replicas identical on {world} process(es); "
+              f"curves in {os.path.join(args.out_dir, 'curves.png')}", flush=True)  # fmt: skip
     if world > 1:
         dist.destroy_process_group()
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
+import optree
 import torch
 
-__all__ = ["Bucket", "BucketPlan", "LeafSpec", "make_plan", "flatten", "unflatten", "MB"]
+__all__ = ["Bucket", "BucketPlan", "LeafSpec", "definition_order", "make_plan", "plan_for", "flatten", "unflatten", "MB"]
 
 MB = 1024 * 1024  # bucket caps are in MiB, as in torch DDP's bucket_cap_mb
 
@@ -84,10 +85,15 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def make_plan(specs: tuple[LeafSpec, ...], bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> BucketPlan:
+def make_plan(
+    specs: tuple[LeafSpec, ...],
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    order: tuple[int, ...] | None = None,
+) -> BucketPlan:
     """Group leaves into buckets the way torch DDP does.
 
-    Leaves are taken in reverse order (the order backward produces gradients). Each (dtype, device)
+    Leaves are taken in reverse ``order`` (the order backward produces gradients). Each (dtype, device)
     pair fills its own bucket; a bucket closes once it reaches its cap, which is
     ``first_bucket_mb`` for the first bucket of each pair (so the first all-reduce starts early)
     and ``bucket_cap_mb`` after that. Buckets are listed in the order they close. Cached: the same
@@ -97,6 +103,8 @@ def make_plan(specs: tuple[LeafSpec, ...], bucket_cap_mb: float = 25.0, first_bu
         specs: one :class:`LeafSpec` per leaf, in tree-flatten order.
         bucket_cap_mb: the cap of every bucket but the first, in MiB.
         first_bucket_mb: the cap of the first bucket of each (dtype, device), in MiB.
+        order: the leaf indices in the order the model defines (and forward uses) them; see
+            :func:`fddp.comm.definition_order`. ``None`` means tree-flatten order.
 
     Returns:
         The plan.
@@ -113,7 +121,9 @@ def make_plan(specs: tuple[LeafSpec, ...], bucket_cap_mb: float = 25.0, first_bu
     open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
     closed_count: dict[tuple[torch.dtype, torch.device], int] = {}
     closed: list[list[int]] = []
-    for i in reversed(range(len(specs))):
+    if order is not None and sorted(order) != list(range(len(specs))):
+        raise ValueError(f"order must be a permutation of range({len(specs)}), got {order!r}")
+    for i in reversed(range(len(specs)) if order is None else order):
         key = (specs[i].dtype, specs[i].device)
         open_buckets.setdefault(key, []).append(i)
         open_bytes[key] = open_bytes.get(key, 0) + specs[i].numel * _itemsize(specs[i].dtype)
@@ -134,6 +144,45 @@ def make_plan(specs: tuple[LeafSpec, ...], bucket_cap_mb: float = 25.0, first_bu
         for idx in closed
     )
     return BucketPlan(buckets=buckets, num_leaves=len(specs))
+
+
+def _insertion_paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
+    """optree-style leaf paths with dicts walked in insertion order (plain Python, so it traces)."""
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in _insertion_paths(v, prefix + (k,))]
+    if isinstance(tree, (list, tuple)):
+        return [p for i, v in enumerate(tree) for p in _insertion_paths(v, prefix + (i,))]
+    return [prefix]
+
+
+def definition_order(tree: Any) -> tuple[int, ...] | None:
+    """Return the leaf indices (into ``optree``'s flatten order) in the order the tree was built.
+
+    optree flattens a dict in sorted key order, so ``'layers.10'`` comes before ``'layers.2'`` and
+    ``'bias'`` before ``'weight'``. A dict of parameters is built in module registration order,
+    the order forward uses them and the reverse of the order backward produces their gradients,
+    which is the order buckets should fill. ``None`` when the two orders agree, or when the tree
+    holds node types other than dicts, lists and tuples (their flatten order is kept).
+    """
+    ins = _insertion_paths(tree)
+    index = {p: i for i, p in enumerate(optree.tree_paths(tree, none_is_leaf=True))}
+    if len(index) != len(ins) or any(p not in index for p in ins):
+        return None
+    order = tuple(index[p] for p in ins)
+    return None if order == tuple(range(len(order))) else order
+
+
+def plan_for(tree: Any, /, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> BucketPlan:
+    """Return the plan ``ddp_step`` and ``grad_and_value`` use for ``tree``: its leaves' specs in
+    optree's flatten order, filled in the tree's definition order.
+
+    Example:
+        >>> plan = plan_for({"w": torch.zeros(3), "b": torch.zeros(2)})
+        >>> [b.indices for b in plan.buckets]
+        [(0, 1)]
+    """
+    specs = tuple(LeafSpec.of(t) for t in optree.tree_leaves(tree, none_is_leaf=True))
+    return make_plan(specs, bucket_cap_mb, first_bucket_mb, definition_order(tree))
 
 
 def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torch.dtype | None = None) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
-from fddp.comm import Reducer, broadcast, check_signature, tree_leaves_with_paths, wait
+from fddp.comm import Reducer, broadcast, check_signature, definition_order, tree_leaves_with_paths, wait
 from fddp.runtime import require_initialized
 
 __all__ = ["sync_buffers"]
@@ -75,8 +75,9 @@ def sync_buffers(
         return broadcast(buffers, src, group, bucket_cap_mb=bucket_cap_mb)
     paths, leaves, spec = tree_leaves_with_paths(buffers, "sync_buffers")
     specs = tuple(LeafSpec.of(t) for t in leaves)
-    check_signature(spec, paths, specs, group, "sync_buffers", options="mean")
-    plan = make_plan(specs, bucket_cap_mb, bucket_cap_mb)
+    order = definition_order(buffers)
+    check_signature(spec, paths, specs, group, "sync_buffers", options="mean", order=order)
+    plan = make_plan(specs, bucket_cap_mb, bucket_cap_mb, order)
     flats = flatten(plan, [t.detach() for t in leaves])
     is_mean = [f.is_floating_point() or f.is_complex() for f in flats]
     reducer = Reducer(sum(is_mean), group, "sync_buffers")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
+from fddp.buckets import BucketPlan, LeafSpec, definition_order, flatten, make_plan, unflatten
 from fddp.compress import PowerSGD, PowerSGDStep, advance, as_compressor, check_state
 from fddp.runtime import require_initialized
 
@@ -84,11 +84,12 @@ def check_signature(
     what: str,
     *,
     options: str = "",
+    order: tuple[int, ...] | None = None,
 ) -> None:
     """Raise :class:`MismatchError` on every rank unless all ranks hold the same tree signature.
 
     ``options`` describes call options that change what travels (e.g. whether a weight rides
-    along); it is part of the signature.
+    along); ``order`` is the leaf order the bucket plan follows. Both are part of the signature.
 
     One small all-reduce (max of the digest and of its negation) per new signature and group;
     signatures already checked are remembered, so steady-state steps pay nothing. Only on a
@@ -107,12 +108,14 @@ def check_signature(
         # tree re-traces) and on an eager call (fddp.broadcast, a first eager step) having checked.
         return
     _calls[what] = _calls.get(what, 0) + 1
-    key = (spec, tuple(specs), _group_key(group), options)
+    key = (spec, tuple(specs), _group_key(group), options, order)
     if key in _checked:
         return
     rows = _signature(spec, paths, specs)
     if options:
         rows.append(("<options>", options))
+    if order is not None:
+        rows.append(("<leaf order>", ", ".join(paths[i] for i in order)))
     d = _digest(rows)
     t = torch.tensor([d, -d], dtype=torch.int64, device=_collective_device(group))
     wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), what, "signature check")
@@ -392,8 +395,9 @@ def broadcast(tree: Any, src: int = 0, group: dist.ProcessGroup | None = None, *
     if not 0 <= src < n:
         raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src}")
     specs = tuple(LeafSpec.of(t) for t in leaves)
-    check_signature(spec, paths, specs, group, "broadcast")
-    plan = make_plan(specs, bucket_cap_mb, bucket_cap_mb)
+    order = definition_order(tree)
+    check_signature(spec, paths, specs, group, "broadcast", order=order)
+    plan = make_plan(specs, bucket_cap_mb, bucket_cap_mb, order)
     flats = flatten(plan, [t.detach() for t in leaves])
     if n > 1:
         global_src = src if group is None else dist.get_global_rank(group, src)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
-from fddp.comm import Reducer, SyncInfo, check_signature, tree_leaves_with_paths
+from fddp.comm import Reducer, SyncInfo, check_signature, definition_order, tree_leaves_with_paths
+from fddp.compress import PowerSGD, as_compressor, signature_option
 from fddp.runtime import require_initialized
 
 __all__ = ["grad", "grad_and_value"]
@@ -43,7 +44,8 @@ def grad_and_value(
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     weight: float | torch.Tensor | None = None,
-    compression: str | None = None,
+    compression: Any = None,
+    compression_state: Any = None,
     check_finite: bool = False,
     return_info: bool = False,
 ) -> Callable[..., Any]:
@@ -76,8 +78,10 @@ def grad_and_value(
         first_bucket_mb: the cap of the first bucket, in MiB.
         weight: this rank's weight (its sample count): the gradients are then the weighted mean,
             as in :func:`fddp.ddp_step`.
-        compression: ``"bf16"`` or ``"fp16"`` to send buckets in half precision, as in
-            :func:`fddp.ddp_step`.
+        compression: ``"bf16"``/``"fp16"`` (or :class:`fddp.Cast`) to send buckets in half
+            precision, or a :class:`fddp.PowerSGD`, as in :func:`fddp.ddp_step`.
+        compression_state: PowerSGD's state (``PowerSGD.init(params)``, then the previous call's
+            ``info.compression_state``); requires ``return_info``.
         check_finite: compute ``info.finite`` (requires ``return_info``).
         return_info: also return a :class:`fddp.SyncInfo`, as the last element.
 
@@ -92,7 +96,7 @@ def grad_and_value(
         >>> grads, loss = fddp.grad_and_value(loss_fn)(params, torch.randn(8, 4))
     """
     nums = _check_argnums(argnums, "grad_and_value")
-    options = dict(weight=weight, compression=compression, check_finite=check_finite)
+    options = _options(weight, compression, compression_state, check_finite, return_info, "grad_and_value")
 
     @functools.wraps(fn)
     def grad_and_value_fn(*args: Any, **kwargs: Any) -> Any:
@@ -113,7 +117,8 @@ def grad(
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     weight: float | torch.Tensor | None = None,
-    compression: str | None = None,
+    compression: Any = None,
+    compression_state: Any = None,
     check_finite: bool = False,
     return_info: bool = False,
 ) -> Callable[..., Any]:
@@ -127,7 +132,7 @@ def grad(
         >>> grads = fddp.grad(lambda p, x: apply_fn(p, x).pow(2).mean())(params, torch.randn(8, 4))
     """
     nums = _check_argnums(argnums, "grad")
-    options = dict(weight=weight, compression=compression, check_finite=check_finite)
+    options = _options(weight, compression, compression_state, check_finite, return_info, "grad")
 
     @functools.wraps(fn)
     def grad_fn(*args: Any, **kwargs: Any) -> Any:
@@ -139,6 +144,16 @@ def grad(
         return out if len(out) > 1 else out[0]
 
     return grad_fn
+
+
+def _options(
+    weight: Any, compression: Any, compression_state: Any, check_finite: bool, return_info: bool, what: str
+) -> dict[str, Any]:
+    """Check the sync options when the transform is built, not at its first call."""
+    as_compressor(compression, what)  # raises on an unknown compression
+    if isinstance(compression, PowerSGD) and not return_info:
+        raise ValueError(f"fddp.{what}: PowerSGD returns its next state in info.compression_state; pass return_info=True")
+    return dict(weight=weight, compression=compression, compression_state=compression_state, check_finite=check_finite)
 
 
 def _check_argnums(argnums: Any, what: str) -> tuple[int, ...]:
@@ -221,9 +236,14 @@ def _grad_and_value(
         if not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {path!r} is {t.dtype}")
     specs = tuple(LeafSpec.of(t) for t in leaves)
-    # The same options string as ddp_step's: a weight makes bucket 0 one element longer.
-    check_signature(spec, paths, specs, group, what, options="weight=given" if options["weight"] is not None else "weight=none")
-    plan = make_plan(specs, bucket_cap_mb, first_bucket_mb)
+    # The same signature as ddp_step's: a weight makes bucket 0 one element longer, compression
+    # changes every bucket, and the leaf order decides which leaves share a bucket.
+    sig_options = ("weight=given" if options["weight"] is not None else "weight=none") + " " + signature_option(
+        options["compression"], options["compression_state"], what
+    )
+    order = definition_order(tree)
+    check_signature(spec, paths, specs, group, what, options=sig_options, order=order)
+    plan = make_plan(specs, bucket_cap_mb, first_bucket_mb, order)
 
     inputs = [f.detach().requires_grad_() for f in _packed(plan, leaves)]
     reducer = Reducer(len(plan.buckets), group, what, plan=plan, **options)

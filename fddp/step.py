@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
-from fddp.comm import Reducer, check_signature, tree_leaves_with_paths
+from fddp.comm import Reducer, check_signature, definition_order, tree_leaves_with_paths
 from fddp.compress import Cast, PowerSGD, signature_option
 from fddp.runtime import require_initialized
 
@@ -111,8 +111,9 @@ def ddp_step(
     options = ("weight=given" if weight is not None else "weight=none") + " " + signature_option(
         compression, compression_state, "ddp_step"
     )
-    check_signature(p_spec, paths, p_specs, group, "ddp_step", options=options)
-    plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb)
+    order = definition_order(params)
+    check_signature(p_spec, paths, p_specs, group, "ddp_step", options=options, order=order)
+    plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb, order)
     reducer = Reducer(
         len(plan.buckets),
         group,

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 import fddp
 import fddp.checkpoint as ckpt
 from dist import run
-from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
+from fddp.buckets import LeafSpec, flatten, make_plan, plan_for, unflatten
 from fddp.comm import tree_leaves_with_paths
 from models import make_batch, make_model
 
@@ -163,7 +163,7 @@ def _powersgd_oracle_worker(name: str, driver: str, config: dict, bucket_cap_mb:
     model = new_model(name)
     apply_fn, params = functionalize_in_ddp_order(copy.deepcopy(model))
     paths, leaves, _ = tree_leaves_with_paths(params, "test")
-    plan = make_plan(tuple(LeafSpec.of(p) for p in leaves), bucket_cap_mb, bucket_cap_mb)
+    plan = plan_for(params, bucket_cap_mb, bucket_cap_mb)
     plan_layout = [[paths[i] for i in b.indices] for b in plan.buckets]
     torch_state = powerSGD_hook.PowerSGDState(
         None,

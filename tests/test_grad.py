@@ -10,7 +10,7 @@ from torch.func import grad as func_grad
 
 import fddp
 from dist import count_all_reduces, run
-from fddp.buckets import LeafSpec, make_plan
+from fddp.buckets import plan_for
 from fddp.grad import _packed
 from models import make_batch, make_model
 
@@ -37,7 +37,7 @@ def _models_worker() -> list[tuple]:
             gv(params, x, y)  # the first call of a signature may check it across ranks
             with count_all_reduces() as calls:
                 grads, value = gv(params, x, y)
-            plan = make_plan(tuple(LeafSpec.of(p) for p in optree.tree_leaves(params)), cap, first)
+            plan = plan_for(params, cap, first)
             out.append(
                 (
                     name,
@@ -98,6 +98,20 @@ def _options_worker() -> dict:
             res[str(opts)] &= torch.equal(info.weight, ref_info.weight)
         if "check_finite" in opts:
             res[str(opts)] &= bool(info.finite) and bool(ref_info.finite)
+
+    # PowerSGD: its state goes in and comes out the same way on both paths, over a few steps.
+    ps = fddp.PowerSGD(rank=1, start_iter=1, min_compression_rate=1.0)
+    mat = {"w": torch.randn(8, 6, generator=g), "v": torch.randn(6, generator=g)}
+    loss = lambda p: (torch.tanh(x[:, :6] @ p["w"].t()) * p["v"].sum()).sum()  # noqa: E731
+    s_ref = s_grad = ps.init(mat)
+    ok = True
+    for _ in range(3):
+        ref, ref_info = fddp.ddp_step(mat, func_grad(loss)(mat), compression=ps, compression_state=s_ref, return_info=True)
+        grads, info = fddp.grad(loss, compression=ps, compression_state=s_grad, return_info=True)(mat)
+        ok &= _same(grads, ref) and info.collectives == ref_info.collectives and info.bytes_sent == ref_info.bytes_sent
+        ok &= _same(info.compression_state.q, ref_info.compression_state.q)
+        s_ref, s_grad = ref_info.compression_state, info.compression_state
+    res["powersgd"] = ok
     return res
 
 
@@ -139,7 +153,7 @@ def _compiled_worker(steps: int) -> tuple:
         x, y = make_batch("mlp", seed=100 * i + fddp.rank())
         eager_p, eager_s = step(eager_p, eager_s, x, y)
         comp_p, comp_s = compiled(comp_p, comp_s, x, y)
-    buckets = len(make_plan(tuple(LeafSpec.of(p) for p in optree.tree_leaves(params)), **caps).buckets)
+    buckets = len(plan_for(params, **caps).buckets)
     return eager_p, comp_p, len(collectives), buckets
 
 
@@ -168,7 +182,7 @@ def test_flat_inputs_are_not_copied_again():
     loss = lambda p: F.cross_entropy(apply_fn(p, x), y)  # noqa: E731
     caps = dict(bucket_cap_mb=0.004, first_bucket_mb=0.001)
     grads = fddp.grad(loss, **caps)(params)  # views into the reduced flat buffers
-    plan = make_plan(tuple(LeafSpec.of(p) for p in optree.tree_leaves(params)), **caps)
+    plan = plan_for(params, **caps)
     leaves = optree.tree_leaves(grads)  # tree-flatten order (optree sorts dict keys)
     flats = _packed(plan, leaves)
     for b, flat in zip(plan.buckets, flats):

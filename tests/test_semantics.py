@@ -21,7 +21,7 @@ from torch.func import grad
 import fddp
 import fddp.optim
 from dist import run
-from fddp.buckets import LeafSpec, make_plan
+from fddp.buckets import plan_for
 from fddp.comm import SyncInfo
 from models import make_model
 
@@ -56,8 +56,7 @@ def count_collectives():
 
 
 def num_buckets(tree: dict, cap_mb: float = CAP["bucket_cap_mb"], first_mb: float = CAP["first_bucket_mb"]) -> int:
-    specs = tuple(LeafSpec.of(t) for t in optree.tree_leaves(tree))  # optree's (sorted-key) order
-    return len(make_plan(specs, cap_mb, first_mb).buckets)
+    return len(plan_for(tree, cap_mb, first_mb).buckets)
 
 
 def batch(seed: int, n: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from torch.func import functional_call, grad, grad_and_value, stack_module_state
 
 import fddp
 from dist import RankError, run
-from fddp.buckets import LeafSpec, make_plan
+from fddp.buckets import LeafSpec, make_plan, plan_for
 from models import make_batch, make_model
 
 DTYPES = {"a": torch.float32, "b": torch.float64, "c": torch.bfloat16, "d": torch.float32}
@@ -115,8 +115,7 @@ def _count_worker(cap_mb: float, first_mb: float):
     fddp.ddp_step(params, grads, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)  # signature check
     with count_all_reduces() as calls:
         fddp.ddp_step(params, grads, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
-    specs = tuple(LeafSpec.of(p) for p in params.values())
-    return len(calls), len(make_plan(specs, cap_mb, first_mb).buckets), sum(calls)
+    return len(calls), len(plan_for(params, cap_mb, first_mb).buckets), sum(calls)
 
 
 def test_one_collective_per_bucket():
@@ -359,3 +358,21 @@ def test_subgroups():
         assert torch.equal(bcast, torch.full((3,), float(pair[1])))  # src is a rank *within* the group
         # the mismatch lives in group {2, 3} only; group {0, 1} agrees
         assert (mismatch is not None) == (r >= 2)
+
+
+def test_buckets_follow_definition_order_not_sorted_keys():
+    # optree sorts dict keys ('layers.10' < 'layers.2', 'bias' < 'weight'); the plan must follow the
+    # module's order, so the first bucket holds the last layer, whose gradients backward makes first.
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
+    _, params = fddp.functionalize(model)
+    from fddp.comm import definition_order
+
+    order = definition_order(params)
+    paths = sorted(params)  # optree's flatten order for a dict
+    assert [paths[i] for i in order] == list(params)
+    specs = tuple(LeafSpec.of(params[p]) for p in paths)
+    plan = make_plan(specs, bucket_cap_mb=0.01, first_bucket_mb=0.01, order=order)
+    first = [paths[i] for i in plan.buckets[0].indices]
+    assert first == ["11.bias", "11.weight"], first
+    last = [paths[i] for i in plan.buckets[-1].indices]
+    assert last[-1] == "0.weight", last

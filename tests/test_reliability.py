@@ -181,6 +181,9 @@ def _nan_worker():
     state = fopt.init(params)
     loss_scale = fddp.DynamicLossScale(growth_interval=2)
     ls = loss_scale.init()
+    # A second replica through fddp.grad_and_value (the overlapped path), poisoned through its input.
+    params2, state2, ls2 = params, state, ls
+    sync = dict(check_finite=True, return_info=True, bucket_cap_mb=0.004, first_bucket_mb=0.001)
     history = []
     for step in range(STEPS):
         x, y = make_batch("mlp", seed=100 * step + rank)
@@ -201,19 +204,30 @@ def _nan_worker():
         params, state = fddp.apply_if_finite(info.finite, (new_params, new_state), (params, state))
         ls = loss_scale.update(ls, info.finite)
         unchanged = optree_equal((params, state), before)
-        history.append((bool(info.finite), unchanged, ls.scale.item(), scaler.get_scale()))
+
+        x2 = x.index_fill(0, torch.tensor([3]), float("nan")) if poison["on"] else x
+        scaled = lambda p: loss_scale.scale_loss(ls2, F.cross_entropy(apply_fn(p, x2), y))  # noqa: E731
+        g2, _, info2 = fddp.grad_and_value(scaled, **sync)(params2)
+        g2 = loss_scale.unscale_grads(ls2, g2)
+        updates2, new_state2 = fopt.update(g2, state2, params2)
+        new_params2 = fddp.optim.apply_updates(params2, updates2)
+        params2, state2 = fddp.apply_if_finite(info2.finite, (new_params2, new_state2), (params2, state2))
+        ls2 = loss_scale.update(ls2, info2.finite)
+
+        history.append((bool(info.finite), bool(info2.finite), unchanged, ls.scale.item(), ls2.scale.item(), scaler.get_scale()))
     torch_params = {k: p.detach() for k, p in ddp.module.named_parameters()}
-    return history, params, torch_params
+    return history, params, params2, torch_params
 
 
 def test_nan_on_one_rank_skips_the_step_on_every_rank():
-    (h0, p0, t0), (h1, p1, _) = run(_nan_worker, 2, timeout=90)
+    (h0, p0, q0, t0), (h1, p1, q1, _) = run(_nan_worker, 2, timeout=90)
     assert h0 == h1, "the ranks disagree"
-    for step, (finite, unchanged, scale, torch_scale) in enumerate(h0):
-        assert finite == (step != NAN_STEP) and unchanged == (step == NAN_STEP), (step, h0)
-        assert scale == torch_scale, (step, h0)
+    for step, (finite, finite2, unchanged, scale, scale2, torch_scale) in enumerate(h0):
+        assert finite == finite2 == (step != NAN_STEP) and unchanged == (step == NAN_STEP), (step, h0)
+        assert scale == scale2 == torch_scale, (step, h0)
     for k in p0:
-        assert torch.equal(p0[k], p1[k]), f"replicas differ at {k}"
+        assert torch.equal(p0[k], p1[k]) and torch.equal(q0[k], q1[k]), f"replicas differ at {k}"
+        assert torch.equal(p0[k], q0[k]), f"ddp_step and grad_and_value paths differ at {k}"
         torch.testing.assert_close(p0[k], t0[k], rtol=0, atol=1e-6, msg=f"param {k} vs torch DDP + GradScaler")
 
 

@@ -231,6 +231,36 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank():
         torch.testing.assert_close(p0[k], t0[k], rtol=0, atol=1e-6, msg=f"param {k} vs torch DDP + GradScaler")
 
 
+FINITE_CASES = [  # (leaf, index, value, rank that holds it, compression) -> finite?
+    (None, 0, 0.0, 0, None, True),
+    ("a", 0, float("nan"), 0, None, False),
+    ("a", 999, float("nan"), 1, None, False),
+    ("b", 3, float("inf"), 1, None, False),
+    ("c", 299, -float("inf"), 0, None, False),
+    ("a", 5, 6e4, 1, "fp16", True),  # 6e4 / 2 + 1 / 2 fits in fp16
+    ("a", 5, 2e5, 1, "fp16", False),  # 2e5 / 2 does not: the overflow is in what was reduced
+]
+
+
+def _finite_worker():
+    params = {"a": torch.zeros(1000), "b": torch.zeros(7, dtype=torch.float64), "c": torch.zeros(300, dtype=torch.bfloat16), "e": torch.zeros(0)}
+    verdicts = []
+    for leaf, i, value, who, compression, _ in FINITE_CASES:
+        g = {k: torch.ones_like(v) for k, v in params.items()}
+        if leaf is not None and fddp.rank() == who:
+            g[leaf][i] = value
+        opts = dict(check_finite=True, return_info=True, bucket_cap_mb=0.001, first_bucket_mb=0.001, compression=compression)
+        _, info = fddp.ddp_step(params, g, **opts)
+        _, _, info2 = fddp.grad_and_value(lambda p: sum((p[k] * g[k]).sum() for k in p), **opts)(params)
+        verdicts.append((bool(info.finite), bool(info2.finite)))
+    return verdicts
+
+
+def test_finite_check_sees_any_nan_or_inf_in_any_bucket_the_same_on_every_rank():
+    expected = [(ok, ok) for *_, ok in FINITE_CASES]
+    assert run(_finite_worker, 2) == [expected, expected]
+
+
 # --- verify_replicas ------------------------------------------------------------------------------
 
 

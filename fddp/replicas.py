@@ -44,6 +44,8 @@ def checksum(t: torch.Tensor, /) -> torch.Tensor:
     data = t.detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
     if data.numel() % 4:
         data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
+    elif data.storage_offset() % 4:
+        data = data.clone()  # a view into a bucket may start mid-word; reading it as words needs a copy
     words = data.view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     for start in range(0, words.numel(), _CHUNK):

@@ -264,26 +264,40 @@ def test_finite_check_sees_any_nan_or_inf_in_any_bucket_the_same_on_every_rank()
 # --- verify_replicas ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.complex64])
+def one_ulp_up(x: torch.Tensor, i: int) -> torch.Tensor:
+    """A copy of the 1-d ``x`` with element ``i`` one ulp higher (the imaginary part for complex, +1 for ints)."""
+    x = x.clone()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+        x[i, 1] = torch.nextafter(x[i, 1], torch.tensor(float("inf"), dtype=x.dtype))
+        return torch.view_as_complex(x)
+    if x.is_floating_point():
+        x[i] = torch.nextafter(x[i], torch.tensor(float("inf"), dtype=x.dtype))
+    else:
+        x[i] += 1
+    return x
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.complex64]
+)
 def test_checksum_sees_every_one_ulp_change_and_swap(dtype):
     g = torch.Generator().manual_seed(0)
-    t = torch.randn(7, 3, generator=g).to(dtype) if dtype != torch.int64 else torch.randint(-9, 9, (7, 3), generator=g)
+    exact = dtype in (torch.int64, torch.uint8)
+    t = (torch.randint(0, 9, (7, 4), generator=g) if exact else torch.randn(7, 4, generator=g)).to(dtype)
     c = checksum(t)
     flat = t.reshape(-1)
     for i in range(flat.numel()):
-        u = flat.clone()
-        if dtype.is_floating_point:
-            u[i] = torch.nextafter(u[i : i + 1], torch.tensor([float("inf")], dtype=dtype))[0]
-        elif dtype.is_complex:
-            re = torch.view_as_real(u)
-            re[i, 1] = torch.nextafter(re[i, 1 : 2], torch.tensor([float("inf")], dtype=re.dtype))[0]
-        else:
-            u[i] += 1
+        u = one_ulp_up(flat, i)
         assert not torch.equal(u, flat) and checksum(u) != c, i
     swapped = flat.clone()
     swapped[[0, 1]] = swapped[[1, 0]]
     assert checksum(swapped) != c
     assert checksum(t.t().contiguous().t()) == c  # layout does not matter, only values in order
+    bucket = torch.cat([flat[:1], flat])  # a view that starts one element into its storage
+    assert checksum(bucket[1:].view(t.shape)) == c
+    odd = flat[:3]  # an odd number of bytes for 1- and 2-byte dtypes: the last word is zero-padded
+    assert checksum(one_ulp_up(odd, 2)) != checksum(odd) == checksum(odd.clone())
     assert checksum(torch.tensor([0.0])) != checksum(torch.tensor([-0.0]))
 
 

@@ -31,7 +31,6 @@ import statistics
 import time
 from typing import Any, Callable
 
-import optree
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -39,7 +38,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as fopt
-from fddp.buckets import LeafSpec, make_plan
+from fddp.buckets import plan_for
 
 LR, MOMENTUM = 0.01, 0.9
 
@@ -214,7 +213,7 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
 
 def comm_of(mode: str, step: Callable, model: nn.Module, batch: tuple) -> tuple[int, int]:
     """Collectives and bytes one step of ``mode`` sends, from this rank."""
-    plan = make_plan(tuple(LeafSpec.of(p.detach()) for p in model.parameters()))
+    plan = plan_for(fddp.functionalize(model)[1])
     if mode.startswith("floor"):
         return 0, 0
     if mode in ("ddp", "compiled"):
@@ -270,8 +269,22 @@ def bench_model(name: str, repeats: int, steps: int, warmup: int) -> dict[str, A
     }
 
 
+def allocator() -> str:
+    """How glibc's malloc was tuned for this run (it changes CPU step times a lot, for every mode).
+
+    A pure step allocates fresh buffers (gradients, new parameters, optimizer state) every step;
+    by default glibc hands large freed blocks back to the OS and page-faults them in again.
+    """
+    keys = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
+    tuned = {k: os.environ[k] for k in keys if k in os.environ}
+    return ", ".join(f"{k}={v}" for k, v in tuned.items()) or "glibc defaults"
+
+
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    lines = [f"world size {dist.get_world_size()}, {args.repeats} repeats x {args.steps} steps, torch {torch.__version__}"]
+    lines = [
+        f"world size {dist.get_world_size()}, {args.repeats} repeats x {args.steps} steps, torch {torch.__version__}, "
+        f"allocator: {allocator()}"
+    ]
     for name, r in results.items():
         mds = r["modes"]
         lines.append(f"\n{name}: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors")
@@ -325,7 +338,8 @@ def main() -> None:
         report(results, args)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out + ".json", "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "torch": torch.__version__, "args": vars(args), "results": results}, f, indent=1)
+            meta = {"world_size": dist.get_world_size(), "torch": torch.__version__, "allocator": allocator(), "args": vars(args)}
+            json.dump({**meta, "results": results}, f, indent=1)
         plot(results, args.out + ".png")
     dist.destroy_process_group()
 

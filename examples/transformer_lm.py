@@ -41,7 +41,7 @@ SEQ_LEN = PROMPT_LEN + ANSWER_LEN
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description="A small transformer LM trained data-parallel with fddp.")
-    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--micro-batch", type=int, default=64, help="sequences per rank per micro-batch")
     p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")

@@ -84,36 +84,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-@functools.lru_cache(maxsize=256)
-def make_plan(
+def _plan(
     specs: tuple[LeafSpec, ...],
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     order: tuple[int, ...] | None = None,
 ) -> BucketPlan:
-    """Group leaves into buckets the way torch DDP does.
-
-    Leaves are taken in reverse ``order`` (the order backward produces gradients). Each (dtype, device)
-    pair fills its own bucket; a bucket closes once it reaches its cap, which is
-    ``first_bucket_mb`` for the first bucket of each pair (so the first all-reduce starts early)
-    and ``bucket_cap_mb`` after that. Buckets are listed in the order they close. Cached: the same
-    specs give the same plan object.
-
-    Args:
-        specs: one :class:`LeafSpec` per leaf, in tree-flatten order.
-        bucket_cap_mb: the cap of every bucket but the first, in MiB.
-        first_bucket_mb: the cap of the first bucket of each (dtype, device), in MiB.
-        order: the leaf indices in the order the model defines (and forward uses) them; see
-            :func:`fddp.comm.definition_order`. ``None`` means tree-flatten order.
-
-    Returns:
-        The plan.
-
-    Example:
-        >>> specs = tuple(LeafSpec((1000,), torch.float32, torch.device("cpu")) for _ in range(3))
-        >>> [b.indices for b in make_plan(specs, bucket_cap_mb=0.005, first_bucket_mb=0.001).buckets]
-        [(2,), (1, 0)]
-    """
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
@@ -144,6 +120,45 @@ def make_plan(
         for idx in closed
     )
     return BucketPlan(buckets=buckets, num_leaves=len(specs))
+
+
+_plan_cached = functools.lru_cache(maxsize=256)(_plan)
+
+
+def make_plan(
+    specs: tuple[LeafSpec, ...],
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    order: tuple[int, ...] | None = None,
+) -> BucketPlan:
+    """Group leaves into buckets the way torch DDP does.
+
+    Leaves are taken in reverse ``order`` (the order backward produces gradients). Each (dtype, device)
+    pair fills its own bucket; a bucket closes once it reaches its cap, which is
+    ``first_bucket_mb`` for the first bucket of each pair (so the first all-reduce starts early)
+    and ``bucket_cap_mb`` after that. Buckets are listed in the order they close. Cached: the same
+    specs give the same plan object.
+
+    Args:
+        specs: one :class:`LeafSpec` per leaf, in tree-flatten order.
+        bucket_cap_mb: the cap of every bucket but the first, in MiB.
+        first_bucket_mb: the cap of the first bucket of each (dtype, device), in MiB.
+        order: the leaf indices in the order the model defines (and forward uses) them; see
+            :func:`definition_order`. ``None`` means tree-flatten order.
+
+    Returns:
+        The plan.
+
+    Example:
+        >>> specs = tuple(LeafSpec((1000,), torch.float32, torch.device("cpu")) for _ in range(3))
+        >>> [b.indices for b in make_plan(specs, bucket_cap_mb=0.005, first_bucket_mb=0.001).buckets]
+        [(2,), (1, 0)]
+    """
+    # torch.compile traces the planner (its result is a constant of the graph), and dynamo ignores
+    # lru_cache wrappers with a warning: call the plain function there.
+    if torch.compiler.is_compiling():
+        return _plan(specs, bucket_cap_mb, first_bucket_mb, order)
+    return _plan_cached(specs, bucket_cap_mb, first_bucket_mb, order)
 
 
 def _insertion_paths(tree: Any, prefix: tuple = ()) -> list[tuple]:

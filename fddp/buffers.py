@@ -21,8 +21,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
-from fddp.comm import Reducer, broadcast, check_signature, definition_order, tree_leaves_with_paths, wait
+from fddp.buckets import LeafSpec, definition_order, flatten, make_plan, unflatten
+from fddp.comm import Reducer, broadcast, check_signature, tree_leaves_with_paths, wait
 from fddp.runtime import require_initialized
 
 __all__ = ["sync_buffers"]

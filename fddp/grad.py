@@ -25,8 +25,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import BucketPlan, LeafSpec, flatten, make_plan, unflatten
-from fddp.comm import Reducer, SyncInfo, check_signature, definition_order, tree_leaves_with_paths
+from fddp.buckets import BucketPlan, LeafSpec, definition_order, flatten, make_plan, unflatten
+from fddp.comm import Reducer, SyncInfo, check_signature, tree_leaves_with_paths
 from fddp.compress import PowerSGD, as_compressor, signature_option
 from fddp.runtime import require_initialized
 

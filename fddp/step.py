@@ -8,8 +8,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import LeafSpec, flatten, make_plan, unflatten
-from fddp.comm import Reducer, check_signature, definition_order, tree_leaves_with_paths
+from fddp.buckets import LeafSpec, definition_order, flatten, make_plan, unflatten
+from fddp.comm import Reducer, check_signature, tree_leaves_with_paths
 from fddp.compress import Cast, PowerSGD, signature_option
 from fddp.runtime import require_initialized
 

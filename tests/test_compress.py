@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 import fddp
 import fddp.checkpoint as ckpt
 from dist import run
-from fddp.buckets import LeafSpec, flatten, make_plan, plan_for, unflatten
+from fddp.buckets import flatten, plan_for, unflatten
 from fddp.comm import tree_leaves_with_paths
 from models import make_batch, make_model
 

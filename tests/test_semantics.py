@@ -10,7 +10,6 @@ import contextlib
 import copy
 import inspect
 
-import optree
 import pytest
 import torch
 import torch.distributed as tdist

@@ -365,7 +365,7 @@ def test_buckets_follow_definition_order_not_sorted_keys():
     # module's order, so the first bucket holds the last layer, whose gradients backward makes first.
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
     _, params = fddp.functionalize(model)
-    from fddp.comm import definition_order
+    from fddp.buckets import definition_order
 
     order = definition_order(params)
     paths = sorted(params)  # optree's flatten order for a dict

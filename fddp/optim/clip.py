@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .base import EmptyState, GradientTransformation, Params, Updates, _check_grads, _check_state, _use_foreach
 import optree

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import optree
 import torch
 
-__all__ = ["Bucket", "BucketPlan", "LeafSpec", "definition_order", "make_plan", "plan_for", "flatten", "unflatten", "MB"]
+__all__ = ["Bucket", "BucketPlan", "LeafSpec", "definition_order", "make_plan", "plan_for", "new_buffer", "flatten", "unflatten", "MB"]
 
 MB = 1024 * 1024  # bucket caps are in MiB, as in torch DDP's bucket_cap_mb
 
@@ -200,6 +200,52 @@ def plan_for(tree: Any, /, bucket_cap_mb: float = 25.0, first_bucket_mb: float =
     return make_plan(specs, bucket_cap_mb, first_bucket_mb, definition_order(tree))
 
 
+class _HostBuffers:
+    """Reuse host bucket buffers that nothing references any more.
+
+    Fresh host memory is expensive: glibc hands large freed blocks back to the OS and every page of
+    a new buffer then faults on first touch, which made copying a gradient into a new bucket cost
+    several times the copy itself. A buffer handed out by fddp is kept here and handed out again
+    only once its storage has no other user: no view (the gradients returned to the caller), no
+    alias (``detach()``, numpy) and no in-flight collective. So reuse is never observable, and the
+    functions stay pure. GPU memory has torch's caching allocator and is not pooled.
+    """
+
+    def __init__(self, per_key: int = 3) -> None:
+        self.per_key = per_key  # a step's buffers, the previous step's, and one spare
+        self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu" or _storage_users is None or torch.compiler.is_compiling():
+            return torch.empty(numel, dtype=dtype, device=device)
+        kept = self.free.setdefault((numel, dtype), [])
+        for t in kept:
+            # 2: the kept tensor itself and the temporary storage object made to ask.
+            if _storage_users(t.untyped_storage()._cdata) == 2:
+                # Hand out a view: it holds its own reference to the storage, so the buffer counts
+                # as in use from now on, even before anything else refers to it.
+                return t.view(numel)
+        t = torch.empty(numel, dtype=dtype, device=device)
+        if len(kept) < self.per_key:
+            kept.append(t)
+            return t.view(numel)
+        return t
+
+
+_storage_users = getattr(torch._C, "_storage_Use_Count", None)
+_host_buffers = _HostBuffers()
+
+
+def new_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Return an uninitialised 1-D buffer for a bucket, reusing an unreferenced host one if any.
+
+    Example:
+        >>> new_buffer(4, torch.float32, torch.device("cpu")).shape
+        torch.Size([4])
+    """
+    return _host_buffers.take(numel, dtype, device)
+
+
 def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Copy each bucket's leaves into one new flat buffer (one copy per element).
 
@@ -226,7 +272,7 @@ def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torc
             torch.zeros(n, dtype=out_dtype, device=b.device) if leaves[i] is None else leaves[i].reshape(-1)
             for i, n in zip(b.indices, b.numels)
         ]
-        flat = torch.empty(b.numel, dtype=out_dtype, device=b.device)
+        flat = new_buffer(b.numel, out_dtype, b.device)
         torch.cat(parts, out=flat)  # casts, when asked to, inside the one copy
         flats.append(flat)
     return flats

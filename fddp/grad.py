@@ -6,14 +6,12 @@ exists, and is waited on only at the end, so communication overlaps the rest of 
 so ``fddp.grad(fn)(params, ...)`` equals ``fddp.ddp_step(params, torch.func.grad(fn)(params, ...))``
 bit for bit.
 
-How: the differentiated leaves are laid out in the bucket plan's flat buffers (one copy per
-bucket; none when they already are views laid out that way, as the returned gradients are), the
-flat buffers are the inputs autograd differentiates, and ``fn`` sees the
-leaves as views (``split`` + ``view``) of them. The gradient of a flat buffer is one tensor,
-produced when the last of its leaves' gradients is, and a hook on the buffer launches its
-all-reduce. Buckets are launched in plan order on every rank (a bucket that is ready early waits
-for its predecessors), so ranks whose backward passes visit parameters in different orders still
-issue the same sequence of collectives.
+How: autograd differentiates the caller's own leaves (no copy), and a hook on each leaf copies
+its gradient, once backward has produced it, into its slice of the bucket's flat buffer, as torch
+DDP's reducer does. When a bucket's last leaf arrives, its all-reduce is launched. Buckets are
+launched in plan order on every rank (a bucket that is ready early waits for its predecessors), so
+ranks whose backward passes visit parameters in different orders still issue the same sequence of
+collectives; buckets whose leaves got no gradient are completed with zeros after backward.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import BucketPlan, LeafSpec, definition_order, flatten, make_plan, unflatten
+from fddp.buckets import BucketPlan, LeafSpec, definition_order, make_plan, new_buffer, unflatten
 from fddp.comm import Reducer, SyncInfo, check_signature, tree_leaves_with_paths
 from fddp.compress import PowerSGD, as_compressor, signature_option
 from fddp.runtime import require_initialized
@@ -61,11 +59,10 @@ def grad_and_value(
     leaf that ``fn`` does not use gets a zero gradient, and its bucket is still sent, so ranks that
     use different parameters do not hang.
 
-    The returned gradients are views into one flat buffer per bucket. Leaves laid out that way
-    are differentiated in place; others are packed into new buffers (one copy per bucket).
-    Differentiation uses :func:`torch.autograd.grad` on those buffers, so ``fn`` must be
-    differentiable by autograd (as for :func:`torch.func.grad`), and this cannot be nested inside
-    other ``torch.func`` transforms.
+    The returned gradients are views into one flat buffer per bucket. ``fn`` sees the caller's
+    own leaves (detached, never copied). Differentiation uses :func:`torch.autograd.grad`, so ``fn``
+    must be differentiable by autograd (as for :func:`torch.func.grad`), and this cannot be nested
+    inside other ``torch.func`` transforms.
 
     Args:
         fn: the function to differentiate; it must return a scalar tensor (or ``(scalar, aux)``
@@ -168,49 +165,56 @@ def _check_argnums(argnums: Any, what: str) -> tuple[int, ...]:
     return nums
 
 
-def _packed(plan: BucketPlan, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The plan's flat buffers holding ``leaves``: the leaves' own storage when they are laid out
-    exactly as the plan's views already, otherwise one new buffer per bucket (one copy)."""
-    flats = []
-    for b in plan.buckets:
-        first = leaves[b.indices[0]]
-        storage, start = first.untyped_storage().data_ptr(), first.storage_offset()
-        offset = start
-        for i, n in zip(b.indices, b.numels):
-            t = leaves[i]
-            if t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset or not t.is_contiguous():
-                return flatten(plan, [t.detach() for t in leaves])
-            offset += n
-        if offset * first.element_size() > first.untyped_storage().nbytes():  # pragma: no cover - defensive
-            return flatten(plan, [t.detach() for t in leaves])
-        flats.append(first.detach().as_strided((b.numel,), (1,), start))
-    return flats
-
-
-class _InOrder:
-    """Launch bucket gradients as they arrive, but always in plan order, so every rank issues the
-    same sequence of collectives whatever order its backward pass produced them in."""
+class _Buckets:
+    """Collect leaf gradients into the plan's flat buffers and launch each bucket once it is full,
+    always in plan order, so every rank issues the same sequence of collectives whatever order its
+    backward pass produced the gradients in."""
 
     def __init__(self, reducer: Reducer, plan: BucketPlan) -> None:
         self.reducer, self.plan = reducer, plan
-        self.ready: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.where = _slots(plan)
+        self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.missing = [set(b.indices) for b in plan.buckets]
         self.next = 0
 
-    def arrive(self, i: int, g: torch.Tensor) -> None:
-        self.ready[i] = g
-        while self.next < len(self.ready) and self.ready[self.next] is not None:
-            self.reducer.launch(self.next, self.ready[self.next])
-            self.ready[self.next] = None
+    def arrive(self, leaf: int, g: torch.Tensor) -> None:
+        b, start, n = self.where[leaf]
+        if self.flats[b] is None:
+            bucket = self.plan.buckets[b]
+            self.flats[b] = new_buffer(bucket.numel, bucket.dtype, bucket.device)
+        self.flats[b][start : start + n].copy_(g.reshape(-1))  # the one copy, as ddp_step's flatten
+        self.missing[b].discard(leaf)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.next < len(self.flats) and not self.missing[self.next]:
+            self.reducer.launch(self.next, self.flats[self.next])
+            self.flats[self.next] = None
             self.next += 1
 
     def flush(self) -> None:
-        """Send zeros for the buckets whose gradient never arrived (their leaves were unused)."""
-        for i in range(self.next, len(self.ready)):
-            if self.ready[i] is None:
-                b = self.plan.buckets[i]
-                self.ready[i] = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-        if self.next < len(self.ready):
-            self.arrive(self.next, self.ready[self.next])
+        """Complete with zeros the leaves that got no gradient (unused this step), then launch."""
+        for b in range(self.next, len(self.flats)):
+            for leaf in sorted(self.missing[b]):
+                bucket = self.plan.buckets[b]
+                _, start, n = self.where[leaf]
+                if self.flats[b] is None:
+                    self.flats[b] = new_buffer(bucket.numel, bucket.dtype, bucket.device)
+                self.flats[b][start : start + n].zero_()
+            self.missing[b].clear()
+        self._launch_ready()
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(plan: BucketPlan) -> dict[int, tuple[int, int, int]]:
+    """Map each leaf to (bucket, start, numel) in the plan's buffers."""
+    where = {}
+    for b, bucket in enumerate(plan.buckets):
+        start = 0
+        for leaf, n in zip(bucket.indices, bucket.numels):
+            where[leaf] = (b, start, n)
+            start += n
+    return where
 
 
 def _grad_and_value(
@@ -245,14 +249,14 @@ def _grad_and_value(
     check_signature(spec, paths, specs, group, what, options=sig_options, order=order)
     plan = make_plan(specs, bucket_cap_mb, first_bucket_mb, order)
 
-    inputs = [f.detach().requires_grad_() for f in _packed(plan, leaves)]
+    inputs = [t.detach().requires_grad_() for t in leaves]
     reducer = Reducer(len(plan.buckets), group, what, plan=plan, **options)
-    order = _InOrder(reducer, plan)
+    buckets = _Buckets(reducer, plan)
     for i, x in enumerate(inputs):
-        # The flat buffer feeds only its `split`, so its gradient is one fresh tensor (the `cat`
-        # of its leaves' gradients), produced once every leaf's gradient exists.
-        x.register_hook(functools.partial(order.arrive, i))
-    views = optree.tree_unflatten(spec, unflatten(plan, inputs))
+        # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
+        # tensor's hooks run.
+        x.register_hook(functools.partial(buckets.arrive, i))
+    views = optree.tree_unflatten(spec, inputs)
     call_args = list(args)
     if isinstance(argnums, int):
         call_args[nums[0]] = views
@@ -265,7 +269,7 @@ def _grad_and_value(
         loss = _loss_of(out, has_aux, what)
         if loss.requires_grad:
             torch.autograd.grad(loss, inputs, allow_unused=True)
-    order.flush()
+    buckets.flush()
     flats, info = reducer.finish()
     grads = optree.tree_unflatten(spec, unflatten(plan, flats))
     value = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fddp.buckets import MB, LeafSpec, flatten, make_plan, unflatten
+from fddp.buckets import MB, LeafSpec, flatten, make_plan, new_buffer, unflatten
 
 CPU = torch.device("cpu")
 
@@ -81,3 +81,40 @@ def test_flatten_casts_in_the_same_copy():
     plan = make_plan(tuple(LeafSpec.of(t) for t in leaves))
     (flat,) = flatten(plan, leaves, dtype=torch.bfloat16)
     assert flat.dtype == torch.bfloat16 and flat.tolist() == [3.0, 1.0, 2.5]
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_host_buffers_are_reused_only_when_nothing_refers_to_them():
+    cpu = torch.device("cpu")
+    n = 1234  # a size no other test uses
+    a = new_buffer(n, torch.float32, cpu)
+    b = new_buffer(n, torch.float32, cpu)
+    assert _storage(a) != _storage(b), "a buffer still in use was handed out twice"
+    pa = _storage(a)
+    view, alias, array = a[3:7].view(2, 2), a.detach(), a[:5].numpy()
+    del a
+    for holder in ("view", "alias", "array"):
+        c = new_buffer(n, torch.float32, cpu)
+        assert _storage(c) != pa, f"reused while a {holder} of it was alive"
+        del c
+        if holder == "view":
+            del view
+        elif holder == "alias":
+            del alias
+        else:
+            del array
+    assert _storage(new_buffer(n, torch.float32, cpu)) == pa, "an unreferenced buffer was not reused"
+
+
+def test_results_held_by_the_caller_never_change():
+    # flatten draws on the reused buffers: earlier results the caller still holds must stay intact
+    leaves = [torch.arange(6.0).reshape(2, 3), torch.ones(4)]
+    plan = make_plan(tuple(LeafSpec.of(t) for t in leaves))
+    first = unflatten(plan, flatten(plan, leaves))
+    kept = [t.clone() for t in first]
+    for k in range(5):
+        unflatten(plan, flatten(plan, [t * (k + 2) for t in leaves]))
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, grad_and_value, stack_module_state, vmap
 
 import fddp
-from dist import RankError, run
+from dist import RankError, count_all_reduces, run
 from fddp.buckets import LeafSpec, make_plan, plan_for
 from models import make_batch, make_model
 
@@ -27,23 +26,6 @@ def int_grads(rank: int) -> dict:
     """Integer-valued gradients: their sums are exact in every dtype, so the mean is exactly known."""
     g = torch.Generator().manual_seed(100 + rank)
     return {k: torch.randint(-8, 9, SHAPES[k], generator=g).to(DTYPES[k]) for k in SHAPES}
-
-
-@contextlib.contextmanager
-def count_all_reduces():
-    """Count the all-reduces issued through torch.distributed while the block runs."""
-    calls: list[int] = []
-    original = tdist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        calls.append(tensor.numel())
-        return original(tensor, *args, **kwargs)
-
-    tdist.all_reduce = counting
-    try:
-        yield calls
-    finally:
-        tdist.all_reduce = original
 
 
 def _mean_worker():
@@ -115,7 +97,7 @@ def _count_worker(cap_mb: float, first_mb: float):
     fddp.ddp_step(params, grads, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)  # signature check
     with count_all_reduces() as calls:
         fddp.ddp_step(params, grads, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
-    return len(calls), len(plan_for(params, cap_mb, first_mb).buckets), sum(calls)
+    return len(calls), len(plan_for(params, cap_mb, first_mb).buckets), sum(n for n, _ in calls)
 
 
 def test_one_collective_per_bucket():
@@ -147,17 +129,26 @@ def test_replicas_stay_bitwise_identical():
 
 
 def _broadcast_worker():
-    tree = {"w": torch.full((3, 4), float(fddp.rank())), "n": {"b": torch.arange(5) + fddp.rank()}}
+    # three float leaves share one bucket; the int64 leaf travels in its own
+    tree = {"w": torch.full((3, 4), float(fddp.rank())), "n": {"b": torch.arange(5) + fddp.rank()},
+            "v": [torch.full((2,), float(fddp.rank())), torch.zeros(7) + fddp.rank()]}
     before = copy.deepcopy(tree)
-    with count_all_reduces():
+    fddp.broadcast(tree, src=1)  # the first call of a tree compares signatures (an all-reduce)
+    sent, original = [], tdist.broadcast
+    tdist.broadcast = lambda t, *a, **k: sent.append(t.numel()) or original(t, *a, **k)
+    try:
         out = fddp.broadcast(tree, src=1)
+    finally:
+        tdist.broadcast = original
     assert torch.equal(tree["w"], before["w"]) and torch.equal(tree["n"]["b"], before["n"]["b"])
-    return out
+    return out, sorted(sent)
 
 
-def test_broadcast_takes_src_values():
-    for out in run(_broadcast_worker, 3):
+def test_broadcast_takes_src_values_in_one_collective_per_bucket():
+    for out, sent in run(_broadcast_worker, 3):
         assert torch.equal(out["w"], torch.ones(3, 4)) and torch.equal(out["n"]["b"], torch.arange(5) + 1)
+        assert torch.equal(out["v"][0], torch.ones(2)) and torch.equal(out["v"][1], torch.ones(7))
+        assert sent == [5, 12 + 2 + 7], sent
 
 
 # --- composition with torch.func ------------------------------------------------------------

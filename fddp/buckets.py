@@ -7,6 +7,7 @@ every rank that holds the same tree computes the same plan without talking to th
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -214,10 +215,15 @@ class _HostBuffers:
     def __init__(self, per_key: int = 3) -> None:
         self.per_key = per_key  # a step's buffers, the previous step's, and one spare
         self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self.lock = threading.Lock()  # the check and the hand-out must not interleave across threads
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu" or _storage_users is None or torch.compiler.is_compiling():
             return torch.empty(numel, dtype=dtype, device=device)
+        with self.lock:
+            return self._take(numel, dtype, device)
+
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         kept = self.free.setdefault((numel, dtype), [])
         for t in kept:
             # 2: the kept tensor itself and the temporary storage object made to ask.

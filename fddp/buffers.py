@@ -21,8 +21,8 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import LeafSpec, definition_order, flatten, make_plan, unflatten
-from fddp.comm import Reducer, broadcast, check_signature, tree_leaves_with_paths, wait
+from fddp.buckets import LeafSpec, flatten, unflatten
+from fddp.comm import Reducer, broadcast, checked_plan, tree_leaves_with_paths, wait
 from fddp.runtime import require_initialized
 
 __all__ = ["sync_buffers"]
@@ -75,9 +75,7 @@ def sync_buffers(
         return broadcast(buffers, src, group, bucket_cap_mb=bucket_cap_mb)
     paths, leaves, spec = tree_leaves_with_paths(buffers, "sync_buffers")
     specs = tuple(LeafSpec.of(t) for t in leaves)
-    order = definition_order(buffers)
-    check_signature(spec, paths, specs, group, "sync_buffers", options="mean", order=order)
-    plan = make_plan(specs, bucket_cap_mb, bucket_cap_mb, order)
+    plan = checked_plan(buffers, spec, paths, specs, group, "sync_buffers", bucket_cap_mb, bucket_cap_mb, options="mean")
     flats = flatten(plan, [t.detach() for t in leaves])
     is_mean = [f.is_floating_point() or f.is_complex() for f in flats]
     reducer = Reducer(sum(is_mean), group, "sync_buffers")

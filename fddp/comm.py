@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from fddp.buckets import BucketPlan, LeafSpec, definition_order, flatten, make_plan, unflatten
-from fddp.compress import PowerSGD, PowerSGDStep, advance, as_compressor, check_state
+from fddp.compress import PowerSGD, PowerSGDStep, advance, as_compressor, check_state, signature_option
 from fddp.runtime import require_initialized
 
 __all__ = ["MismatchError", "SyncInfo", "Reducer", "check_signature", "tree_leaves_with_paths", "broadcast"]
@@ -125,6 +125,35 @@ def check_signature(
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, rows, group=group)
     raise MismatchError(f"fddp.{what}: ranks hold different trees. {_first_difference(gathered)}")
+
+
+def sync_options(weight: Any, compression: Any, compression_state: Any, what: str) -> str:
+    """Describe the sync options that change what travels, for :func:`check_signature`.
+
+    A weight makes bucket 0 one element longer, and compression changes every bucket: ranks that
+    disagree on either must not reach the buckets.
+    """
+    weighted = "weight=given" if weight is not None else "weight=none"
+    return f"{weighted} {signature_option(compression, compression_state, what)}"
+
+
+def checked_plan(
+    tree: Any,
+    spec: Any,
+    paths: Sequence[str],
+    specs: tuple[LeafSpec, ...],
+    group: dist.ProcessGroup | None,
+    what: str,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
+    *,
+    options: str = "",
+) -> BucketPlan:
+    """Check ``tree``'s signature across the group (leaf order and ``options`` included), then
+    return its bucket plan: the start of every bucketed collective."""
+    order = definition_order(tree)
+    check_signature(spec, paths, specs, group, what, options=options, order=order)
+    return make_plan(specs, bucket_cap_mb, first_bucket_mb, order)
 
 
 def _first_difference(per_rank: list[list[tuple[str, str]]]) -> str:
@@ -408,9 +437,7 @@ def broadcast(tree: Any, src: int = 0, group: dist.ProcessGroup | None = None, *
     if not 0 <= src < n:
         raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src}")
     specs = tuple(LeafSpec.of(t) for t in leaves)
-    order = definition_order(tree)
-    check_signature(spec, paths, specs, group, "broadcast", order=order)
-    plan = make_plan(specs, bucket_cap_mb, bucket_cap_mb, order)
+    plan = checked_plan(tree, spec, paths, specs, group, "broadcast", bucket_cap_mb, bucket_cap_mb)
     flats = flatten(plan, [t.detach() for t in leaves])
     if n > 1:
         global_src = src if group is None else dist.get_global_rank(group, src)

@@ -198,6 +198,12 @@ def as_compressor(compression: Any, what: str) -> Cast | PowerSGD | None:
     )
 
 
+def check_return_info(compression: Any, return_info: bool, what: str) -> None:
+    """Raise unless a PowerSGD caller asked for the info that carries PowerSGD's next state."""
+    if isinstance(compression, PowerSGD) and not return_info:
+        raise ValueError(f"fddp.{what}: PowerSGD returns its next state in info.compression_state; pass return_info=True")
+
+
 def check_state(config: PowerSGD, state: Any, what: str) -> PowerSGDState:
     """Return ``state`` if it looks like a :class:`PowerSGDState`, else raise saying what arrived."""
     if not (isinstance(state, tuple) and len(state) == 4 and isinstance(getattr(state, "step", None), torch.Tensor)):

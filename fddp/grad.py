@@ -17,15 +17,15 @@ collectives; buckets whose leaves got no gradient are completed with zeros after
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import BucketPlan, LeafSpec, definition_order, make_plan, new_buffer, unflatten
-from fddp.comm import Reducer, SyncInfo, check_signature, tree_leaves_with_paths
-from fddp.compress import PowerSGD, as_compressor, signature_option
+from fddp.buckets import BucketPlan, LeafSpec, new_buffer, unflatten
+from fddp.comm import Reducer, SyncInfo, checked_plan, sync_options, tree_leaves_with_paths
+from fddp.compress import as_compressor, check_return_info
 from fddp.runtime import require_initialized
 
 __all__ = ["grad", "grad_and_value"]
@@ -148,8 +148,7 @@ def _options(
 ) -> dict[str, Any]:
     """Check the sync options when the transform is built, not at its first call."""
     as_compressor(compression, what)  # raises on an unknown compression
-    if isinstance(compression, PowerSGD) and not return_info:
-        raise ValueError(f"fddp.{what}: PowerSGD returns its next state in info.compression_state; pass return_info=True")
+    check_return_info(compression, return_info, what)
     return dict(weight=weight, compression=compression, compression_state=compression_state, check_finite=check_finite)
 
 
@@ -240,14 +239,8 @@ def _grad_and_value(
         if not (t.is_floating_point() or t.is_complex()):
             raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {path!r} is {t.dtype}")
     specs = tuple(LeafSpec.of(t) for t in leaves)
-    # The same signature as ddp_step's: a weight makes bucket 0 one element longer, compression
-    # changes every bucket, and the leaf order decides which leaves share a bucket.
-    sig_options = ("weight=given" if options["weight"] is not None else "weight=none") + " " + signature_option(
-        options["compression"], options["compression_state"], what
-    )
-    order = definition_order(tree)
-    check_signature(spec, paths, specs, group, what, options=sig_options, order=order)
-    plan = make_plan(specs, bucket_cap_mb, first_bucket_mb, order)
+    sig_options = sync_options(options["weight"], options["compression"], options["compression_state"], what)
+    plan = checked_plan(tree, spec, paths, specs, group, what, bucket_cap_mb, first_bucket_mb, options=sig_options)
 
     inputs = [t.detach().requires_grad_() for t in leaves]
     reducer = Reducer(len(plan.buckets), group, what, plan=plan, **options)

@@ -8,9 +8,9 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import LeafSpec, definition_order, flatten, make_plan, unflatten
-from fddp.comm import Reducer, check_signature, tree_leaves_with_paths
-from fddp.compress import Cast, PowerSGD, signature_option
+from fddp.buckets import LeafSpec, flatten, unflatten
+from fddp.comm import Reducer, checked_plan, sync_options, tree_leaves_with_paths
+from fddp.compress import Cast, PowerSGD, check_return_info
 from fddp.runtime import require_initialized
 
 __all__ = ["ddp_step"]
@@ -101,19 +101,12 @@ def ddp_step(
         >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
     """
     require_initialized("ddp_step")
-    if isinstance(compression, PowerSGD) and not return_info:
-        raise ValueError("fddp.ddp_step: PowerSGD returns its next state in info.compression_state; pass return_info=True")
+    check_return_info(compression, return_info, "ddp_step")
     paths, p_leaves, p_spec = tree_leaves_with_paths(params, "ddp_step")
     p_specs = tuple(LeafSpec.of(p) for p in p_leaves)
     g_leaves = _check_grads(paths, p_specs, p_spec, grads)
-    # A weight makes bucket 0 one element longer, and compression changes every bucket: ranks that
-    # disagree on either must not reach the buckets.
-    options = ("weight=given" if weight is not None else "weight=none") + " " + signature_option(
-        compression, compression_state, "ddp_step"
-    )
-    order = definition_order(params)
-    check_signature(p_spec, paths, p_specs, group, "ddp_step", options=options, order=order)
-    plan = make_plan(p_specs, bucket_cap_mb, first_bucket_mb, order)
+    options = sync_options(weight, compression, compression_state, "ddp_step")
+    plan = checked_plan(params, p_spec, paths, p_specs, group, "ddp_step", bucket_cap_mb, first_bucket_mb, options=options)
     reducer = Reducer(
         len(plan.buckets),
         group,

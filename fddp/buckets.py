@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import optree
 import torch
 
-__all__ = ["Bucket", "BucketPlan", "LeafSpec", "definition_order", "make_plan", "plan_for", "new_buffer", "flatten", "unflatten", "MB"]
+__all__ = ["Bucket", "BucketPlan", "LeafSpec", "definition_order", "make_plan", "plan_for", "new_buffer", "release_buffers", "flatten", "unflatten", "MB"]
 
 MB = 1024 * 1024  # bucket caps are in MiB, as in torch DDP's bucket_cap_mb
 
@@ -212,8 +212,10 @@ class _HostBuffers:
     functions stay pure. GPU memory has torch's caching allocator and is not pooled.
     """
 
-    def __init__(self, per_key: int = 3) -> None:
-        self.per_key = per_key  # a step's buffers, the previous step's, and one spare
+    def __init__(self, per_key: int = 12) -> None:
+        # Per (size, dtype): a step's buckets and the previous step's, or an optimizer's params,
+        # state, their successors and its temporaries (fddp.optim's flat buffers share sizes).
+        self.per_key = per_key
         self.free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self.lock = threading.Lock()  # the check and the hand-out must not interleave across threads
 
@@ -250,6 +252,21 @@ def new_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
         torch.Size([4])
     """
     return _host_buffers.take(numel, dtype, device)
+
+
+def release_buffers() -> None:
+    """Forget the host buffers kept for reuse, so that memory can go back to the OS.
+
+    fddp keeps the host buffers it makes (gradient buckets, ``fddp.optim``'s flat parameters and
+    state) and reuses the ones nothing refers to any more: like torch's CUDA caching allocator, it
+    holds on to a step's peak working set. Buffers still in use stay valid; they are simply not
+    reused. Call this after training, or between phases that use different models.
+
+    Example:
+        >>> fddp.buckets.release_buffers()
+    """
+    with _host_buffers.lock:
+        _host_buffers.free.clear()
 
 
 def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torch.dtype | None = None) -> list[torch.Tensor]:

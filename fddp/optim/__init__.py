@@ -7,6 +7,10 @@ An optimizer is a ``GradientTransformation(init, update)`` of two pure functions
     updates, state = opt.update(grads, state, params)
     params = fddp.optim.apply_updates(params, updates)
 
+or, in one call that runs torch's fused kernels where it can (``sgd``, ``adam``, ``adamw``)::
+
+    params, state = fddp.optim.apply_gradients(opt, grads, state, params)
+
 ``update`` never modifies its inputs, keeps the step count as a tensor and never calls
 ``.item()``, so it works under ``torch.func.vmap`` (an ensemble) and inside ``torch.compile``.
 Gradients must be tensors: a ``None`` gradient is rejected (pass zeros or drop the leaf).
@@ -14,7 +18,7 @@ Gradients must be tensors: a ``None`` gradient is rejected (pass zeros or drop t
 
 from .accumulate import AccumulateState, accumulate
 from .adam import AdamState, adam, adamw
-from .base import EmptyState, GradientTransformation, apply_updates, chain
+from .base import EmptyState, GradientTransformation, apply_gradients, apply_updates, chain
 from .clip import clip_by_global_norm
 from .schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
 from .sgd import SGDState, sgd
@@ -23,6 +27,7 @@ __all__ = [
     "GradientTransformation",
     "EmptyState",
     "apply_updates",
+    "apply_gradients",
     "chain",
     "sgd",
     "SGDState",

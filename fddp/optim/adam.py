@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -17,12 +18,16 @@ from .base import (
     _check_nonneg,
     _check_state,
     _flatten,
+    _fused_groups,
     _lr_at,
+    _paths,
+    _register_fused,
     _params_leaves,
-    _use_foreach,
     _zeros_count,
 )
 import optree
+
+from . import flat
 
 
 class AdamState(NamedTuple):
@@ -125,7 +130,7 @@ def _adam(
         )
         return AdamState(_zeros_count(leaves), zeros(), zeros(), zeros() if amsgrad else ())
 
-    def update(grads: Updates, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
+    def leaves_of(grads: Updates, state: AdamState, params: Params | None, need_params: bool):
         _check_state(state, AdamState, where)
         if amsgrad != (not _is_empty(state.max_exp_avg_sq)):
             raise TypeError(
@@ -135,7 +140,11 @@ def _adam(
         gs, _ = _check_grads(grads, treedef, where)
         vs = _flatten(state.exp_avg_sq)[0]
         vmaxs = _flatten(state.max_exp_avg_sq)[0] if amsgrad else None
-        ps = _params_leaves(params, treedef, where, "weight_decay != 0") if weight_decay else None
+        ps = _params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
+        return treedef, gs, ms, vs, vmaxs, ps
+
+    def update(grads: Updates, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
+        treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, bool(weight_decay))
 
         count = state.count
         lr_t = _lr_at(lr, count)
@@ -148,10 +157,14 @@ def _adam(
         step = -lr_t * bc2_sqrt / bc1
         eps_hat = eps * bc2_sqrt
         l2 = weight_decay if (weight_decay and not decoupled) else 0.0
-        decay = _decay_factors(lr_t, weight_decay, ps, count.device) if (decoupled and weight_decay) else None
+        decay = _decay(lr_t, weight_decay, count.device) if (decoupled and weight_decay) else None
 
-        core = _foreach_core if _use_foreach(gs) else _per_leaf_core
-        m, v, vmax, u = core(gs, ms, vs, vmaxs, ps, b1, b2, eps_hat, step, l2, decay)
+        leaves = [ms, gs, vs] + ([vmaxs] if amsgrad else []) + ([ps] if ps is not None else [])
+        labels = ["exp_avg", "grads", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else []) + ["params"]
+        groups = flat.groups_for(*leaves, names=lambda: _paths(treedef), labels=labels)
+        scalars = _Scalars(step=step, eps_hat=eps_hat, decay=decay)
+        unit = functools.partial(_adam_unit, b1=b1, b2=b2, l2=l2, scalars=scalars)
+        m, v, vmax, u = flat.run(unit, groups, [gs, ms, vs, vmaxs, ps], ms, 4)
         new_state = AdamState(
             count + 1,
             optree.tree_unflatten(treedef, m),
@@ -160,67 +173,92 @@ def _adam(
         )
         return optree.tree_unflatten(treedef, u), new_state
 
-    return GradientTransformation(init, update)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    def fused(grads: Updates, state: AdamState, params: Params) -> tuple[Params, AdamState] | None:
+        """``apply_gradients`` with torch's fused kernel, run in place on copies of params and state."""
+        treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, True)
+        groups = _fused_groups(
+            ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: _paths(treedef),
+            labels=("params", "grads", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+        )
+        if groups is None:
+            return None
+        lr_t = _lr_at(lr, state.count)
+        # The kernel reads the step count from a float tensor, as torch.optim keeps it (no sync).
+        step = (state.count + 1).to(torch.float32)
+        trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
+        outs = [[None] * len(ps) for _ in trees]
+        for group in groups:
+            new = [flat.copy(leaves, group) for leaves in trees]
+            p_, m_, v_, *vmax_ = [flat.views(buf, group, ps) for buf in new]
+            kernel(
+                p_, [gs[i] for i in group.indices], m_, v_, vmax_[0] if amsgrad else [], [step] * len(p_),
+                lr=lr_t, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False,
+            )
+            for out, buf in zip(outs, new):
+                flat.scatter(out, buf, group, ps)
+        p, m, v, *vmax = [optree.tree_unflatten(treedef, out) for out in outs]
+        return p, AdamState(state.count + 1, m, v, vmax[0] if amsgrad else ())
+
+    return _register_fused(GradientTransformation(init, update), fused)
 
 
 def _is_empty(x) -> bool:
     return isinstance(x, tuple) and len(x) == 0
 
 
-def _decay_factors(lr_t, weight_decay: float, ps: list[Tensor], device) -> list[Tensor]:
-    """Per-leaf ``c - 1`` where torch decays ``param.mul_(c)``, ``c = 1 - lr * weight_decay``.
+def _decay(lr_t, weight_decay: float, device) -> Tensor:
+    """``c - 1`` where torch decays ``param.mul_(c)``, ``c = 1 - lr * weight_decay`` (float64).
 
     torch rounds ``c`` to the parameter's dtype, which changes the effective decay noticeably
-    (fp32 rounding of 1 - 1e-5 is off by ~0.3% of the decay; in bf16 it is exactly 1). Using the
-    rounded factor keeps trajectories on torch's.
+    (fp32 rounding of 1 - 1e-5 is off by ~0.3% of the decay; in bf16 it is exactly 1). ``_Scalars``
+    applies the same rounding per dtype, which keeps trajectories on torch's.
     """
-    c = torch.as_tensor(1.0 - lr_t * weight_decay, dtype=torch.float64, device=device)
-    by_dtype: dict = {}
-    for p in ps:
-        if p.dtype not in by_dtype:
-            # Exact: c rounded to the dtype minus 1 is representable in that dtype.
-            by_dtype[p.dtype] = (c.to(p.dtype).to(torch.float64) - 1.0).to(p.dtype)
-    return [by_dtype[p.dtype] for p in ps]
+    return torch.as_tensor(1.0 - lr_t * weight_decay, dtype=torch.float64, device=device)
 
 
-# Both cores run the same kernels in the same order, so they give bit-identical results; the
-# foreach one works in place on freshly allocated buffers (never on inputs) to save allocations.
+class _Scalars:
+    """The step's scalar tensors, cast once per dtype they are used with.
+
+    Casting explicitly keeps results in the leaf's dtype: under vmap the batching rules of some ops
+    would otherwise promote a batched float64 scalar, and the result, to float64.
+    """
+
+    def __init__(self, step: Tensor, eps_hat: Tensor, decay: Tensor | None) -> None:
+        self.step, self.eps_hat, self.decay = step, eps_hat, decay
+        self.cache: dict = {}
+
+    def get(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+        if dtype not in self.cache:
+            decay = None
+            if self.decay is not None:
+                # Exact: c rounded to the dtype, minus 1, is representable in that dtype.
+                decay = (self.decay.to(dtype).to(torch.float64) - 1.0).to(dtype)
+            self.cache[dtype] = (self.step.to(dtype), self.eps_hat.to(dtype), decay)
+        return self.cache[dtype]
 
 
-def _foreach_core(gs, ms, vs, vmaxs, ps, b1, b2, eps_hat, step, l2, decay):
+def _adam_unit(g, m, v, vmax, p, new, *, b1, b2, l2, scalars):
+    """One Adam update of one tensor: a flat buffer of many leaves, or a single leaf.
+
+    Out of place throughout (``out=`` is a fresh pooled buffer, or ``None`` leaf by leaf): under
+    vmap an in-place op on an unbatched tensor with batched arguments is an error. Writing into a
+    buffer the unit itself just made (``out=o`` twice) is in place only on flat buffers.
+    """
+    step, eps_hat, decay = scalars.get(g.dtype)
     if l2:
-        gs = torch._foreach_add(gs, ps, alpha=l2)
-    m = torch._foreach_lerp(ms, gs, 1.0 - b1)
-    v = torch._foreach_mul(vs, b2)
-    torch._foreach_addcmul_(v, gs, gs, 1.0 - b2)
-    vmax = None
-    if vmaxs is not None:
-        vmax = torch._foreach_maximum(vmaxs, v)
-    u = torch._foreach_sqrt(v if vmax is None else vmax)
-    torch._foreach_add_(u, eps_hat)
-    torch._foreach_reciprocal_(u)
-    torch._foreach_mul_(u, m)
-    torch._foreach_mul_(u, step)
+        g = torch.add(g, p, alpha=l2, out=new())
+    m = torch.lerp(m, g, 1.0 - b1, out=new())
+    o = new()
+    v = torch.addcmul(torch.mul(v, b2, out=o), g, g, value=1.0 - b2, out=o)
+    if vmax is not None:
+        vmax = torch.maximum(vmax, v, out=new())
+    # torch: -lr/bc1 * m / (sqrt(v)/bc2_sqrt + eps). Multiplied through by bc2_sqrt this is
+    # m / (sqrt(v) + eps*bc2_sqrt) * (-lr*bc2_sqrt/bc1), one pass fewer.
+    o = new()
+    u = torch.add(torch.sqrt(v if vmax is None else vmax, out=o), eps_hat, out=o)
+    u = torch.mul(torch.div(m, u, out=o), step, out=o)
     if decay is not None:
-        torch._foreach_addcmul_(u, ps, decay)
-    return m, v, vmax, u
-
-
-def _per_leaf_core(gs, ms, vs, vmaxs, ps, b1, b2, eps_hat, step, l2, decay):
-    # Out of place throughout: under vmap an in-place op on an unbatched tensor with batched
-    # arguments is an error, and inputs may be unbatched while grads are batched.
-    if l2:
-        gs = [torch.add(g, p, alpha=l2) for g, p in zip(gs, ps)]
-    m = [torch.lerp(a, g, 1.0 - b1) for a, g in zip(ms, gs)]
-    v = [torch.addcmul(torch.mul(a, b2), g, g, value=1.0 - b2) for a, g in zip(vs, gs)]
-    vmax = None
-    if vmaxs is not None:
-        vmax = [torch.maximum(a, b) for a, b in zip(vmaxs, v)]
-    u = []
-    for i, src in enumerate(v if vmax is None else vmax):
-        x = torch.reciprocal(torch.add(torch.sqrt(src), eps_hat))
-        x = torch.mul(torch.mul(x, m[i]), step)
-        if decay is not None:
-            x = torch.addcmul(x, ps[i], decay[i])
-        u.append(x)
+        u = torch.addcmul(u, p, decay, out=o)
     return m, v, vmax, u

@@ -8,11 +8,14 @@ added to parameters (``params + updates``), so a descent step has negative updat
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import optree
 import torch
 from torch import Tensor
+
+from . import flat
 
 PyTree = Any
 Params = PyTree
@@ -64,10 +67,19 @@ def apply_updates(params: Params, updates: Updates, /) -> Params:
     """
     p_leaves, treedef = _flatten(params)
     u_leaves = _leaves_like(updates, treedef, "updates", "params")
+    groups = None
+    if all(isinstance(x, Tensor) for x in p_leaves) and all(isinstance(x, Tensor) for x in u_leaves):
+        groups = flat.groups_for(p_leaves, u_leaves, names=lambda: _paths(treedef), labels=("params", "updates"))
+    if groups is not None and any(
+        flat.tiled(p_leaves, g) is not None or flat.tiled(u_leaves, g) is not None for g in groups
+    ):
+        # Updates from fddp.optim are views of flat buffers: one add per buffer, into a pooled one.
+        (out,) = flat.run(lambda p, u, new: (torch.add(p, u, out=new()),), groups, [p_leaves, u_leaves], p_leaves, 1)
+        return optree.tree_unflatten(treedef, out)
     idx = [i for i, u in enumerate(u_leaves) if u is not None and p_leaves[i] is not None]
     ps = [p_leaves[i] for i in idx]
     us = [u_leaves[i] for i in idx]
-    if _use_foreach(ps) and all(p.dtype == u.dtype for p, u in zip(ps, us)):
+    if flat.multi_tensor_ok(ps) and all(p.dtype == u.dtype for p, u in zip(ps, us)):
         new = torch._foreach_add(ps, us)
     else:
         # Adding in the wider dtype then casting is what optax does for bf16 params + fp32 updates.
@@ -76,6 +88,56 @@ def apply_updates(params: Params, updates: Updates, /) -> Params:
     for i, t in zip(idx, new):
         out[i] = t
     return optree.tree_unflatten(treedef, out)
+
+
+def apply_gradients(
+    opt: GradientTransformation, grads: Updates, state: OptState, params: Params, /
+) -> tuple[Params, OptState]:
+    """One optimizer step: ``update`` then ``apply_updates``, fused into one pass where possible.
+
+    The result is that of ``opt.update`` followed by ``apply_updates`` (flax's ``apply_gradients``).
+    For ``sgd`` (without dampening), ``adam`` and ``adamw``, alone or last in a ``chain``, eager
+    calls outside torch.func transforms run torch's fused optimizer kernels instead
+    (``torch._fused_sgd_``/``_fused_adam_``/``_fused_adamw_``, the kernels of
+    ``torch.optim.*(fused=True)``, whose results they equal exactly) on new buffers. That is one
+    pass over the parameters instead of about ten, and about twice as fast as the two calls; it
+    rounds like torch's fused kernels, so it may differ from ``update`` + ``apply_updates`` in the
+    last bits. Nothing is modified in place: params and state come back as new tensors.
+
+    Args:
+        opt: the optimizer.
+        grads: gradients, a pytree like ``params``.
+        state: the optimizer state (from ``opt.init`` or the previous step).
+        params: the parameters.
+
+    Returns:
+        ``(new_params, new_state)``.
+
+    Example:
+        >>> opt = fddp.optim.adamw(lr=1e-3)
+        >>> state = opt.init(params)
+        >>> params, state = fddp.optim.apply_gradients(opt, grads, state, params)
+    """
+    if not isinstance(opt, GradientTransformation):
+        raise TypeError(f"apply_gradients: opt must be a GradientTransformation, got {type(opt).__name__}")
+    fused = _FUSED.get(opt.update)
+    if fused is not None:
+        out = fused(grads, state, params)
+        if out is not None:
+            return out
+    updates, state = opt.update(grads, state, params)
+    return apply_updates(params, updates), state
+
+
+# update function -> fused ``(grads, state, params) -> (new_params, new_state) | None`` (None: not
+# applicable to these inputs; use update + apply_updates). Keyed weakly by the update closure so
+# that optimizers can be created freely; GradientTransformation itself stays a plain pair.
+_FUSED: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
+
+
+def _register_fused(opt: GradientTransformation, fused: Callable) -> GradientTransformation:
+    _FUSED[opt.update] = fused
+    return opt
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -111,7 +173,26 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return grads, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    opt = GradientTransformation(init, update)
+    last = _FUSED.get(transforms[-1].update) if transforms else None
+    if last is None:
+        return opt
+
+    def fused(grads: Updates, state: tuple, params: Params) -> tuple[Params, tuple] | None:
+        # Every transform but the last as usual, then the last one fused into the step.
+        if type(state) is not tuple or len(state) != len(transforms):
+            return None  # let update raise its error
+        new_states = []
+        for t, s in zip(transforms[:-1], state[:-1]):
+            grads, s = t.update(grads, s, params)
+            new_states.append(s)
+        out = last(grads, state[-1], params)
+        if out is None:
+            updates, s = transforms[-1].update(grads, state[-1], params)
+            out = apply_updates(params, updates), s
+        return out[0], tuple(new_states) + (out[1],)
+
+    return _register_fused(opt, fused)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,20 +262,6 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def _use_foreach(tensors: Sequence[Tensor]) -> bool:
-    """Whether multi-tensor ``torch._foreach_*`` ops may be used on ``tensors``.
-
-    Foreach ops have no vmap batching rule, so inside any torch.func transform (vmap, grad,
-    jacrev, ...) we use per-leaf ops. The interpreter stack is the robust signal: it is non-empty
-    whenever a functorch transform is active, even if a particular leaf is not batched.
-    """
-    if not tensors:
-        return False
-    if _functorch.peek_interpreter_stack() is not None:
-        return False
-    return not _functorch.is_functorch_wrapped_tensor(tensors[0])
-
-
 def _check_lr(lr: ScalarOrSchedule, where: str) -> None:
     if callable(lr):
         return
@@ -214,17 +281,18 @@ def _lr_at(lr: ScalarOrSchedule, count: Tensor) -> float | Tensor:
     return lr(count) if callable(lr) else float(lr)
 
 
-def _cast_per_leaf(scalar: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``scalar`` cast to each leaf's dtype, for use as a tensor *operand* (e.g. ``addcmul``'s).
+def _fused_groups(*leaf_lists: Sequence[Tensor], names: Callable | None = None, labels=None) -> tuple | None:
+    """Flat groups for torch's fused optimizer kernels, or ``None`` where they do not apply."""
+    groups = flat.groups_for(*leaf_lists, names=names, labels=labels)
+    if groups is None:
+        return None
+    for g in groups:
+        if g.dtype not in _FUSED_DTYPES or g.device.type not in ("cpu", "cuda"):
+            return None
+    return groups
 
-    Without an explicit cast the batching rules of some ops promote a batched float64 scalar and
-    the result to float64 under vmap; outside vmap, the cast is what TensorIterator does anyway.
-    """
-    by_dtype: dict = {}
-    for t in tensors:
-        if t.dtype not in by_dtype:
-            by_dtype[t.dtype] = scalar.to(t.dtype)
-    return [by_dtype[t.dtype] for t in tensors]
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def _zeros_count(leaves: Sequence[Tensor]) -> Tensor:

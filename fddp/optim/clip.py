@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import EmptyState, GradientTransformation, Params, Updates, _check_grads, _check_state, _use_foreach
+from . import flat
+from .base import EmptyState, GradientTransformation, Params, Updates, _check_grads, _check_state
 import optree
 
 
@@ -35,16 +36,21 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         gs, treedef = _check_grads(grads, None, where)
         if not gs:
             return grads, state
-        if _use_foreach(gs):
+        # Per-leaf norms on every path (as torch), so that the scale is bit-identical on all of them.
+        if flat.multi_tensor_ok(gs):
             norms = torch._foreach_norm(gs)
         else:
             norms = [torch.linalg.vector_norm(g) for g in gs]
         total = torch.linalg.vector_norm(torch.stack([n.to(gs[0].device) for n in norms]))
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if _use_foreach(gs):
-            out = torch._foreach_mul(gs, scale)
-        else:
-            out = [torch.mul(g, scale.to(g.device)) for g in gs]
+        scales: dict = {}
+
+        def unit(g, new):
+            if g.dtype not in scales:
+                scales[g.dtype] = scale.to(device=g.device, dtype=g.dtype)
+            return (torch.mul(g, scales[g.dtype], out=new()),)
+
+        (out,) = flat.run(unit, flat.groups_for(gs), [gs], gs, 1)
         return optree.tree_unflatten(treedef, out), state
 
     return GradientTransformation(init, update)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import optree
 import torch
 from torch import Tensor
 
+from . import flat
 from .base import (
     GradientTransformation,
     Params,
@@ -16,12 +18,13 @@ from .base import (
     _check_grads,
     _check_lr,
     _check_nonneg,
-    _cast_per_leaf,
     _check_state,
     _flatten,
+    _fused_groups,
     _lr_at,
+    _paths,
+    _register_fused,
     _params_leaves,
-    _use_foreach,
     _zeros_count,
 )
 
@@ -82,7 +85,7 @@ def sgd(
             buf = optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
         return SGDState(_zeros_count(leaves), buf)
 
-    def update(grads: Updates, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
+    def leaves_of(grads: Updates, state: SGDState, params: Params | None, need_params: bool):
         _check_state(state, SGDState, where)
         if bool(momentum) != (not _is_empty(state.momentum_buffer)):
             raise TypeError(f"{where}: the state has no momentum buffer matching momentum={momentum!r}")
@@ -92,7 +95,11 @@ def sgd(
         else:
             bufs = None
             gs, treedef = _check_grads(grads, None, where)
-        ps = _params_leaves(params, treedef, where, "weight_decay != 0") if weight_decay else None
+        ps = _params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
+        return treedef, gs, bufs, ps
+
+    def update(grads: Updates, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
+        treedef, gs, bufs, ps = leaves_of(grads, state, params, bool(weight_decay))
 
         count = state.count
         neg_lr = -_lr_at(lr, count)
@@ -104,47 +111,84 @@ def sgd(
         keep = torch.where(first, 0.0, momentum).to(torch.float64) if dampening else momentum
         mix = torch.where(first, 1.0, 1.0 - dampening).to(torch.float64) if dampening else 1.0
 
-        core = _foreach_core if _use_foreach(gs) else _per_leaf_core
-        new_bufs, u = core(gs, bufs, ps, momentum, keep, mix, nesterov, weight_decay, neg_lr)
+        ref = bufs if momentum else gs
+        groups = flat.groups_for(
+            ref, *([gs] if momentum else []), *([ps] if weight_decay else []), names=lambda: _paths(treedef),
+            labels=["momentum_buffer" if momentum else "grads"] + (["grads"] if momentum else []) + ["params"],
+        )
+        scalars = _Scalars(neg_lr, keep, mix)
+        unit = functools.partial(_sgd_unit, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, scalars=scalars)
+        new_bufs, u = flat.run(unit, groups, [gs, bufs, ps], ref, 2)
         new_buf = optree.tree_unflatten(treedef, new_bufs) if momentum else ()
         return optree.tree_unflatten(treedef, u), SGDState(count + 1, new_buf)
 
-    return GradientTransformation(init, update)
+    def fused(grads: Updates, state: SGDState, params: Params) -> tuple[Params, SGDState] | None:
+        """``apply_gradients`` with torch's fused kernel, run in place on copies of params and state.
+
+        The kernel's first step copies the gradient into the buffer, which needs the step count in
+        Python; from a zero buffer ``momentum * 0 + g`` is that copy exactly, as long as nothing
+        dampens ``g``. So dampened momentum takes the unfused path.
+        """
+        if momentum and dampening:
+            return None
+        treedef, gs, bufs, ps = leaves_of(grads, state, params, True)
+        groups = _fused_groups(
+            ps, gs, *([bufs] if momentum else []), names=lambda: _paths(treedef),
+            labels=("params", "grads", "momentum_buffer"),
+        )
+        if groups is None:
+            return None
+        lr_t = _lr_at(lr, state.count)
+        trees = [ps] + ([bufs] if momentum else [])
+        outs = [[None] * len(ps) for _ in trees]
+        for group in groups:
+            new = [flat.copy(leaves, group) for leaves in trees]
+            p_, *b_ = [flat.views(buf, group, ps) for buf in new]
+            torch._fused_sgd_(
+                p_, [gs[i] for i in group.indices], b_[0] if momentum else [],
+                weight_decay=weight_decay, momentum=momentum, lr=lr_t, dampening=dampening,
+                nesterov=nesterov, maximize=False, is_first_step=False,
+            )
+            for out, buf in zip(outs, new):
+                flat.scatter(out, buf, group, ps)
+        p, *b = [optree.tree_unflatten(treedef, out) for out in outs]
+        return p, SGDState(state.count + 1, b[0] if momentum else ())
+
+    return _register_fused(GradientTransformation(init, update), fused)
 
 
 def _is_empty(x) -> bool:
     return isinstance(x, tuple) and len(x) == 0
 
 
-# Same kernels in the same order in both cores, so results are bit-identical.
+class _Scalars:
+    """The step's scalar tensors, cast once per dtype they are used with (see ``adam._Scalars``)."""
+
+    def __init__(self, neg_lr: Tensor, keep, mix) -> None:
+        self.values = (neg_lr, keep, mix)
+        self.cache: dict = {}
+
+    def get(self, dtype: torch.dtype) -> tuple:
+        if dtype not in self.cache:
+            self.cache[dtype] = tuple(x.to(dtype) if isinstance(x, Tensor) else x for x in self.values)
+        return self.cache[dtype]
 
 
-def _foreach_core(gs, bufs, ps, momentum, keep, mix, nesterov, weight_decay, neg_lr):
+def _sgd_unit(g, buf, p, new, *, momentum, nesterov, weight_decay, scalars):
+    """One SGD update of one tensor: a flat buffer of many leaves, or a single leaf.
+
+    Out of place throughout, as ``adam._adam_unit``; ``out=`` is a pooled flat buffer or ``None``.
+    """
+    neg_lr, keep, mix = scalars.get(g.dtype)
     if weight_decay:
-        gs = torch._foreach_add(gs, ps, alpha=weight_decay)
-    new_bufs = None
+        g = torch.add(g, p, alpha=weight_decay, out=new())
+    new_buf = None
     if momentum:
-        new_bufs = torch._foreach_mul(bufs, keep)
+        o = new()
+        new_buf = torch.mul(buf, keep, out=o)
         if isinstance(mix, Tensor):
-            torch._foreach_addcmul_(new_bufs, gs, _cast_per_leaf(mix, gs))
+            new_buf = torch.addcmul(new_buf, g, mix, out=o)
         else:
-            torch._foreach_add_(new_bufs, gs)
-        gs = torch._foreach_add(gs, new_bufs, alpha=momentum) if nesterov else new_bufs
-    return new_bufs, torch._foreach_mul(gs, neg_lr)
-
-
-def _per_leaf_core(gs, bufs, ps, momentum, keep, mix, nesterov, weight_decay, neg_lr):
-    if weight_decay:
-        gs = [torch.add(g, p, alpha=weight_decay) for g, p in zip(gs, ps)]
-    new_bufs = None
-    if momentum:
-        if isinstance(mix, Tensor):
-            mixes = _cast_per_leaf(mix, gs)
-            new_bufs = [torch.addcmul(torch.mul(b, keep), g, w) for b, g, w in zip(bufs, gs, mixes)]
-        else:
-            new_bufs = [torch.add(torch.mul(b, keep), g) for b, g in zip(bufs, gs)]
-        if nesterov:
-            gs = [torch.add(g, b, alpha=momentum) for g, b in zip(gs, new_bufs)]
-        else:
-            gs = new_bufs
-    return new_bufs, [torch.mul(g, neg_lr) for g in gs]
+            new_buf = torch.add(new_buf, g, out=o)
+        g = torch.add(g, new_buf, alpha=momentum, out=new()) if nesterov else new_buf
+    return new_buf, torch.mul(g, neg_lr, out=new())

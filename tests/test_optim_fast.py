@@ -1,0 +1,224 @@
+"""fddp.optim's fast paths: flat buffers for ``update`` and torch's fused kernels for ``apply_gradients``.
+
+The references are torch's own: ``torch.optim.*(fused=True)`` for ``apply_gradients`` (equal to the
+bit) and the leaf-by-leaf path for the flat one (``tests/test_optim.py`` compares the two bit for bit
+over every optimizer; here we check what the flat buffers must never do: alias, leak or change
+results the caller holds).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import optree
+import pytest
+import torch
+from torch.func import functional_call, grad, stack_module_state, vmap
+
+from fddp import optim
+from fddp.buckets import release_buffers
+from fddp.optim import flat
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 10)
+    )
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+FUSED_PAIRS = {
+    "sgd": (lambda: optim.sgd(0.05), lambda ps: torch.optim.SGD(ps, lr=0.05, fused=True)),
+    "sgd_momentum_wd": (
+        lambda: optim.sgd(0.05, momentum=0.9, weight_decay=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2, fused=True),
+    ),
+    "sgd_nesterov": (
+        lambda: optim.sgd(0.05, momentum=0.9, nesterov=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, fused=True),
+    ),
+    "adam_l2_amsgrad": (
+        lambda: optim.adam(1e-2, weight_decay=0.1, amsgrad=True),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True),
+    ),
+    "adamw": (
+        lambda: optim.adamw(1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1, fused=True),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", FUSED_PAIRS)
+def test_apply_gradients_equals_torch_fused_exactly(name):
+    make, make_torch = FUSED_PAIRS[name]
+    model = _model()
+    x, y = _batch()
+    params = _params(model)
+    tmodel = copy.deepcopy(model)
+    topt = make_torch(tmodel.parameters())
+    opt = make()
+    state = opt.init(params)
+
+    def loss(p):
+        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
+
+    for _ in range(20):
+        params, state = optim.apply_gradients(opt, grad(loss)(params), state, params)
+        topt.zero_grad()
+        torch.nn.functional.cross_entropy(tmodel(x), y).backward()
+        topt.step()
+    for k, p in tmodel.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+    assert int(state.count) == 20
+
+
+UNFUSED = {
+    # No fused kernel applies: dampened momentum, wrappers, or a transform that is not last.
+    "sgd_dampening": lambda: optim.sgd(0.05, momentum=0.9, dampening=0.5),
+    "accumulate": lambda: optim.accumulate(optim.adamw(1e-2), every_k=2),
+    "chain_sgd_clip": lambda: optim.chain(optim.sgd(0.05), optim.clip_by_global_norm(0.5)),
+}
+
+
+@pytest.mark.parametrize("name", UNFUSED)
+def test_apply_gradients_without_a_fused_kernel_is_update_then_apply(name):
+    params = _params(_model())
+    grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(4)]
+    opt = UNFUSED[name]()
+    p1 = p2 = params
+    s1 = s2 = opt.init(params)
+    for g in grads:
+        p1, s1 = optim.apply_gradients(opt, g, s1, p1)
+        u, s2 = opt.update(g, s2, p2)
+        p2 = optim.apply_updates(p2, u)
+    for a, b in zip(optree.tree_leaves((p1, s1)), optree.tree_leaves((p2, s2))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_apply_gradients_chain_fuses_the_last_transform():
+    params = _params(_model())
+    grads = [{k: 3 * torch.randn_like(v) for k, v in params.items()} for _ in range(5)]
+    opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2))
+    p1 = p2 = params
+    s1 = s2 = opt.init(params)
+    for g in grads:
+        p1, s1 = optim.apply_gradients(opt, g, s1, p1)
+        u, s2 = opt.update(g, s2, p2)
+        p2 = optim.apply_updates(p2, u)
+    # Fused and unfused Adam round differently in the last bits only.
+    for a, b in zip(optree.tree_leaves((p1, s1)), optree.tree_leaves((p2, s2))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert type(s1) is tuple and isinstance(s1[1], optim.AdamState) and int(s1[1].count) == 5
+
+
+def test_apply_gradients_under_vmap_equals_separate_models():
+    models = [_model(seed) for seed in range(4)]
+    stacked, _ = stack_module_state(models)
+    stacked = {k: v.detach() for k, v in stacked.items()}
+    grads = {k: torch.randn_like(v) for k, v in stacked.items()}
+    opt = optim.adamw(1e-2)
+    new, _ = vmap(lambda g, s, p: optim.apply_gradients(opt, g, s, p))(grads, vmap(opt.init)(stacked), stacked)
+    for i in range(4):
+        p = {k: v[i] for k, v in stacked.items()}
+        mine, _ = optim.apply_gradients(opt, {k: v[i] for k, v in grads.items()}, opt.init(p), p)
+        for k in p:
+            torch.testing.assert_close(new[k][i], mine[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["sgd_momentum_wd", "adam_l2_amsgrad", "adamw"])
+def test_apply_gradients_modifies_nothing_and_results_it_returned_never_change(name):
+    params = _params(_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    opt = FUSED_PAIRS[name][0]()
+    state = opt.init(params)
+    history = []
+    for _ in range(6):  # enough steps for the buffer pool to start recycling
+        snapshot = [t.clone() for t in optree.tree_leaves((grads, state, params))]
+        new_params, new_state = optim.apply_gradients(opt, grads, state, params)
+        for before, after in zip(snapshot, optree.tree_leaves((grads, state, params))):
+            assert torch.equal(before, after), "an input was modified"
+        history.append((params, state, snapshot))
+        params, state = new_params, new_state
+    for old_params, old_state, snapshot in history:
+        for before, now in zip(snapshot[len(grads):], optree.tree_leaves((old_state, old_params))):
+            assert torch.equal(before, now), "a result still held by the caller changed"
+
+
+def test_flat_results_tile_one_buffer_and_are_read_without_a_copy(monkeypatch):
+    params = _params(_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    opt = optim.adamw(1e-2)
+    updates, state = opt.update(grads, opt.init(params), params)
+    params = optim.apply_updates(params, updates)
+    (group,) = flat.groups_for(optree.tree_leaves(params))
+    for tree in (params, state.exp_avg, state.exp_avg_sq, updates):
+        assert flat.tiled(optree.tree_leaves(tree), group) is not None
+    # The next step copies the fresh gradients in, and nothing else.
+    copies = []
+    real_copy = flat.copy
+    monkeypatch.setattr(flat, "copy", lambda leaves, group: copies.append(leaves) or real_copy(leaves, group))
+    updates, state = opt.update(grads, state, params)
+    optim.apply_updates(params, updates)
+    assert len(copies) == 1 and copies[0] is not None and copies[0][0] is optree.tree_leaves(grads)[0]
+
+
+def test_flat_buffers_are_recycled_once_dropped():
+    params = _params(_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    opt = optim.sgd(0.1, momentum=0.9)
+    state = opt.init(params)
+    seen = []
+    for _ in range(8):
+        updates, state = opt.update(grads, state, params)
+        params = optim.apply_updates(params, updates)
+        del updates
+        seen.append(params["0.weight"].untyped_storage().data_ptr())
+    # With only the latest params and state alive, a handful of buffers go round.
+    assert len(set(seen[2:])) <= 3, seen
+    release_buffers()
+
+
+def test_fast_paths_step_aside_for_autograd_and_non_contiguous_leaves():
+    params = _params(_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    opt = optim.adamw(1e-2)
+    state = opt.init(params)
+    ref, _ = optim.apply_gradients(opt, grads, state, params)
+    # Differentiating through a step (meta-learning): autograd must see the arithmetic.
+    lr_params = {k: v.clone().requires_grad_() for k, v in params.items()}
+    new, _ = optim.apply_gradients(opt, grads, state, lr_params)
+    assert all(v.requires_grad for v in new.values())
+    sum(v.sum() for v in new.values()).backward()
+    assert all(v.grad is not None for v in lr_params.values())
+    # A transposed (non-contiguous) leaf goes leaf by leaf, with the same result up to rounding.
+    t_params = dict(params, **{"3.weight": params["3.weight"].t().contiguous().t()})
+    t_grads = dict(grads, **{"3.weight": grads["3.weight"].t().contiguous().t()})
+    assert not t_params["3.weight"].is_contiguous()
+    new, _ = optim.apply_gradients(opt, t_grads, state, t_params)
+    for k in params:
+        torch.testing.assert_close(new[k], ref[k], rtol=1e-6, atol=1e-7)
+
+
+def test_shape_mismatch_is_an_error_naming_the_leaf():
+    params = _params(_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads["3.bias"] = torch.randn(1, 10)  # would broadcast silently
+    opt = optim.adamw()
+    state = opt.init(params)
+    with pytest.raises(ValueError, match=r"\['3.bias'\]: grads has \(1, 10\), exp_avg has \(10,\)"):
+        opt.update(grads, state, params)
+    with pytest.raises(ValueError, match=r"\['3.bias'\]: grads has \(1, 10\), params has \(10,\)"):
+        optim.apply_gradients(opt, grads, state, params)
+    with pytest.raises(ValueError, match=r"\['3.bias'\]: updates has \(1, 10\)"):
+        optim.apply_updates(params, grads)
+    with pytest.raises(TypeError, match="must be a GradientTransformation"):
+        optim.apply_gradients(lambda: None, grads, state, params)

@@ -123,9 +123,10 @@ def _loss_fn(apply_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
 
 
 def _fddp_update(opt: fopt.GradientTransformation) -> Callable[..., Any]:
+    # apply_gradients runs torch's fused SGD kernel eagerly; under torch.compile it is
+    # update + apply_updates, which inductor fuses.
     def update(params, state, grads):
-        updates, state = opt.update(grads, state, params)
-        return fopt.apply_updates(params, updates), state
+        return fopt.apply_gradients(opt, grads, state, params)
 
     return update
 

@@ -251,6 +251,11 @@ class Reducer:
         self.n = dist.get_world_size(group)
         self.comm_dtype = None if compressor is None or isinstance(compressor, PowerSGD) else compressor.dtype
         self.weight = None if weight is None else _as_weight(weight, what)
+        # Plain sums over a power-of-two group are scaled by 1/n before they are sent, as torch DDP
+        # does for every group size: 2**-k commutes with rounding, so sum(g_r / n) is exactly
+        # sum(g_r) / n (short of subnormals), and a caller copying gradients into a bucket anyway
+        # can scale in that copy (launch(prescaled=True)), which saves a pass after the wait.
+        self.prescale = 1.0 / self.n if compressor is None and weight is None and self.n & (self.n - 1) == 0 else None
         self.sent: list[torch.Tensor | None] = [None] * num_buckets
         self.dtypes: list[torch.dtype | None] = [None] * num_buckets
         self.works: list[Any] = []
@@ -280,9 +285,18 @@ class Reducer:
         else:
             self.powersgd = PowerSGDStep(config, state, plan, self.n, self.what)
 
-    def launch(self, i: int, flat: torch.Tensor) -> None:
-        """Start bucket ``i``'s all-reduce. ``flat`` is this rank's buffer; it may be reused in place."""
+    def launch(self, i: int, flat: torch.Tensor, prescaled: bool = False) -> None:
+        """Start bucket ``i``'s all-reduce. ``flat`` is this rank's buffer; it may be reused in place.
+
+        ``prescaled``: ``flat`` already holds ``g * self.prescale`` (only when that is not None).
+        """
         self.dtypes[i] = flat.dtype
+        if self.prescale is not None:
+            if not prescaled and self.prescale != 1.0:
+                flat.mul_(self.prescale)
+            self.sent[i] = flat
+            self._issue(flat)
+            return
         if self.powersgd is not None:
             self.powersgd.launch(i, flat, self._start)
             return
@@ -362,7 +376,7 @@ class Reducer:
             low = flat.dtype in _LOW_PRECISION
             if flat.dtype != dtype:
                 flat = flat.to(dtype)
-            if self.normalised[i]:
+            if self.normalised[i] or self.prescale is not None:
                 pass
             elif wsum is not None:
                 flat = flat.div_(denom.to(dtype))

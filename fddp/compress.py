@@ -16,8 +16,9 @@ all-reduce, and ``M ~ P Q^T`` comes from two all-reduces: ``P = M Q`` (summed, t
 orthogonalised) and ``Q = M^T P`` (averaged). "The same buckets" matters because fresh ``Q``
 factors are drawn per bucket, in the order of the leaves in it; a plain ``dict`` of parameters
 flattens in sorted key order, an ``OrderedDict`` in insertion order (DDP's). The steps before
-``start_iter`` are fddp's uncompressed mean (sum, then divide), where torch's hook divides first;
-the two agree bitwise for 2 ranks (halving is exact) and to a few ulps otherwise.
+``start_iter`` are fddp's uncompressed mean (scaled by ``1/n`` before the sum for a power-of-two
+group, else summed then divided), where torch's hook divides first; the two agree bitwise for a
+power-of-two group (scaling by ``2**-k`` is exact) and to a few ulps otherwise.
 """
 
 from __future__ import annotations

@@ -175,19 +175,25 @@ class _Buckets:
         self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self.missing = [set(b.indices) for b in plan.buckets]
         self.next = 0
+        prescale = reducer.prescale
+        self.scale = None if prescale is None or prescale == 1.0 else prescale
 
     def arrive(self, leaf: int, g: torch.Tensor) -> None:
         b, start, n = self.where[leaf]
         if self.flats[b] is None:
             bucket = self.plan.buckets[b]
             self.flats[b] = new_buffer(bucket.numel, bucket.dtype, bucket.device)
-        self.flats[b][start : start + n].copy_(g.reshape(-1))  # the one copy, as ddp_step's flatten
+        piece = self.flats[b][start : start + n]
+        if self.scale is None:
+            piece.copy_(g.reshape(-1))  # the one copy, as ddp_step's flatten
+        else:
+            torch.mul(g.reshape(-1), self.scale, out=piece)  # the copy, scaled by 1/n on the way
         self.missing[b].discard(leaf)
         self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.next < len(self.flats) and not self.missing[self.next]:
-            self.reducer.launch(self.next, self.flats[self.next])
+            self.reducer.launch(self.next, self.flats[self.next], prescaled=self.reducer.prescale is not None)
             self.flats[self.next] = None
             self.next += 1
 

@@ -59,7 +59,10 @@ def ddp_step(
     The gradients are packed into flat buckets (reverse leaf order, one bucket per dtype and device
     up to ``bucket_cap_mb``, the first one small so it starts early, as torch DDP does); each bucket
     is copied once, all-reduced with one asynchronous collective, and the results come back as views
-    into the reduced buffers. Pure: neither input is modified.
+    into the reduced buffers. Pure: neither input is modified. The mean is the sum divided by the
+    group size, to the bit: for a power-of-two group each bucket is scaled by ``1/n`` before the
+    sum, as torch DDP does (scaling by ``2**-k`` commutes with rounding, short of subnormals), and
+    otherwise summed, then divided.
 
     ``None`` gradients (parameters unused this step) count as zeros. Before the first step of a new
     tree signature the ranks compare it and raise :class:`fddp.MismatchError` on every rank if they

@@ -71,8 +71,7 @@ def train_fddp(args: argparse.Namespace, dataset: TensorDataset) -> tuple[list[f
     for epoch in range(args.epochs):
         for x, y in make_loader(dataset, args.batch_size, epoch):
             grads, loss = fddp.grad_and_value(loss_fn)(params, x, y)  # 4. backward, averaged over the ranks
-            updates, opt_state = opt.update(grads, opt_state, params)  # 5. new values, nothing in place
-            params = fddp.optim.apply_updates(params, updates)
+            params, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, params)  # 5. new values, nothing in place
             losses.append(loss.item())
     return losses, params
 

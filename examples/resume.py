@@ -107,8 +107,7 @@ def main() -> None:
         idx = batch_indices(step, len(x_all), args.batch_size, args.seed)[rank * local : (rank + 1) * local]
         grads, loss = torch.func.grad_and_value(loss_fn)(params, x_all[idx], y_all[idx])
         grads = fddp.ddp_step(params, grads)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = fddp.optim.apply_updates(params, updates)
+        params, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, params)
         if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
             state = {"params": params, "opt_state": opt_state, "step": step + 1, "rng": gather_rng_states()}
             ckpt.save_step(args.ckpt_dir, step + 1, state, keep=2)

@@ -145,8 +145,7 @@ def main() -> None:
         for x, y in bar:
             # Gradients averaged over the ranks; each bucket's all-reduce starts during backward.
             grads, (loss, logits) = fddp.grad_and_value(loss_fn, has_aux=True)(params, x, y)
-            updates, opt_state = opt.update(grads, opt_state, params)
-            params = fddp.optim.apply_updates(params, updates)
+            params, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, params)
             step += 1
             totals += torch.tensor([loss.item() * len(y), (logits.argmax(1) == y).sum().item(), len(y)])
             bar.set_postfix(loss=f"{loss.item():.4f}")

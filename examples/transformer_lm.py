@@ -141,8 +141,7 @@ def main() -> None:
             acc = fddp.accumulate_grads(acc, grads)
             loss_sum += loss.item()
         grads = fddp.ddp_step(params, acc.mean())  # one all-reduce per optimizer step
-        updates, opt_state = opt.update(grads, opt_state, params)
-        params = fddp.optim.apply_updates(params, updates)
+        params, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, params)
 
         # The logged loss is rank 0's; the gradients above are the global batch's.
         history["step"].append(step)

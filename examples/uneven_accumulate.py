@@ -83,8 +83,7 @@ def main() -> None:
             acc = fddp.GradAccumulator()
             if batches.done(info):  # the weight sum was 0: no rank had data; leave before updating
                 break
-            updates, state = opt.update(grads, state, params)
-            params = fddp.optim.apply_updates(params, updates)
+            params, state = fddp.optim.apply_gradients(opt, grads, state, params)
             steps += 1
         with torch.no_grad():  # the loss over the whole training set, which every rank can compute
             full = loss_fn(params, x_all, y_all).item()

@@ -37,15 +37,7 @@ def _params(model):
 
 
 FUSED_PAIRS = {
-    "sgd": (lambda: optim.sgd(0.05), lambda ps: torch.optim.SGD(ps, lr=0.05, fused=True)),
-    "sgd_momentum_wd": (
-        lambda: optim.sgd(0.05, momentum=0.9, weight_decay=1e-2),
-        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2, fused=True),
-    ),
-    "sgd_nesterov": (
-        lambda: optim.sgd(0.05, momentum=0.9, nesterov=True),
-        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, fused=True),
-    ),
+    # apply_gradients runs torch's fused Adam kernels: equal to torch.optim's fused=True, to the bit.
     "adam_l2_amsgrad": (
         lambda: optim.adam(1e-2, weight_decay=0.1, amsgrad=True),
         lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, fused=True),
@@ -54,12 +46,39 @@ FUSED_PAIRS = {
         lambda: optim.adamw(1e-2, betas=(0.8, 0.99), weight_decay=0.1),
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1, fused=True),
     ),
+    "adamw_schedule": (
+        lambda: optim.adamw(optim.linear(1e-2, 1e-2, 10)),  # a schedule: lr is a tensor
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    ),
+    # SGD writes its step straight into new buffers, with torch.add's arithmetic: plain SGD is
+    # torch's to the bit; with momentum, b' = g + m * b rounds once where torch rounds twice.
+    "sgd": (lambda: optim.sgd(0.05), lambda ps: torch.optim.SGD(ps, lr=0.05)),
+}
+SGD_PAIRS = {
+    "sgd_momentum": (
+        lambda: optim.sgd(0.05, momentum=0.9),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    ),
+    "sgd_momentum_wd": (
+        lambda: optim.sgd(0.05, momentum=0.9, weight_decay=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-2),
+    ),
+    "sgd_nesterov_wd": (
+        lambda: optim.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    ),
+    "sgd_nesterov_schedule": (
+        lambda: optim.sgd(optim.linear(0.05, 0.05, 10), momentum=0.9, nesterov=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    ),
+    "sgd_wd_schedule": (
+        lambda: optim.sgd(optim.linear(0.05, 0.05, 10), weight_decay=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=1e-2),
+    ),
 }
 
 
-@pytest.mark.parametrize("name", FUSED_PAIRS)
-def test_apply_gradients_equals_torch_fused_exactly(name):
-    make, make_torch = FUSED_PAIRS[name]
+def _trajectories(make, make_torch, steps):
     model = _model()
     x, y = _batch()
     params = _params(model)
@@ -71,14 +90,27 @@ def test_apply_gradients_equals_torch_fused_exactly(name):
     def loss(p):
         return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
 
-    for _ in range(20):
+    for _ in range(steps):
         params, state = optim.apply_gradients(opt, grad(loss)(params), state, params)
         topt.zero_grad()
         torch.nn.functional.cross_entropy(tmodel(x), y).backward()
         topt.step()
-    for k, p in tmodel.named_parameters():
+    assert int(state.count) == steps
+    return params, dict(tmodel.named_parameters())
+
+
+@pytest.mark.parametrize("name", FUSED_PAIRS)
+def test_apply_gradients_equals_torch_exactly(name):
+    params, theirs = _trajectories(*FUSED_PAIRS[name], steps=20)
+    for k, p in theirs.items():
         torch.testing.assert_close(params[k], p.detach(), rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
-    assert int(state.count) == 20
+
+
+@pytest.mark.parametrize("name", SGD_PAIRS)
+def test_apply_gradients_sgd_matches_torch(name):
+    params, theirs = _trajectories(*SGD_PAIRS[name], steps=100)
+    for k, p in theirs.items():
+        torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
 UNFUSED = {
@@ -104,20 +136,26 @@ def test_apply_gradients_without_a_fused_kernel_is_update_then_apply(name):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_apply_gradients_chain_fuses_the_last_transform():
+@pytest.mark.parametrize(
+    "last",
+    [lambda: optim.adamw(1e-2), lambda: optim.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2)],
+    ids=["adamw", "sgd"],
+)
+def test_apply_gradients_chain_fuses_the_last_transform(last):
+    # Clipping hands the last transform flat gradients: the single-buffer path of each kernel.
     params = _params(_model())
     grads = [{k: 3 * torch.randn_like(v) for k, v in params.items()} for _ in range(5)]
-    opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2))
+    opt = optim.chain(optim.clip_by_global_norm(0.5), last())
     p1 = p2 = params
     s1 = s2 = opt.init(params)
     for g in grads:
         p1, s1 = optim.apply_gradients(opt, g, s1, p1)
         u, s2 = opt.update(g, s2, p2)
         p2 = optim.apply_updates(p2, u)
-    # Fused and unfused Adam round differently in the last bits only.
+    # Fused and unfused steps round differently in the last bits only.
     for a, b in zip(optree.tree_leaves((p1, s1)), optree.tree_leaves((p2, s2))):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert type(s1) is tuple and isinstance(s1[1], optim.AdamState) and int(s1[1].count) == 5
+    assert type(s1) is tuple and type(s1[1]) is type(s2[1]) and int(s1[1].count) == 5
 
 
 def test_apply_gradients_under_vmap_equals_separate_models():
@@ -134,11 +172,11 @@ def test_apply_gradients_under_vmap_equals_separate_models():
             torch.testing.assert_close(new[k][i], mine[k], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["sgd_momentum_wd", "adam_l2_amsgrad", "adamw"])
+@pytest.mark.parametrize("name", ["sgd", "sgd_nesterov_wd", "adam_l2_amsgrad", "adamw"])
 def test_apply_gradients_modifies_nothing_and_results_it_returned_never_change(name):
     params = _params(_model())
     grads = {k: torch.randn_like(v) for k, v in params.items()}
-    opt = FUSED_PAIRS[name][0]()
+    opt = {**FUSED_PAIRS, **SGD_PAIRS}[name][0]()
     state = opt.init(params)
     history = []
     for _ in range(6):  # enough steps for the buffer pool to start recycling

@@ -190,14 +190,15 @@ def _adam(
         trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
         outs = [[None] * len(ps) for _ in trees]
         for group in groups:
-            new = [flat.copy(leaves, group) for leaves in trees]
-            p_, m_, v_, *vmax_ = [flat.views(buf, group, ps) for buf in new]
+            # Copies of params and state, updated in place by the kernel: the inputs stay as they were.
+            new = [flat.copy_with_views(leaves, group)[1] for leaves in trees]
+            p_, m_, v_, *vmax_ = new
             kernel(
                 p_, [gs[i] for i in group.indices], m_, v_, vmax_[0] if amsgrad else [], [step] * len(p_),
                 lr=lr_t, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False,
             )
-            for out, buf in zip(outs, new):
-                flat.scatter(out, buf, group, ps)
+            for out, group_views in zip(outs, new):
+                flat.scatter(out, group_views, group)
         p, m, v, *vmax = [optree.tree_unflatten(treedef, out) for out in outs]
         return p, AdamState(state.count + 1, m, v, vmax[0] if amsgrad else ())
 

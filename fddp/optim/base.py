@@ -93,16 +93,22 @@ def apply_updates(params: Params, updates: Updates, /) -> Params:
 def apply_gradients(
     opt: GradientTransformation, grads: Updates, state: OptState, params: Params, /
 ) -> tuple[Params, OptState]:
-    """One optimizer step: ``update`` then ``apply_updates``, fused into one pass where possible.
+    """One optimizer step: ``update`` then ``apply_updates``, fused where fddp can.
 
-    The result is that of ``opt.update`` followed by ``apply_updates`` (flax's ``apply_gradients``).
-    For ``sgd`` (without dampening), ``adam`` and ``adamw``, alone or last in a ``chain``, eager
-    calls outside torch.func transforms run torch's fused optimizer kernels instead
-    (``torch._fused_sgd_``/``_fused_adam_``/``_fused_adamw_``, the kernels of
-    ``torch.optim.*(fused=True)``, whose results they equal exactly) on new buffers. That is one
-    pass over the parameters instead of about ten, and about twice as fast as the two calls; it
-    rounds like torch's fused kernels, so it may differ from ``update`` + ``apply_updates`` in the
-    last bits. Nothing is modified in place: params and state come back as new tensors.
+    The result is that of ``opt.update`` followed by ``apply_updates`` (flax's ``apply_gradients``),
+    computed faster for ``sgd`` (without dampening), ``adam`` and ``adamw``, alone or last in a
+    ``chain``, in eager calls outside torch.func transforms:
+
+    - ``adam``/``adamw`` run torch's fused kernel (``torch._fused_adam_``/``_fused_adamw_``, that
+      of ``torch.optim.Adam(fused=True)``, whose results they equal to the bit) in place on new
+      copies of the parameters and state;
+    - ``sgd`` writes its step straight into new buffers, ``b' = g + momentum * b`` and
+      ``p' = p - lr * b'``, without an ``updates`` tree: about the memory traffic of
+      ``torch.optim.SGD`` in place.
+
+    Either way it may differ from ``update`` + ``apply_updates`` in the last bits (rounding), and
+    nothing is modified in place: params and state come back as new tensors. Elsewhere (``vmap``,
+    ``torch.compile``, other transformations) it is exactly ``update`` + ``apply_updates``.
 
     Args:
         opt: the optimizer.

@@ -163,9 +163,15 @@ def as_flat(leaves: Sequence[Tensor], group: Group) -> Tensor:
 
 def copy(leaves: Sequence[Tensor], group: Group) -> Tensor:
     """A new flat buffer holding a copy of the group's leaves."""
+    return copy_with_views(leaves, group)[0]
+
+
+def copy_with_views(leaves: Sequence[Tensor], group: Group) -> tuple[Tensor, list[Tensor]]:
+    """A new flat buffer holding a copy of the group's leaves, and its views shaped like them."""
     out = group.new()
-    torch._foreach_copy_(views(out, group, leaves), [leaves[i] for i in group.indices])
-    return out
+    out_views = views(out, group, leaves)
+    torch._foreach_copy_(out_views, [leaves[i] for i in group.indices])
+    return out, out_views
 
 
 def views(flat: Tensor, group: Group, like: Sequence[Tensor]) -> list[Tensor]:
@@ -173,9 +179,9 @@ def views(flat: Tensor, group: Group, like: Sequence[Tensor]) -> list[Tensor]:
     return torch._C._nn.unflatten_dense_tensors(flat, [like[i] for i in group.indices])
 
 
-def scatter(out: list, flat: Tensor, group: Group, like: Sequence[Tensor]) -> None:
-    """Put views of ``flat`` into ``out`` at the group's leaf positions."""
-    for i, v in zip(group.indices, views(flat, group, like)):
+def scatter(out: list, group_views: Sequence[Tensor], group: Group) -> None:
+    """Put a group's views (from ``views``) into ``out`` at the group's leaf positions."""
+    for i, v in zip(group.indices, group_views):
         out[i] = v
 
 
@@ -209,7 +215,7 @@ def run(
         del flats  # drop our references so a copied-in input buffer is free again right away
         for k in range(num_outputs):
             if res[k] is not None:
-                scatter(outs[k], res[k], group, like)
+                scatter(outs[k], views(res[k], group, like), group)
     return outs
 
 

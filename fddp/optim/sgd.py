@@ -20,7 +20,6 @@ from .base import (
     _check_nonneg,
     _check_state,
     _flatten,
-    _fused_groups,
     _lr_at,
     _paths,
     _register_fused,
@@ -123,42 +122,75 @@ def sgd(
         return optree.tree_unflatten(treedef, u), SGDState(count + 1, new_buf)
 
     def fused(grads: Updates, state: SGDState, params: Params) -> tuple[Params, SGDState] | None:
-        """``apply_gradients`` with torch's fused kernel, run in place on copies of params and state.
+        """``apply_gradients``: the step straight into new flat buffers, without an ``updates`` tree.
 
-        The kernel's first step copies the gradient into the buffer, which needs the step count in
-        Python; from a zero buffer ``momentum * 0 + g`` is that copy exactly, as long as nothing
-        dampens ``g``. So dampened momentum takes the unfused path.
+        Each new value is written once: ``b' = g + momentum * b`` (``g`` including weight decay),
+        then ``p' = p - lr * b'``, reading the gradients where they lie. That reads and writes less
+        than torch's fused kernel would on copies of the parameters and buffers (the copies alone
+        are two passes), and about as much as ``torch.optim.SGD`` in place. Dampened momentum
+        needs the first-step rule per step and takes ``update`` + ``apply_updates``.
         """
         if momentum and dampening:
             return None
         treedef, gs, bufs, ps = leaves_of(grads, state, params, True)
-        groups = _fused_groups(
+        groups = flat.groups_for(
             ps, gs, *([bufs] if momentum else []), names=lambda: _paths(treedef),
             labels=("params", "grads", "momentum_buffer"),
         )
         if groups is None:
             return None
         lr_t = _lr_at(lr, state.count)
-        trees = [ps] + ([bufs] if momentum else [])
-        outs = [[None] * len(ps) for _ in trees]
+        new_p, new_b = [None] * len(ps), [None] * len(ps)
         for group in groups:
-            new = [flat.copy(leaves, group) for leaves in trees]
-            p_, *b_ = [flat.views(buf, group, ps) for buf in new]
-            torch._fused_sgd_(
-                p_, [gs[i] for i in group.indices], b_[0] if momentum else [],
-                weight_decay=weight_decay, momentum=momentum, lr=lr_t, dampening=dampening,
-                nesterov=nesterov, maximize=False, is_first_step=False,
-            )
-            for out, buf in zip(outs, new):
-                flat.scatter(out, buf, group, ps)
-        p, *b = [optree.tree_unflatten(treedef, out) for out in outs]
-        return p, SGDState(state.count + 1, b[0] if momentum else ())
+            P = flat.as_flat(ps, group)
+            G = flat.tiled(gs, group)  # gradients from fddp.optim's own buffers; else read leaf by leaf
+            d = None  # the direction, d = g (+ wd p), then the momentum buffer, then Nesterov's
+            if weight_decay:
+                d = _axpy(gs, G, P, weight_decay, group, ps)
+            if momentum:
+                b = _axpy(gs, G, flat.as_flat(bufs, group), momentum, group, ps) if d is None else (
+                    torch.add(d, flat.as_flat(bufs, group), alpha=momentum, out=group.new())
+                )
+                flat.scatter(new_b, flat.views(b, group, ps), group)
+                if nesterov:
+                    d = _axpy(gs, G, b, momentum, group, ps) if d is None else torch.add(d, b, alpha=momentum, out=d)
+                else:
+                    d = b
+            if d is None:  # plain SGD: p' = p - lr g, leaf by leaf unless g is flat
+                d = G if G is not None else None
+            out = group.new()
+            if d is None:
+                for v, i, pv in zip(flat.views(out, group, ps), group.indices, flat.views(P, group, ps)):
+                    _step(pv, gs[i], lr_t, v)
+            else:
+                _step(P, d, lr_t, out)
+            flat.scatter(new_p, flat.views(out, group, ps), group)
+        p = optree.tree_unflatten(treedef, new_p)
+        return p, SGDState(state.count + 1, optree.tree_unflatten(treedef, new_b) if momentum else ())
 
     return _register_fused(GradientTransformation(init, update), fused)
 
 
 def _is_empty(x) -> bool:
     return isinstance(x, tuple) and len(x) == 0
+
+
+def _axpy(gs: list[Tensor], G: Tensor | None, Y: Tensor, alpha: float, group: flat.Group, like: list[Tensor]) -> Tensor:
+    """A new flat buffer holding ``g + alpha * Y`` for the group's gradients ``g`` (flat ``G`` if any)."""
+    out = group.new()
+    if G is not None:
+        return torch.add(G, Y, alpha=alpha, out=out)
+    for v, i, y in zip(flat.views(out, group, like), group.indices, flat.views(Y, group, like)):
+        torch.add(gs[i], y, alpha=alpha, out=v)
+    return out
+
+
+def _step(p: Tensor, d: Tensor, lr, out: Tensor) -> None:
+    """``out = p - lr * d``; ``lr`` a float or, from a schedule, a scalar tensor."""
+    if isinstance(lr, Tensor):
+        torch.addcmul(p, d, (-lr).to(p.dtype), out=out)
+    else:
+        torch.add(p, d, alpha=-lr, out=out)
 
 
 class _Scalars:

@@ -1,7 +1,8 @@
 """Benchmark fddp.optim against torch.optim in the same run.
 
 1. AdamW on ~100 parameter tensors / ~10M values: ``fddp.optim.adamw`` (``apply_gradients``, which
-   runs torch's fused kernel; ``update`` + ``apply_updates``; ``update`` alone) against
+   runs torch's fused kernel on new buffers, or in place with ``donate=True``; ``update`` +
+   ``apply_updates``; ``update`` alone) against
    ``torch.optim.AdamW(foreach=True).step()``, the reference, and ``AdamW(fused=True)`` for context.
 2. An ensemble of 16 small models: one ``vmap(opt.update)`` + apply against a Python loop of 16
    ``torch.optim.AdamW`` steps.
@@ -61,9 +62,14 @@ def bench_large(repeats: int) -> dict:
     opt = optim.adamw(lr=1e-3)
     box = {"params": params, "state": opt.init(params)}
     box2 = {"params": params, "state": opt.init(params)}
+    own = {k: v.clone() for k, v in params.items()}  # donated: updated in place, so its own copy
+    box3 = {"params": own, "state": opt.init(own)}
 
     def fddp_apply_gradients():
         box2["params"], box2["state"] = optim.apply_gradients(opt, grads, box2["state"], box2["params"])
+
+    def fddp_apply_gradients_donated():
+        box3["params"], box3["state"] = optim.apply_gradients(opt, grads, box3["state"], box3["params"], donate=True)
 
     def fddp_step():
         updates, box["state"] = opt.update(grads, box["state"], box["params"])
@@ -77,6 +83,7 @@ def bench_large(repeats: int) -> dict:
             "torch": topt.step,
             "torch_fused": topt_fused.step,
             "apply_gradients": fddp_apply_gradients,
+            "apply_gradients_donated": fddp_apply_gradients_donated,
             "step": fddp_step,
             "update": fddp_update_only,
         },
@@ -89,9 +96,11 @@ def bench_large(repeats: int) -> dict:
         "torch_adamw_foreach_s": t_torch,
         "torch_adamw_fused_s": t["torch_fused"],
         "fddp_apply_gradients_s": t["apply_gradients"],
+        "fddp_apply_gradients_donated_s": t["apply_gradients_donated"],
         "fddp_update_and_apply_s": t["step"],
         "fddp_update_only_s": t["update"],
         "ratio_apply_gradients": t["apply_gradients"] / t_torch,
+        "ratio_apply_gradients_donated": t["apply_gradients_donated"] / t_torch,
         "ratio_update_and_apply": t["step"] / t_torch,
         "ratio_update_only": t["update"] / t_torch,
         "ratio_torch_fused": t["torch_fused"] / t_torch,
@@ -153,6 +162,8 @@ def main() -> None:
          f"{large['ratio_torch_fused']:.2f}x torch foreach"),
         ("adamw 100 tensors/10M: fddp apply_gradients (fused)", large["fddp_apply_gradients_s"],
          f"{large['ratio_apply_gradients']:.2f}x torch (target <= 1.0x)"),
+        ("adamw 100 tensors/10M: fddp apply_gradients(donate=True)", large["fddp_apply_gradients_donated_s"],
+         f"{large['ratio_apply_gradients_donated']:.2f}x torch"),
         ("adamw 100 tensors/10M: fddp update+apply_updates", large["fddp_update_and_apply_s"],
          f"{large['ratio_update_and_apply']:.2f}x torch"),
         ("adamw 100 tensors/10M: fddp update only", large["fddp_update_only_s"],

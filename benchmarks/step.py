@@ -17,6 +17,7 @@ Modes:
     ddp_step_psgd1    the same, PowerSGD rank 1 (torch's default rank), compressing from step 0
     ddp_step_psgd4    the same, PowerSGD rank 4 (orthogonalised with QR)
     grad_and_value    fddp.grad_and_value (all-reduces overlap backward) + fddp.optim
+    grad_and_value_donated  the same, params and optimizer state donated to apply_gradients
     compiled          torch.compile of torch.func.grad + fddp.ddp_step + fddp.optim, one graph
 """
 
@@ -122,11 +123,11 @@ def _loss_fn(apply_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
     return lambda p, x, y: F.cross_entropy(apply_fn(p, x), y)
 
 
-def _fddp_update(opt: fopt.GradientTransformation) -> Callable[..., Any]:
-    # apply_gradients runs torch's fused SGD kernel eagerly; under torch.compile it is
-    # update + apply_updates, which inductor fuses.
+def _fddp_update(opt: fopt.GradientTransformation, donate: bool = False) -> Callable[..., Any]:
+    # apply_gradients writes the SGD step straight into new buffers eagerly (donated: torch's fused
+    # kernel in place); under torch.compile it is update + apply_updates, which inductor fuses.
     def update(params, state, grads):
-        return fopt.apply_gradients(opt, grads, state, params)
+        return fopt.apply_gradients(opt, grads, state, params, donate=donate)
 
     return update
 
@@ -147,11 +148,13 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
 
         return step
 
-    def fddp_mode(sync: Callable[[Any, Callable, torch.Tensor, torch.Tensor], Any], compile_: bool = False) -> Callable:
+    def fddp_mode(
+        sync: Callable[[Any, Callable, torch.Tensor, torch.Tensor], Any], compile_: bool = False, donate: bool = False
+    ) -> Callable:
         apply_fn, params = fddp.functionalize(copy.deepcopy(model))
         loss = _loss_fn(apply_fn)
         opt = fopt.sgd(LR, momentum=MOMENTUM)
-        update = _fddp_update(opt)
+        update = _fddp_update(opt, donate)
         box = {"params": {k: v.clone() for k, v in params.items()}}
         box["state"] = opt.init(box["params"])
 
@@ -188,12 +191,8 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
 
         return sync
 
-    grad_fn: dict[str, Callable] = {}
-
     def overlapped(params, loss, x, y):
-        if "f" not in grad_fn:
-            grad_fn["f"] = fddp.grad(loss)
-        return grad_fn["f"](params, x, y)
+        return fddp.grad(loss)(params, x, y)
 
     modes["floor_torch"] = torch_mode(wrap=False)
     modes["floor_fddp"] = fddp_mode(lambda p, loss, x, y: torch.func.grad(loss)(p, x, y))
@@ -205,6 +204,7 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
     modes["ddp_step_psgd1"] = fddp_mode(powersgd(1))
     modes["ddp_step_psgd4"] = fddp_mode(powersgd(4))
     modes["grad_and_value"] = fddp_mode(overlapped)
+    modes["grad_and_value_donated"] = fddp_mode(overlapped, donate=True)
     modes["compiled"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y)), compile_=True)
     return modes
 

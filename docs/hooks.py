@@ -20,7 +20,7 @@ MARKER = "<!-- benchmark-results -->"
 # What each mode of benchmarks/step.py runs (its docstring has the same list).
 STEP_MODES = {
     "floor_torch": "module forward/backward + torch.optim, no communication",
-    "floor_fddp": "`torch.func.grad` + `fddp.optim`, no communication",
+    "floor_fddp": "`torch.func.grad` + `fddp.optim.apply_gradients`, no communication",
     "ddp": "torch DDP + `torch.optim.SGD` (the reference)",
     "per_tensor": "`torch.func.grad` + one all-reduce per tensor",
     "ddp_step": "`torch.func.grad` + `fddp.ddp_step`",
@@ -29,6 +29,7 @@ STEP_MODES = {
     "ddp_step_psgd1": "the same, PowerSGD rank 1, compressing from step 0",
     "ddp_step_psgd4": "the same, PowerSGD rank 4",
     "grad_and_value": "`fddp.grad_and_value` (all-reduces overlap the backward pass)",
+    "grad_and_value_donated": "the same, params and state donated to `apply_gradients` (updated in place)",
     "compiled": "`torch.compile` of `torch.func.grad` + `fddp.ddp_step` + `fddp.optim`",
 }
 
@@ -126,7 +127,13 @@ def _optim_section() -> str:
             "| --- | ---: | ---: |",
             f"| AdamW, {large['tensors']} tensors / {large['values'] / 1e6:.0f}M values: "
             f"`torch.optim.AdamW(foreach=True).step()` | {large['torch_adamw_foreach_s'] * 1e3:.2f} | 1.00× |",
-            f"| the same with `fddp.optim.adamw`: `update` + `apply_updates` | "
+            f"| `torch.optim.AdamW(fused=True).step()`, for context | "
+            f"{large['torch_adamw_fused_s'] * 1e3:.2f} | {large['ratio_torch_fused']:.2f}× the time |",
+            f"| `fddp.optim.apply_gradients(adamw, ...)`: pure, torch's fused kernel on new buffers | "
+            f"{large['fddp_apply_gradients_s'] * 1e3:.2f} | {large['ratio_apply_gradients']:.2f}× the time |",
+            f"| the same with `donate=True` (in place) | "
+            f"{large['fddp_apply_gradients_donated_s'] * 1e3:.2f} | {large['ratio_apply_gradients_donated']:.2f}× the time |",
+            f"| `fddp.optim.adamw`: `update` + `apply_updates` (flat buffers) | "
             f"{large['fddp_update_and_apply_s'] * 1e3:.2f} | {large['ratio_update_and_apply']:.2f}× the time |",
             f"| ensemble of {ens['models']} small models: a loop of {ens['models']} torch AdamW steps | "
             f"{ens['torch_loop_s'] * 1e3:.2f} | 1.00× |",

@@ -260,3 +260,68 @@ def test_shape_mismatch_is_an_error_naming_the_leaf():
         optim.apply_updates(params, grads)
     with pytest.raises(TypeError, match="must be a GradientTransformation"):
         optim.apply_gradients(lambda: None, grads, state, params)
+
+
+DONATED = {
+    "sgd_nesterov_wd": (
+        lambda: optim.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, fused=True),
+    ),
+    "adam_l2_amsgrad": FUSED_PAIRS["adam_l2_amsgrad"],
+    "adamw_schedule": FUSED_PAIRS["adamw_schedule"],
+}
+
+
+@pytest.mark.parametrize("name", DONATED)
+def test_donated_step_is_in_place_and_equals_torch_fused_exactly(name):
+    make, make_torch = DONATED[name]
+    model = _model()
+    x, y = _batch()
+    params = _params(model)
+    tmodel = copy.deepcopy(model)
+    topt = make_torch(tmodel.parameters())
+    opt = make()
+    state = opt.init(params)
+    def where(params, state):  # every donated tensor (the count is a new scalar each step)
+        return [t.data_ptr() for t in optree.tree_leaves((params, state[1:]))]
+
+    before = where(params, state)
+
+    def loss(p):
+        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
+
+    for _ in range(20):
+        params, state = optim.apply_gradients(opt, grad(loss)(params), state, params, donate=True)
+        topt.zero_grad()
+        torch.nn.functional.cross_entropy(tmodel(x), y).backward()
+        topt.step()
+    assert where(params, state) == before, "not updated in place"
+    assert int(state.count) == 20
+    for k, p in tmodel.named_parameters():
+        torch.testing.assert_close(params[k], p.detach(), rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_donation_skips_tied_leaves_vmap_and_earlier_chain_states():
+    t = torch.randn(4)
+    tied = {"a": t, "b": t}  # one tensor twice: an in-place step would apply twice
+    before = t.clone()
+    opt = optim.sgd(0.1, momentum=0.9)
+    grads = {"a": torch.ones(4), "b": torch.ones(4)}
+    new, _ = optim.apply_gradients(opt, grads, opt.init(tied), tied, donate=True)
+    assert torch.equal(t, before)
+    torch.testing.assert_close(new["a"], before - 0.1)
+    # Under vmap donation is ignored: the step is pure.
+    stacked = {"w": torch.randn(3, 5)}
+    w0 = stacked["w"].clone()
+    adam = optim.adamw(1e-2)
+    vmap(lambda g, s, p: optim.apply_gradients(adam, g, s, p, donate=True))(
+        {"w": torch.randn(3, 5)}, vmap(adam.init)(stacked), stacked
+    )
+    assert torch.equal(stacked["w"], w0)
+    # In a chain only the last transform's state is donated; the others run update as usual.
+    params = {"w": torch.randn(5)}
+    chained = optim.chain(optim.accumulate(optim.sgd(0.1), every_k=1), optim.adamw(1e-2))
+    state = chained.init(params)
+    acc_sum = state[0].grad_sum["w"].clone()
+    p2, s2 = optim.apply_gradients(chained, {"w": torch.ones(5)}, state, params, donate=True)
+    assert torch.equal(state[0].grad_sum["w"], acc_sum) and p2["w"].data_ptr() == params["w"].data_ptr()

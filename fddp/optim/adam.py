@@ -175,8 +175,9 @@ def _adam(
 
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
-    def fused(grads: Updates, state: AdamState, params: Params) -> tuple[Params, AdamState] | None:
-        """``apply_gradients`` with torch's fused kernel, run in place on copies of params and state."""
+    def fused(grads: Updates, state: AdamState, params: Params, donate: bool) -> tuple[Params, AdamState] | None:
+        """``apply_gradients`` with torch's fused kernel, in place on copies of params and state
+        or, donated, on params and state themselves."""
         treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, True)
         groups = _fused_groups(
             ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: _paths(treedef),
@@ -188,10 +189,14 @@ def _adam(
         # The kernel reads the step count from a float tensor, as torch.optim keeps it (no sync).
         step = (state.count + 1).to(torch.float32)
         trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
+        in_place = donate and flat.disjoint(gs, *trees)
         outs = [[None] * len(ps) for _ in trees]
         for group in groups:
-            # Copies of params and state, updated in place by the kernel: the inputs stay as they were.
-            new = [flat.copy_with_views(leaves, group)[1] for leaves in trees]
+            if in_place:
+                new = [[leaves[i] for i in group.indices] for leaves in trees]
+            else:
+                # Copies of params and state, updated in place by the kernel: the inputs stay as they were.
+                new = [flat.copy_with_views(leaves, group)[1] for leaves in trees]
             p_, m_, v_, *vmax_ = new
             kernel(
                 p_, [gs[i] for i in group.indices], m_, v_, vmax_[0] if amsgrad else [], [step] * len(p_),
@@ -209,14 +214,18 @@ def _is_empty(x) -> bool:
     return isinstance(x, tuple) and len(x) == 0
 
 
-def _decay(lr_t, weight_decay: float, device) -> Tensor:
-    """``c - 1`` where torch decays ``param.mul_(c)``, ``c = 1 - lr * weight_decay`` (float64).
+def _decay(lr_t, weight_decay: float, device) -> float | Tensor:
+    """``c = 1 - lr * weight_decay``, the factor torch decays parameters by (``param.mul_(c)``).
 
-    torch rounds ``c`` to the parameter's dtype, which changes the effective decay noticeably
-    (fp32 rounding of 1 - 1e-5 is off by ~0.3% of the decay; in bf16 it is exactly 1). ``_Scalars``
-    applies the same rounding per dtype, which keeps trajectories on torch's.
+    A Python float for a constant lr (no tensor op, which matters under vmap, where every op on a
+    batched scalar costs as much as one on the parameters), else a float64 tensor. torch rounds
+    ``c`` to the parameter's dtype, which changes the effective decay noticeably (fp32 rounding of
+    1 - 1e-5 is off by ~0.3% of the decay; in bf16 it is exactly 1). ``_Scalars`` applies the same
+    rounding per dtype, which keeps trajectories on torch's.
     """
-    return torch.as_tensor(1.0 - lr_t * weight_decay, dtype=torch.float64, device=device)
+    if isinstance(lr_t, Tensor):
+        return torch.as_tensor(1.0 - lr_t * weight_decay, dtype=torch.float64, device=device)
+    return 1.0 - lr_t * weight_decay
 
 
 class _Scalars:
@@ -226,16 +235,18 @@ class _Scalars:
     would otherwise promote a batched float64 scalar, and the result, to float64.
     """
 
-    def __init__(self, step: Tensor, eps_hat: Tensor, decay: Tensor | None) -> None:
+    def __init__(self, step: Tensor, eps_hat: Tensor, decay: float | Tensor | None) -> None:
         self.step, self.eps_hat, self.decay = step, eps_hat, decay
         self.cache: dict = {}
 
     def get(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
         if dtype not in self.cache:
             decay = None
-            if self.decay is not None:
-                # Exact: c rounded to the dtype, minus 1, is representable in that dtype.
+            # Exact: c rounded to the dtype, minus 1, is representable in that dtype.
+            if isinstance(self.decay, Tensor):
                 decay = (self.decay.to(dtype).to(torch.float64) - 1.0).to(dtype)
+            elif self.decay is not None:
+                decay = float(torch.tensor(self.decay, dtype=dtype)) - 1.0
             self.cache[dtype] = (self.step.to(dtype), self.eps_hat.to(dtype), decay)
         return self.cache[dtype]
 
@@ -260,6 +271,8 @@ def _adam_unit(g, m, v, vmax, p, new, *, b1, b2, l2, scalars):
     o = new()
     u = torch.add(torch.sqrt(v if vmax is None else vmax, out=o), eps_hat, out=o)
     u = torch.mul(torch.div(m, u, out=o), step, out=o)
-    if decay is not None:
+    if isinstance(decay, Tensor):
         u = torch.addcmul(u, p, decay, out=o)
+    elif decay is not None:
+        u = torch.add(u, p, alpha=decay, out=o)
     return m, v, vmax, u

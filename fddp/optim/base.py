@@ -91,7 +91,7 @@ def apply_updates(params: Params, updates: Updates, /) -> Params:
 
 
 def apply_gradients(
-    opt: GradientTransformation, grads: Updates, state: OptState, params: Params, /
+    opt: GradientTransformation, grads: Updates, state: OptState, params: Params, /, *, donate: bool = False
 ) -> tuple[Params, OptState]:
     """One optimizer step: ``update`` then ``apply_updates``, fused where fddp can.
 
@@ -110,11 +110,21 @@ def apply_gradients(
     nothing is modified in place: params and state come back as new tensors. Elsewhere (``vmap``,
     ``torch.compile``, other transformations) it is exactly ``update`` + ``apply_updates``.
 
+    ``donate=True`` gives ``params`` and ``state`` away, as JAX's ``donate_argnums`` does: where a
+    fused path applies, torch's fused kernel (``torch._fused_sgd_``/``_fused_adam_``/
+    ``_fused_adamw_``) updates their tensors in place, with no new memory at all, and the returned
+    trees hold those same tensors; results equal ``torch.optim.*(fused=True)`` to the bit. Do not
+    use the old trees afterwards (they hold the new values), nor donate tensors something else still
+    needs, such as an EMA copy or the fallback of ``fddp.apply_if_finite``. Trees whose leaves share
+    memory (tied weights) are never updated in place. The state of a ``chain``'s earlier transforms
+    is not donated.
+
     Args:
         opt: the optimizer.
         grads: gradients, a pytree like ``params``.
         state: the optimizer state (from ``opt.init`` or the previous step).
         params: the parameters.
+        donate: allow ``params`` and ``state`` to be updated in place (see above).
 
     Returns:
         ``(new_params, new_state)``.
@@ -123,20 +133,21 @@ def apply_gradients(
         >>> opt = fddp.optim.adamw(lr=1e-3)
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, grads, state, params)
+        >>> params, state = fddp.optim.apply_gradients(opt, grads, state, params, donate=True)
     """
     if not isinstance(opt, GradientTransformation):
         raise TypeError(f"apply_gradients: opt must be a GradientTransformation, got {type(opt).__name__}")
     fused = _FUSED.get(opt.update)
     if fused is not None:
-        out = fused(grads, state, params)
+        out = fused(grads, state, params, bool(donate))
         if out is not None:
             return out
     updates, state = opt.update(grads, state, params)
     return apply_updates(params, updates), state
 
 
-# update function -> fused ``(grads, state, params) -> (new_params, new_state) | None`` (None: not
-# applicable to these inputs; use update + apply_updates). Keyed weakly by the update closure so
+# update function -> fused ``(grads, state, params, donate) -> (new_params, new_state) | None`` (None:
+# not applicable to these inputs; use update + apply_updates). Keyed weakly by the update closure so
 # that optimizers can be created freely; GradientTransformation itself stays a plain pair.
 _FUSED: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
 
@@ -184,7 +195,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     if last is None:
         return opt
 
-    def fused(grads: Updates, state: tuple, params: Params) -> tuple[Params, tuple] | None:
+    def fused(grads: Updates, state: tuple, params: Params, donate: bool) -> tuple[Params, tuple] | None:
         # Every transform but the last as usual, then the last one fused into the step.
         if type(state) is not tuple or len(state) != len(transforms):
             return None  # let update raise its error
@@ -192,7 +203,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         for t, s in zip(transforms[:-1], state[:-1]):
             grads, s = t.update(grads, s, params)
             new_states.append(s)
-        out = last(grads, state[-1], params)
+        out = last(grads, state[-1], params, donate)
         if out is None:
             updates, s = transforms[-1].update(grads, state[-1], params)
             out = apply_updates(params, updates), s

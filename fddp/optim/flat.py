@@ -185,6 +185,21 @@ def scatter(out: list, group_views: Sequence[Tensor], group: Group) -> None:
         out[i] = v
 
 
+def disjoint(*leaf_lists: Sequence[Tensor]) -> bool:
+    """Whether no two of these contiguous leaves share a byte of memory.
+
+    An in-place update of tied leaves (one tensor twice in a tree, or overlapping views) would
+    apply the step twice to the shared memory; with this check, such trees stay on the pure path.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        for leaves in leaf_lists
+        for t in leaves
+        if t.numel()
+    )
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 def run(
     unit: Callable[..., tuple],
     groups: tuple[Group, ...] | None,

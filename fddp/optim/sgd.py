@@ -121,14 +121,17 @@ def sgd(
         new_buf = optree.tree_unflatten(treedef, new_bufs) if momentum else ()
         return optree.tree_unflatten(treedef, u), SGDState(count + 1, new_buf)
 
-    def fused(grads: Updates, state: SGDState, params: Params) -> tuple[Params, SGDState] | None:
+    def fused(grads: Updates, state: SGDState, params: Params, donate: bool) -> tuple[Params, SGDState] | None:
         """``apply_gradients``: the step straight into new flat buffers, without an ``updates`` tree.
 
         Each new value is written once: ``b' = g + momentum * b`` (``g`` including weight decay),
         then ``p' = p - lr * b'``, reading the gradients where they lie. That reads and writes less
         than torch's fused kernel would on copies of the parameters and buffers (the copies alone
-        are two passes), and about as much as ``torch.optim.SGD`` in place. Dampened momentum
-        needs the first-step rule per step and takes ``update`` + ``apply_updates``.
+        are two passes), and about as much as ``torch.optim.SGD`` in place. Donated params and
+        buffers are updated in place by that kernel instead. Its first step copies the gradient
+        into the buffer, which needs the step count in Python; from a zero buffer
+        ``momentum * 0 + g`` is that copy exactly. Dampened momentum needs the first-step rule per
+        step and takes ``update`` + ``apply_updates``.
         """
         if momentum and dampening:
             return None
@@ -140,6 +143,15 @@ def sgd(
         if groups is None:
             return None
         lr_t = _lr_at(lr, state.count)
+        if donate and flat.disjoint(gs, ps, *([bufs] if momentum else [])):
+            for group in groups:
+                torch._fused_sgd_(
+                    [ps[i] for i in group.indices], [gs[i] for i in group.indices],
+                    [bufs[i] for i in group.indices] if momentum else [],
+                    weight_decay=weight_decay, momentum=momentum, lr=lr_t, dampening=dampening,
+                    nesterov=nesterov, maximize=False, is_first_step=False,
+                )
+            return optree.tree_unflatten(treedef, ps), SGDState(state.count + 1, state.momentum_buffer)
         new_p, new_b = [None] * len(ps), [None] * len(ps)
         for group in groups:
             P = flat.as_flat(ps, group)

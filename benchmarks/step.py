@@ -289,12 +289,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     for name, r in results.items():
         mds = r["modes"]
         lines.append(f"\n{name}: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors")
-        lines.append(f"  {'mode':<16}{'median ms':>10}{'x DDP':>8}{'comm ms':>9}{'colls':>7}{'MB sent':>9}")
+        width = max(len(m) for m in mds) + 2
+        lines.append(f"  {'mode':<{width}}{'median ms':>10}{'x DDP':>8}{'comm ms':>9}{'colls':>7}{'MB sent':>9}")
         for m, d in mds.items():
             floor = mds["floor_torch" if m == "ddp" else "floor_fddp"]["median_ms"]
             overhead = "" if m.startswith("floor") else f"{d['median_ms'] - floor:9.1f}"
             lines.append(
-                f"  {m:<16}{d['median_ms']:10.1f}{d['ratio_to_ddp']:8.2f}{overhead:>9}{d['collectives']:7d}{d['bytes'] / 2**20:9.2f}"
+                f"  {m:<{width}}{d['median_ms']:10.1f}{d['ratio_to_ddp']:8.2f}{overhead:>9}{d['collectives']:7d}{d['bytes'] / 2**20:9.2f}"
             )
     lines.append("\ncomm ms = median step minus the no-communication floor (torch's for ddp, fddp's for the rest)")
     print("\n".join(lines))

@@ -212,7 +212,7 @@ class _HostBuffers:
     functions stay pure. GPU memory has torch's caching allocator and is not pooled.
     """
 
-    def __init__(self, per_key: int = 12) -> None:
+    def __init__(self, per_key: int = 16) -> None:
         # Per (size, dtype): a step's buckets and the previous step's, or an optimizer's params,
         # state, their successors and its temporaries (fddp.optim's flat buffers share sizes).
         self.per_key = per_key
@@ -234,10 +234,12 @@ class _HostBuffers:
                 # as in use from now on, even before anything else refers to it.
                 return t.view(numel)
         t = torch.empty(numel, dtype=dtype, device=device)
-        if len(kept) < self.per_key:
-            kept.append(t)
-            return t.view(numel)
-        return t
+        if len(kept) >= self.per_key:
+            # All in use (other models' parameters, say, held for long): forget the oldest, which
+            # stays valid for its users, so that the buffers of the loop running now are kept.
+            kept.pop(0)
+        kept.append(t)
+        return t.view(numel)
 
 
 _storage_users = getattr(torch._C, "_storage_Use_Count", None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fddp.buckets import MB, LeafSpec, flatten, make_plan, new_buffer, unflatten
+from fddp.buckets import MB, LeafSpec, flatten, make_plan, new_buffer, release_buffers, unflatten
 
 CPU = torch.device("cpu")
 
@@ -118,3 +118,17 @@ def test_results_held_by_the_caller_never_change():
     for k in range(5):
         unflatten(plan, flatten(plan, [t * (k + 2) for t in leaves]))
     assert all(torch.equal(a, b) for a, b in zip(first, kept))
+
+
+def test_release_buffers_forgets_kept_buffers_but_not_live_ones():
+    from fddp import buckets
+
+    cpu = torch.device("cpu")
+    n = 4321  # a size no other test uses
+    live = new_buffer(n, torch.float32, cpu)
+    live.fill_(7.0)
+    assert buckets._host_buffers.free[(n, torch.float32)], "the buffer was not kept for reuse"
+    release_buffers()
+    assert not buckets._host_buffers.free, "buffers are still kept"
+    assert _storage(new_buffer(n, torch.float32, cpu)) != _storage(live), "a live buffer was handed out"
+    assert torch.equal(live, torch.full((n,), 7.0)), "a live buffer changed"

@@ -45,11 +45,52 @@ def functionalize(model: nn.Module, /) -> tuple[Callable[..., Any], Params]:
     """
     _check_module(model, "functionalize")
     params = {name: p.detach() for name, p in model.named_parameters()}
+    slots = _parameter_slots(model)
+    names = set(params)
 
     def apply_fn(params: Params, /, *args: Any, **kwargs: Any) -> Any:
-        return functional_call(model, params, args, kwargs)
+        # functional_call's general machinery (walking the modules, accessors, strictness checks)
+        # costs about 10 us per parameter per call, 1 ms a step on a 100-tensor transformer. With
+        # exactly the names functionalize returned, swapping the tensors into the slots computed
+        # once is the same thing; anything else, and tracing, goes through functional_call.
+        if torch.compiler.is_compiling() or not isinstance(params, dict) or params.keys() != names:
+            return functional_call(model, params, args, kwargs)
+        with _swapped(slots, params):
+            return model(*args, **kwargs)
 
     return apply_fn, params
+
+
+def _parameter_slots(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
+    """``(module, attribute, name)`` for every registered parameter, a tied one once per module.
+
+    ``name`` is the parameter's first name (``named_parameters()`` keeps only that one), so a
+    parameter tied into several modules receives the same tensor in each, as functional_call's
+    ``tie_weights`` does.
+    """
+    first: dict[int, str] = {}
+    slots = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        prefix, _, attr = name.rpartition(".")
+        slots.append((model.get_submodule(prefix), attr, first.setdefault(id(p), name)))
+    return slots
+
+
+class _swapped:
+    """Put ``params`` into the module's parameter slots for the duration of a call, then restore."""
+
+    def __init__(self, slots: list[tuple[nn.Module, str, str]], params: Params) -> None:
+        self.slots, self.params = slots, params
+        self.saved: list = []
+
+    def __enter__(self) -> None:
+        for module, attr, name in self.slots:
+            self.saved.append(module._parameters[attr])
+            module._parameters[attr] = self.params[name]
+
+    def __exit__(self, *exc: Any) -> None:
+        for (module, attr, _), old in zip(self.slots, self.saved):
+            module._parameters[attr] = old
 
 
 def functionalize_with_buffers(model: nn.Module, /) -> tuple[Callable[..., Any], Params, Params]:

@@ -55,6 +55,34 @@ def test_tied_weights_share_one_leaf():
     assert torch.equal(apply_fn(new, x), x)
 
 
+@pytest.mark.parametrize("name", ["mlp", "conv", "transformer"])
+def test_apply_fn_equals_functional_call_under_grad_and_vmap(name):
+    # apply_fn swaps tensors into the module itself for the names functionalize returned; other
+    # trees go through functional_call. Both must agree, inside torch.func transforms too.
+    model = make_model(name)
+    own = dict(model.named_parameters())
+    apply_fn, params = fddp.functionalize(model)
+    x, y = make_batch(name, seed=0)
+    new = {k: v + 0.01 for k, v in params.items()}
+
+    def loss(f, p):
+        return torch.nn.functional.cross_entropy(f(p, x), y)
+
+    reference = lambda p, x: torch.func.functional_call(model, p, (x,))  # noqa: E731
+    for a, b in zip(torch.func.grad(lambda p: loss(apply_fn, p))(new).values(),
+                    torch.func.grad(lambda p: loss(reference, p))(new).values()):
+        assert torch.equal(a, b)
+    stacked = {k: torch.stack([v, v * 2]) for k, v in new.items()}
+    assert torch.equal(torch.func.vmap(apply_fn, (0, None))(stacked, x), torch.func.vmap(reference, (0, None))(stacked, x))
+    # The module's own parameters are back in place afterwards, even after an error.
+    with pytest.raises(RuntimeError):
+        apply_fn(new, torch.randn(3, 3, 3, 3, 3))
+    assert all(p is own[k] for k, p in model.named_parameters())
+    # A subset of the names (the rest from the module) goes through functional_call.
+    first = next(iter(params))
+    assert torch.equal(apply_fn({first: new[first]}, x), reference({first: new[first]}, x))
+
+
 def test_rejects_non_module():
     with pytest.raises(TypeError, match="expected a torch.nn.Module, got function"):
         fddp.functionalize(lambda x: x)

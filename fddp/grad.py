@@ -23,7 +23,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp.buckets import BucketPlan, LeafSpec, new_buffer, unflatten
+from fddp.buckets import BucketPlan, LeafSpec, _shape_templates, new_buffer, unflatten
 from fddp.comm import Reducer, SyncInfo, checked_plan, sync_options, tree_leaves_with_paths
 from fddp.compress import as_compressor, check_return_info
 from fddp.runtime import require_initialized
@@ -173,53 +173,52 @@ class _Buckets:
         self.reducer, self.plan = reducer, plan
         self.where = _slots(plan)
         self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.views: list[list[torch.Tensor] | None] = [None] * len(plan.buckets)  # leaf-shaped, per bucket
         self.missing = [set(b.indices) for b in plan.buckets]
         self.next = 0
         prescale = reducer.prescale
         self.scale = None if prescale is None or prescale == 1.0 else prescale
 
-    def arrive(self, leaf: int, g: torch.Tensor) -> None:
-        b, start, n = self.where[leaf]
-        if self.flats[b] is None:
+    def _leaf_views(self, b: int) -> list[torch.Tensor]:
+        """Bucket ``b``'s buffer (made on first use) as views shaped like its leaves."""
+        views = self.views[b]
+        if views is None:
             bucket = self.plan.buckets[b]
-            self.flats[b] = new_buffer(bucket.numel, bucket.dtype, bucket.device)
-        piece = self.flats[b][start : start + n]
+            self.flats[b] = flat = new_buffer(bucket.numel, bucket.dtype, bucket.device)
+            self.views[b] = views = torch._C._nn.unflatten_dense_tensors(flat, _shape_templates(self.plan)[b])
+        return views
+
+    def arrive(self, leaf: int, g: torch.Tensor) -> None:
+        b, k = self.where[leaf]
+        view = self._leaf_views(b)[k]
         if self.scale is None:
-            piece.copy_(g.reshape(-1))  # the one copy, as ddp_step's flatten
+            view.copy_(g)  # the one copy, as ddp_step's flatten
         else:
-            torch.mul(g.reshape(-1), self.scale, out=piece)  # the copy, scaled by 1/n on the way
-        self.missing[b].discard(leaf)
-        self._launch_ready()
+            torch.mul(g, self.scale, out=view)  # the copy, scaled by 1/n on the way
+        missing = self.missing[b]
+        missing.discard(leaf)
+        if not missing and b == self.next:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         while self.next < len(self.flats) and not self.missing[self.next]:
             self.reducer.launch(self.next, self.flats[self.next], prescaled=self.reducer.prescale is not None)
-            self.flats[self.next] = None
+            self.flats[self.next] = self.views[self.next] = None  # the reducer holds the buffer now
             self.next += 1
 
     def flush(self) -> None:
         """Complete with zeros the leaves that got no gradient (unused this step), then launch."""
         for b in range(self.next, len(self.flats)):
-            for leaf in sorted(self.missing[b]):
-                bucket = self.plan.buckets[b]
-                _, start, n = self.where[leaf]
-                if self.flats[b] is None:
-                    self.flats[b] = new_buffer(bucket.numel, bucket.dtype, bucket.device)
-                self.flats[b][start : start + n].zero_()
+            for leaf in self.missing[b]:
+                self._leaf_views(b)[self.where[leaf][1]].zero_()
             self.missing[b].clear()
         self._launch_ready()
 
 
 @functools.lru_cache(maxsize=64)
-def _slots(plan: BucketPlan) -> dict[int, tuple[int, int, int]]:
-    """Map each leaf to (bucket, start, numel) in the plan's buffers."""
-    where = {}
-    for b, bucket in enumerate(plan.buckets):
-        start = 0
-        for leaf, n in zip(bucket.indices, bucket.numels):
-            where[leaf] = (b, start, n)
-            start += n
-    return where
+def _slots(plan: BucketPlan) -> dict[int, tuple[int, int]]:
+    """Map each leaf to (bucket, position in the bucket) in the plan's buffers."""
+    return {leaf: (b, k) for b, bucket in enumerate(plan.buckets) for k, leaf in enumerate(bucket.indices)}
 
 
 def _grad_and_value(

@@ -21,6 +21,7 @@ MARKER = "<!-- benchmark-results -->"
 STEP_MODES = {
     "floor_torch": "module forward/backward + torch.optim, no communication",
     "floor_fddp": "`torch.func.grad` + `fddp.optim.apply_gradients`, no communication",
+    "floor_gav": "`fddp.grad_and_value` over a one-rank group + `apply_gradients`: the `grad_and_value` floor",
     "ddp": "torch DDP + `torch.optim.SGD` (the reference)",
     "per_tensor": "`torch.func.grad` + one all-reduce per tensor",
     "ddp_step": "`torch.func.grad` + `fddp.ddp_step`",

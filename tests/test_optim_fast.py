@@ -325,3 +325,21 @@ def test_donation_skips_tied_leaves_vmap_and_earlier_chain_states():
     acc_sum = state[0].grad_sum["w"].clone()
     p2, s2 = optim.apply_gradients(chained, {"w": torch.ones(5)}, state, params, donate=True)
     assert torch.equal(state[0].grad_sum["w"], acc_sum) and p2["w"].data_ptr() == params["w"].data_ptr()
+
+
+def test_without_torchs_fused_kernels_apply_gradients_is_update_then_apply(monkeypatch):
+    # They are private torch ops: a torch without them must still step, purely.
+    import sys
+
+    monkeypatch.delattr(torch, "_fused_adamw_")
+    monkeypatch.setattr(sys.modules["fddp.optim.sgd"], "_FUSED_SGD", None)
+    params = _params(_model())
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    for opt in (optim.adamw(1e-2), optim.sgd(0.1, momentum=0.9)):
+        state = opt.init(params)
+        new, _ = optim.apply_gradients(opt, grads, state, params, donate=True)
+        u, _ = opt.update(grads, state, params)
+        ref = optim.apply_updates(params, u)
+        for k in params:
+            torch.testing.assert_close(new[k], ref[k], rtol=1e-6, atol=1e-7)
+            assert new[k].data_ptr() != params[k].data_ptr(), "updated in place without the fused kernel"

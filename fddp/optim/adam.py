@@ -173,12 +173,15 @@ def _adam(
         )
         return optree.tree_unflatten(treedef, u), new_state
 
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    # Private torch ops (present since torch 2.4); without them apply_gradients is update + apply_updates.
+    kernel = getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
 
     def fused(grads: Updates, state: AdamState, params: Params, donate: bool) -> tuple[Params, AdamState] | None:
         """``apply_gradients`` with torch's fused kernel, in place on copies of params and state
         or, donated, on params and state themselves."""
         treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, True)
+        if kernel is None:
+            return None
         groups = _fused_groups(
             ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: _paths(treedef),
             labels=("params", "grads", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),

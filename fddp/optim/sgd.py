@@ -143,9 +143,9 @@ def sgd(
         if groups is None:
             return None
         lr_t = _lr_at(lr, state.count)
-        if donate and flat.disjoint(gs, ps, *([bufs] if momentum else [])):
+        if donate and _FUSED_SGD is not None and flat.disjoint(gs, ps, *([bufs] if momentum else [])):
             for group in groups:
-                torch._fused_sgd_(
+                _FUSED_SGD(
                     [ps[i] for i in group.indices], [gs[i] for i in group.indices],
                     [bufs[i] for i in group.indices] if momentum else [],
                     weight_decay=weight_decay, momentum=momentum, lr=lr_t, dampening=dampening,
@@ -181,6 +181,10 @@ def sgd(
         return p, SGDState(state.count + 1, optree.tree_unflatten(treedef, new_b) if momentum else ())
 
     return _register_fused(GradientTransformation(init, update), fused)
+
+
+# A private torch op (present since torch 2.4); without it donated steps take the pure path.
+_FUSED_SGD = getattr(torch, "_fused_sgd_", None)
 
 
 def _is_empty(x) -> bool:

@@ -78,7 +78,8 @@ SGD_PAIRS = {
 }
 
 
-def _trajectories(make, make_torch, steps):
+def _trajectories(make, make_torch, steps, donate=False):
+    """Train with apply_gradients and with torch; return (first, last) (params, state) and torch's params."""
     model = _model()
     x, y = _batch()
     params = _params(model)
@@ -86,29 +87,30 @@ def _trajectories(make, make_torch, steps):
     topt = make_torch(tmodel.parameters())
     opt = make()
     state = opt.init(params)
+    first = (params, state)
 
     def loss(p):
         return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
 
     for _ in range(steps):
-        params, state = optim.apply_gradients(opt, grad(loss)(params), state, params)
+        params, state = optim.apply_gradients(opt, grad(loss)(params), state, params, donate=donate)
         topt.zero_grad()
         torch.nn.functional.cross_entropy(tmodel(x), y).backward()
         topt.step()
     assert int(state.count) == steps
-    return params, dict(tmodel.named_parameters())
+    return first, (params, state), dict(tmodel.named_parameters())
 
 
 @pytest.mark.parametrize("name", FUSED_PAIRS)
 def test_apply_gradients_equals_torch_exactly(name):
-    params, theirs = _trajectories(*FUSED_PAIRS[name], steps=20)
+    _, (params, _), theirs = _trajectories(*FUSED_PAIRS[name], steps=20)
     for k, p in theirs.items():
         torch.testing.assert_close(params[k], p.detach(), rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("name", SGD_PAIRS)
 def test_apply_gradients_sgd_matches_torch(name):
-    params, theirs = _trajectories(*SGD_PAIRS[name], steps=100)
+    _, (params, _), theirs = _trajectories(*SGD_PAIRS[name], steps=100)
     for k, p in theirs.items():
         torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
@@ -274,30 +276,13 @@ DONATED = {
 
 @pytest.mark.parametrize("name", DONATED)
 def test_donated_step_is_in_place_and_equals_torch_fused_exactly(name):
-    make, make_torch = DONATED[name]
-    model = _model()
-    x, y = _batch()
-    params = _params(model)
-    tmodel = copy.deepcopy(model)
-    topt = make_torch(tmodel.parameters())
-    opt = make()
-    state = opt.init(params)
+    first, (params, state), theirs = _trajectories(*DONATED[name], steps=20, donate=True)
+
     def where(params, state):  # every donated tensor (the count is a new scalar each step)
         return [t.data_ptr() for t in optree.tree_leaves((params, state[1:]))]
 
-    before = where(params, state)
-
-    def loss(p):
-        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
-
-    for _ in range(20):
-        params, state = optim.apply_gradients(opt, grad(loss)(params), state, params, donate=True)
-        topt.zero_grad()
-        torch.nn.functional.cross_entropy(tmodel(x), y).backward()
-        topt.step()
-    assert where(params, state) == before, "not updated in place"
-    assert int(state.count) == 20
-    for k, p in tmodel.named_parameters():
+    assert where(params, state) == where(*first), "not updated in place"
+    for k, p in theirs.items():
         torch.testing.assert_close(params[k], p.detach(), rtol=0, atol=0, msg=lambda m: f"{k}: {m}")
 
 
@@ -310,6 +295,12 @@ def test_donation_skips_tied_leaves_vmap_and_earlier_chain_states():
     new, _ = optim.apply_gradients(opt, grads, opt.init(tied), tied, donate=True)
     assert torch.equal(t, before)
     torch.testing.assert_close(new["a"], before - 0.1)
+    # Dtypes torch's fused kernels lack (complex) take the pure path too.
+    c = {"w": torch.randn(3, dtype=torch.complex64)}
+    c0 = c["w"].clone()
+    new, _ = optim.apply_gradients(opt, {"w": torch.ones(3, dtype=torch.complex64)}, opt.init(c), c, donate=True)
+    assert torch.equal(c["w"], c0)
+    torch.testing.assert_close(new["w"], c0 - 0.1)
     # Under vmap donation is ignored: the step is pure.
     stacked = {"w": torch.randn(3, 5)}
     w0 = stacked["w"].clone()

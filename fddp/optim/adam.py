@@ -18,7 +18,7 @@ from .base import (
     _check_nonneg,
     _check_state,
     _flatten,
-    _fused_groups,
+    _fused_kernels_take,
     _lr_at,
     _paths,
     _register_fused,
@@ -179,14 +179,14 @@ def _adam(
     def fused(grads: Updates, state: AdamState, params: Params, donate: bool) -> tuple[Params, AdamState] | None:
         """``apply_gradients`` with torch's fused kernel, in place on copies of params and state
         or, donated, on params and state themselves."""
-        treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, True)
         if kernel is None:
             return None
-        groups = _fused_groups(
+        treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, True)
+        groups = flat.groups_for(
             ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: _paths(treedef),
             labels=("params", "grads", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
         )
-        if groups is None:
+        if not _fused_kernels_take(groups):
             return None
         lr_t = _lr_at(lr, state.count)
         # The kernel reads the step count from a float tensor, as torch.optim keeps it (no sync).

@@ -70,11 +70,14 @@ def apply_updates(params: Params, updates: Updates, /) -> Params:
     groups = None
     if all(isinstance(x, Tensor) for x in p_leaves) and all(isinstance(x, Tensor) for x in u_leaves):
         groups = flat.groups_for(p_leaves, u_leaves, names=lambda: _paths(treedef), labels=("params", "updates"))
-    if groups is not None and any(
-        flat.tiled(p_leaves, g) is not None or flat.tiled(u_leaves, g) is not None for g in groups
-    ):
+    tiles = [(flat.tiled(p_leaves, g), flat.tiled(u_leaves, g)) for g in groups or ()]
+    if any(t is not None for pair in tiles for t in pair):
         # Updates from fddp.optim are views of flat buffers: one add per buffer, into a pooled one.
-        (out,) = flat.run(lambda p, u, new: (torch.add(p, u, out=new()),), groups, [p_leaves, u_leaves], p_leaves, 1)
+        out = list(p_leaves)
+        for g, (P, U) in zip(groups, tiles):
+            P = P if P is not None else flat.copy(p_leaves, g)
+            U = U if U is not None else flat.copy(u_leaves, g)
+            flat.scatter(out, flat.views(torch.add(P, U, out=g.new()), g, p_leaves), g)
         return optree.tree_unflatten(treedef, out)
     idx = [i for i, u in enumerate(u_leaves) if u is not None and p_leaves[i] is not None]
     ps = [p_leaves[i] for i in idx]
@@ -298,15 +301,11 @@ def _lr_at(lr: ScalarOrSchedule, count: Tensor) -> float | Tensor:
     return lr(count) if callable(lr) else float(lr)
 
 
-def _fused_groups(*leaf_lists: Sequence[Tensor], names: Callable | None = None, labels=None) -> tuple | None:
-    """Flat groups for torch's fused optimizer kernels, or ``None`` where they do not apply."""
-    groups = flat.groups_for(*leaf_lists, names=names, labels=labels)
-    if groups is None:
-        return None
-    for g in groups:
-        if g.dtype not in _FUSED_DTYPES or g.device.type not in ("cpu", "cuda"):
-            return None
-    return groups
+def _fused_kernels_take(groups: tuple | None) -> bool:
+    """Whether torch's fused optimizer kernels take every flat group (a float dtype, CPU or CUDA)."""
+    return groups is not None and all(
+        g.dtype in _FUSED_DTYPES and g.device.type in ("cpu", "cuda") for g in groups
+    )
 
 
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

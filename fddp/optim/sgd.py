@@ -20,6 +20,7 @@ from .base import (
     _check_nonneg,
     _check_state,
     _flatten,
+    _fused_kernels_take,
     _lr_at,
     _paths,
     _register_fused,
@@ -143,7 +144,8 @@ def sgd(
         if groups is None:
             return None
         lr_t = _lr_at(lr, state.count)
-        if donate and _FUSED_SGD is not None and flat.disjoint(gs, ps, *([bufs] if momentum else [])):
+        donated = [ps] + ([bufs] if momentum else [])
+        if donate and _FUSED_SGD is not None and _fused_kernels_take(groups) and flat.disjoint(gs, *donated):
             for group in groups:
                 _FUSED_SGD(
                     [ps[i] for i in group.indices], [gs[i] for i in group.indices],
@@ -160,16 +162,18 @@ def sgd(
             if weight_decay:
                 d = _axpy(gs, G, P, weight_decay, group, ps)
             if momentum:
-                b = _axpy(gs, G, flat.as_flat(bufs, group), momentum, group, ps) if d is None else (
-                    torch.add(d, flat.as_flat(bufs, group), alpha=momentum, out=group.new())
-                )
+                B = flat.as_flat(bufs, group)
+                if d is None:
+                    b = _axpy(gs, G, B, momentum, group, ps)
+                else:
+                    b = torch.add(d, B, alpha=momentum, out=group.new())
                 flat.scatter(new_b, flat.views(b, group, ps), group)
                 if nesterov:
                     d = _axpy(gs, G, b, momentum, group, ps) if d is None else torch.add(d, b, alpha=momentum, out=d)
                 else:
                     d = b
             if d is None:  # plain SGD: p' = p - lr g, leaf by leaf unless g is flat
-                d = G if G is not None else None
+                d = G
             out = group.new()
             if d is None:
                 for v, i, pv in zip(flat.views(out, group, ps), group.indices, flat.views(P, group, ps)):

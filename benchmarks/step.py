@@ -41,7 +41,7 @@ from torch import nn
 
 import fddp
 import fddp.optim as fopt
-from fddp.buckets import plan_for
+from fddp.sync import plan_of as plan_for
 
 LR, MOMENTUM = 0.01, 0.9
 

@@ -15,16 +15,24 @@ Example:
 
 from fddp import checkpoint, optim
 from fddp.accumulation import GradAccumulator, accumulate_grads
-from fddp.buffers import sync_buffers
-from fddp.comm import MismatchError, SyncInfo, broadcast
-from fddp.compress import Cast, PowerSGD, PowerSGDState
-from fddp.grad import grad, grad_and_value
 from fddp.guard import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers
-from fddp.replicas import verify_replicas
-from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
-from fddp.step import ddp_step
+from fddp.runtime import clear_caches, device, init, is_initialized, is_main, local_rank, rank, world_size
+from fddp.sync import (
+    Cast,
+    MismatchError,
+    PowerSGD,
+    PowerSGDState,
+    SyncInfo,
+    broadcast,
+    ddp_step,
+    grad,
+    grad_and_value,
+    hooks,
+    sync_buffers,
+    verify_replicas,
+)
 
 __all__ = [
     "Cast",
@@ -40,12 +48,14 @@ __all__ = [
     "apply_if_finite",
     "broadcast",
     "checkpoint",
+    "clear_caches",
     "ddp_step",
     "device",
     "functionalize",
     "functionalize_with_buffers",
     "grad",
     "grad_and_value",
+    "hooks",
     "init",
     "is_initialized",
     "is_main",

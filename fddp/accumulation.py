@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fddp.comm import path_str
+from fddp._tree import path_str
 
 __all__ = ["GradAccumulator", "accumulate_grads"]
 

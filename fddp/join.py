@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Iterable, Iterator, TypeVar
 
-from fddp.comm import SyncInfo
+from fddp.sync import SyncInfo
 
 __all__ = ["Join"]
 

@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device"]
+__all__ = ["init", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device", "clear_caches"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -21,10 +21,12 @@ def _as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timede
     raise ValueError(f"fddp.init: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
 
 
-def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
+def init(*, backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
     """Initialise the default process group from torchrun's environment.
 
-    Idempotent: a second call (or a process group the user created) is left as it is. Without
+    Idempotent: a second call (or a process group the user created) is left as it is. A new
+    group (after ``torch.distributed.destroy_process_group()``) starts with empty caches
+    (:func:`clear_caches`), so its trees are checked across ranks afresh. Without
     torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) this gives a
     one-process world, so the same script runs under plain ``python``.
 
@@ -49,6 +51,7 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     if torch.cuda.is_available() and "nccl" in backend:
         torch.cuda.set_device(local_rank())
     kwargs = {} if td is None else {"timeout": td}
+    clear_caches()
     store = _restart_scoped_store(td)
     if store is not None:
         rank_, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -156,3 +159,27 @@ def device() -> torch.device:
     if torch.cuda.is_available() and is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def clear_caches() -> None:
+    """Forget everything fddp remembers between calls: the tree signatures already checked across
+    ranks, the call counts named in timeout errors, bucket plans, and the host buffer pool.
+
+    fddp keeps the host buffers it makes (gradient buckets, ``fddp.optim``'s flat parameters and
+    state) and reuses the ones nothing refers to any more: like torch's CUDA caching allocator, it
+    holds on to a step's peak working set. Buffers still in use stay valid; they are simply not
+    reused. Call this after training, or between phases that use different models; the next call
+    on every tree checks its signature again (every rank must then call it too).
+    :func:`init` calls it when it creates a process group.
+
+    Example:
+        >>> fddp.clear_caches()
+    """
+    from fddp import _layout, _pool, _tree
+    from fddp.sync import _signature
+
+    _signature.forget()
+    _layout._plan_cached.cache_clear()
+    _layout._templates.cache_clear()
+    _tree.paths.cache_clear()
+    _pool.release()

@@ -41,14 +41,14 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Any, timeout_s: f
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
-    import fddp.comm
+    import fddp
 
     while True:
         msg = conn.recv()
         if msg is None:
             break
         fn, args, kwargs = msg
-        fddp.comm._checked.clear()  # each call starts with no remembered signatures, on every rank
+        fddp.clear_caches()  # each call starts with no remembered signatures, on every rank
         try:
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - the traceback goes back to the test

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fddp.buckets import MB, LeafSpec, flatten, make_plan, new_buffer, release_buffers, unflatten
+import fddp
+
+from fddp._layout import MB, flatten, unflatten
+from fddp._layout import plan as make_plan
+from fddp._pool import new_buffer
+from fddp._tree import LeafSpec
 
 CPU = torch.device("cpu")
 
@@ -121,14 +126,14 @@ def test_results_held_by_the_caller_never_change():
 
 
 def test_release_buffers_forgets_kept_buffers_but_not_live_ones():
-    from fddp import buckets
+    from fddp import _pool
 
     cpu = torch.device("cpu")
     n = 4321  # a size no other test uses
     live = new_buffer(n, torch.float32, cpu)
     live.fill_(7.0)
-    assert buckets._host_buffers.free[(n, torch.float32)], "the buffer was not kept for reuse"
-    release_buffers()
-    assert not buckets._host_buffers.free, "buffers are still kept"
+    assert _pool._host_buffers.free[(n, torch.float32)], "the buffer was not kept for reuse"
+    fddp.clear_caches()
+    assert not _pool._host_buffers.free, "buffers are still kept"
     assert _storage(new_buffer(n, torch.float32, cpu)) != _storage(live), "a live buffer was handed out"
     assert torch.equal(live, torch.full((n,), 7.0)), "a live buffer changed"

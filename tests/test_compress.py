@@ -18,8 +18,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 import fddp
 import fddp.checkpoint as ckpt
 from dist import run
-from fddp.buckets import flatten, plan_for, unflatten
-from fddp.comm import tree_leaves_with_paths
+from fddp._layout import flatten, unflatten
+from fddp.sync import plan_of as plan_for
+from fddp._tree import paths as leaf_paths
 from models import make_batch, make_model
 
 
@@ -162,7 +163,7 @@ def _powersgd_oracle_worker(name: str, driver: str, config: dict, bucket_cap_mb:
     rank = fddp.rank()
     model = new_model(name)
     apply_fn, params = functionalize_in_ddp_order(copy.deepcopy(model))
-    paths, leaves, _ = tree_leaves_with_paths(params, "test")
+    paths = leaf_paths(optree.tree_structure(params))
     plan = plan_for(params, bucket_cap_mb, bucket_cap_mb)
     plan_layout = [[paths[i] for i in b.indices] for b in plan.buckets]
     torch_state = powerSGD_hook.PowerSGDState(
@@ -196,7 +197,7 @@ def _powersgd_oracle_worker(name: str, driver: str, config: dict, bucket_cap_mb:
             F.cross_entropy(ddp(x), y).backward()
             ref = {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
         else:
-            flats = flatten(plan, tree_leaves_with_paths(local, "test")[1])
+            flats = flatten(plan, optree.tree_leaves(local))
             for i, (b, flat) in enumerate(zip(plan.buckets, flats)):
                 powerSGD_hook.powerSGD_hook(torch_state, _HookBucket(i, len(flats), flat, list(b.shapes))).wait()
             ref = dict(zip(paths, unflatten(plan, flats)))

@@ -10,7 +10,7 @@ from torch.func import grad as func_grad
 
 import fddp
 from dist import count_all_reduces, run
-from fddp.buckets import plan_for
+from fddp.sync import plan_of as plan_for
 from models import make_batch, make_model
 
 CAPS = [(25.0, 1.0), (0.004, 0.001), (1e-5, 1e-5)]  # one bucket; a few; one per leaf
@@ -91,7 +91,9 @@ def _options_worker() -> dict:
 
     for opts in (dict(weight=float(r + 1)), dict(compression="bf16"), dict(compression="fp16"), dict(check_finite=True)):
         ref, ref_info = fddp.ddp_step(params, func_grad(fn, argnums=1, has_aux=True)(x, params)[0], return_info=True, **caps, **opts)
-        grads, info = fddp.grad(lambda p: fn(x, p)[0], return_info=True, **caps, **opts)(params)
+        call_time = {k: opts.pop(k) for k in ("weight",) if k in opts}  # per-step values go to the call
+        grads, info = fddp.grad(lambda p: fn(x, p)[0], return_info=True, **caps, **opts)(params, **call_time)
+        opts.update(call_time)
         res[str(opts)] = _same(grads, ref) and info.collectives == ref_info.collectives and info.bytes_sent == ref_info.bytes_sent
         if "weight" in opts:
             res[str(opts)] &= torch.equal(info.weight, ref_info.weight)
@@ -106,7 +108,7 @@ def _options_worker() -> dict:
     ok = True
     for _ in range(3):
         ref, ref_info = fddp.ddp_step(mat, func_grad(loss)(mat), compression=ps, compression_state=s_ref, return_info=True)
-        grads, info = fddp.grad(loss, compression=ps, compression_state=s_grad, return_info=True)(mat)
+        grads, info = fddp.grad(loss, compression=ps, return_info=True)(mat, compression_state=s_grad)
         ok &= _same(grads, ref) and info.collectives == ref_info.collectives and info.bytes_sent == ref_info.bytes_sent
         ok &= _same(info.compression_state.q, ref_info.compression_state.q)
         s_ref, s_grad = ref_info.compression_state, info.compression_state

@@ -10,7 +10,7 @@ import torch
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 from fddp import optim
-from fddp.optim import flat
+from fddp.optim import _flat as flat
 
 # Trajectories follow their own parameters (grads at our params vs torch's at torch's), so ulp-level
 # differences random-walk over 100 steps; atol covers parameters near zero.

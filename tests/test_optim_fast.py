@@ -16,8 +16,8 @@ import torch
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 from fddp import optim
-from fddp.buckets import release_buffers
-from fddp.optim import flat
+from fddp import clear_caches as release_buffers
+from fddp.optim import _flat as flat
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -323,7 +323,7 @@ def test_without_torchs_fused_kernels_apply_gradients_is_update_then_apply(monke
     import sys
 
     monkeypatch.delattr(torch, "_fused_adamw_")
-    monkeypatch.setattr(sys.modules["fddp.optim.sgd"], "_FUSED_SGD", None)
+    monkeypatch.setattr(sys.modules["fddp.optim._sgd"], "_FUSED_SGD", None)
     params = _params(_model())
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     for opt in (optim.adamw(1e-2), optim.sgd(0.1, momentum=0.9)):

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import fddp
-import fddp.comm
+import fddp.sync._signature
 import fddp.optim
 from dist import run
-from fddp.replicas import checksum
+from fddp.sync import checksum
 from models import make_batch, make_model
 
 # --- DynamicLossScale against torch.amp.GradScaler -------------------------------------------
@@ -349,9 +349,9 @@ def test_verify_replicas_raises_on_every_rank(case, parts):
 def _skip_worker(what: str):
     group = tdist.new_group(timeout=datetime.timedelta(seconds=2))  # short, for this test only
     p = {"w": torch.zeros(3)}
-    call = {"ddp_step": lambda: fddp.ddp_step(p, p, group=group), "verify_replicas": lambda: fddp.verify_replicas(p, group)}[what]
+    call = {"ddp_step": lambda: fddp.ddp_step(p, p, group=group), "verify_replicas": lambda: fddp.verify_replicas(p, group=group)}[what]
     call()  # both ranks: the signature is checked and remembered
-    n = fddp.comm._calls[what] + 1
+    n = fddp.sync._signature.call_count(group, what) + 1
     message = None
     if fddp.rank() == 0:
         try:

@@ -15,7 +15,9 @@ from torch.func import functional_call, grad, grad_and_value, stack_module_state
 
 import fddp
 from dist import RankError, count_all_reduces, run
-from fddp.buckets import LeafSpec, make_plan, plan_for
+from fddp._layout import plan as make_plan
+from fddp._tree import LeafSpec
+from fddp.sync import plan_of as plan_for
 from models import make_batch, make_model
 
 DTYPES = {"a": torch.float32, "b": torch.float64, "c": torch.bfloat16, "d": torch.float32}
@@ -356,7 +358,7 @@ def test_buckets_follow_definition_order_not_sorted_keys():
     # module's order, so the first bucket holds the last layer, whose gradients backward makes first.
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(12)])
     _, params = fddp.functionalize(model)
-    from fddp.buckets import definition_order
+    from fddp._tree import definition_order
 
     order = definition_order(params)
     paths = sorted(params)  # optree's flatten order for a dict

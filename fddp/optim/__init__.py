@@ -16,12 +16,12 @@ or, in one call that runs torch's fused kernels where it can (``sgd``, ``adam``,
 Gradients must be tensors: a ``None`` gradient is rejected (pass zeros or drop the leaf).
 """
 
-from .accumulate import AccumulateState, accumulate
-from .adam import AdamState, adam, adamw
-from .base import EmptyState, GradientTransformation, apply_gradients, apply_updates, chain
-from .clip import clip_by_global_norm
-from .schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
-from .sgd import SGDState, sgd
+from ._accumulate import AccumulateState, accumulate
+from ._adam import AdamState, adam, adamw
+from ._base import EmptyState, GradientTransformation, apply_gradients, apply_updates, chain
+from ._clip import clip_by_global_norm
+from ._schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
+from ._sgd import SGDState, sgd
 
 __all__ = [
     "GradientTransformation",

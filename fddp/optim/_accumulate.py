@@ -8,7 +8,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .base import GradientTransformation, Params, Updates, _check_grads, _check_state, _flatten, _zeros_count
+from ._base import GradientTransformation, Params, Updates, _check_grads, _check_state, _flatten, _zeros_count
 
 
 class AccumulateState(NamedTuple):

@@ -15,7 +15,7 @@ import optree
 import torch
 from torch import Tensor
 
-from . import flat
+from . import _flat as flat
 
 PyTree = Any
 Params = PyTree
@@ -77,7 +77,7 @@ def apply_updates(params: Params, updates: Updates, /) -> Params:
         for g, (P, U) in zip(groups, tiles):
             P = P if P is not None else flat.copy(p_leaves, g)
             U = U if U is not None else flat.copy(u_leaves, g)
-            flat.scatter(out, flat.views(torch.add(P, U, out=g.new()), g, p_leaves), g)
+            flat.scatter(out, flat.views(torch.add(P, U, out=flat.new(g)), g), g)
         return optree.tree_unflatten(treedef, out)
     idx = [i for i, u in enumerate(u_leaves) if u is not None and p_leaves[i] is not None]
     ps = [p_leaves[i] for i in idx]

@@ -1,7 +1,7 @@
-"""Gradient compression for the bucket all-reduce: half-precision casts and PowerSGD.
+"""PowerSGD: low-rank gradient compression as a comm hook, with its state as a pytree.
 
-A compressor is an immutable configuration passed as ``compression=`` to :func:`fddp.ddp_step`.
-:class:`Cast` (``"bf16"`` / ``"fp16"``) is stateless. :class:`PowerSGD` keeps state between steps
+:class:`PowerSGD` is an immutable configuration passed as ``compression=`` to :func:`fddp.ddp_step`
+and a :class:`fddp.hooks.CommHook`. It keeps state between steps
 (the step count, error-feedback residuals, warm-start factors and the seed generator); that state is
 a :class:`PowerSGDState` pytree of tensors that goes into ``ddp_step`` and comes out in
 ``info.compression_state``, so a training step stays pure and the state checkpoints with
@@ -16,9 +16,9 @@ all-reduce, and ``M ~ P Q^T`` comes from two all-reduces: ``P = M Q`` (summed, t
 orthogonalised) and ``Q = M^T P`` (averaged). "The same buckets" matters because fresh ``Q``
 factors are drawn per bucket, in the order of the leaves in it; a plain ``dict`` of parameters
 flattens in sorted key order, an ``OrderedDict`` in insertion order (DDP's). The steps before
-``start_iter`` are fddp's uncompressed mean (scaled by ``1/n`` before the sum for a power-of-two
-group, else summed then divided), where torch's hook divides first; the two agree bitwise for a
-power-of-two group (scaling by ``2**-k`` is exact) and to a few ulps otherwise.
+``start_iter`` are an uncompressed mean (summed, then divided; half-precision buckets divided
+first), where torch's hook divides first; the two agree bitwise for a power-of-two group (scaling
+by ``2**-k`` is exact) and to a few ulps otherwise.
 """
 
 from __future__ import annotations
@@ -30,34 +30,14 @@ import numpy as np
 import optree
 import torch
 
-from fddp.buckets import BucketPlan
+from fddp._layout import BucketPlan
+from fddp._tree import paths
+from fddp.sync._comm import Comm
+from fddp.sync.hooks import LOW_PRECISION, CommHook, GradBucket
 
-__all__ = ["Cast", "PowerSGD", "PowerSGDState", "as_compressor", "check_state", "signature_option"]
+__all__ = ["PowerSGD", "PowerSGDState"]
 
-_CAST_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MAX_SEED = 1_000_000_000  # torch's PowerSGDState draws Q's seeds as rng.randint(1_000_000_000)
-
-
-@dataclasses.dataclass(frozen=True)
-class Cast:
-    """Send buckets in a half-precision dtype, divided by the world size before the sum.
-
-    The same arithmetic as torch's ``bf16_compress_hook`` / ``fp16_compress_hook``: cast down,
-    divide (so the fp16 sum cannot overflow where the mean would not), all-reduce, cast back.
-    ``compression="bf16"`` is ``Cast(torch.bfloat16)`` and ``"fp16"`` is ``Cast(torch.float16)``.
-
-    Args:
-        dtype: ``torch.bfloat16`` or ``torch.float16``.
-
-    Example:
-        >>> grads = fddp.ddp_step(params, grads, compression=fddp.Cast(torch.bfloat16))
-    """
-
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _CAST_NAMES.values():
-            raise ValueError(f"fddp.Cast: dtype must be torch.bfloat16 or torch.float16, got {self.dtype!r}")
 
 
 class PowerSGDState(NamedTuple):
@@ -85,8 +65,9 @@ class PowerSGDState(NamedTuple):
     q: Any
 
 
+
 @dataclasses.dataclass(frozen=True)
-class PowerSGD:
+class PowerSGD(CommHook):
     """Rank-``rank`` PowerSGD compression with error feedback and warm start, as torch's hook.
 
     Immutable configuration; :meth:`init` makes the state, which ``ddp_step`` takes as
@@ -185,24 +166,26 @@ class PowerSGD:
             total += p.element_size() * (p.numel() if shape is None else (shape[0] + shape[1]) * shape[2])
         return total
 
+    # --- the comm hook (see fddp.hooks) ---------------------------------------------------------
 
-def as_compressor(compression: Any, what: str) -> Cast | PowerSGD | None:
-    """Normalise ``compression=``: ``None``/``"none"``, ``"bf16"``, ``"fp16"``, a :class:`Cast` or a :class:`PowerSGD`."""
-    if compression is None or compression == "none":
-        return None
-    if isinstance(compression, str) and compression in _CAST_NAMES:
-        return Cast(_CAST_NAMES[compression])
-    if isinstance(compression, (Cast, PowerSGD)):
-        return compression
-    raise ValueError(
-        f"fddp.{what}: compression must be None, 'bf16', 'fp16', fddp.Cast or fddp.PowerSGD; got {compression!r}"
-    )
+    def signature(self, state: Any) -> str:
+        # Ranks that disagree on whether this step compresses would send buffers of different
+        # sizes; the switch changes the string once, which costs one extra signature check.
+        step = getattr(state, "step", None)
+        compressing = int(step) >= self.start_iter if isinstance(step, torch.Tensor) else "unknown"
+        return f"{self!r} compressing={compressing}"
 
+    def begin(self, state: Any, comm: Comm) -> "_Call":
+        return _Call(self, check_state(self, state, comm.what), comm)
 
-def check_return_info(compression: Any, return_info: bool, what: str) -> None:
-    """Raise unless a PowerSGD caller asked for the info that carries PowerSGD's next state."""
-    if isinstance(compression, PowerSGD) and not return_info:
-        raise ValueError(f"fddp.{what}: PowerSGD returns its next state in info.compression_state; pass return_info=True")
+    def launch(self, call: "_Call", bucket: GradBucket) -> tuple[Any, Any]:
+        return call.launch(bucket), call
+
+    def finish(self, call: "_Call", bucket: GradBucket, pending: Any) -> tuple[Any, Any]:
+        return call.finish(bucket, pending), call
+
+    def end(self, call: "_Call") -> PowerSGDState:
+        return call.new_state()
 
 
 def check_state(config: PowerSGD, state: Any, what: str) -> PowerSGDState:
@@ -213,27 +196,6 @@ def check_state(config: PowerSGD, state: Any, what: str) -> PowerSGDState:
             f"then each step's info.compression_state), got {type(state).__name__}"
         )
     return state
-
-
-def signature_option(compression: Any, state: Any, what: str) -> str:
-    """Describe what ``compression`` does to the collectives, for the cross-rank signature check.
-
-    Ranks that disagree on the compressor, or on whether PowerSGD compresses this step, would send
-    buffers of different sizes; made part of the signature, the disagreement raises
-    :class:`fddp.MismatchError` on every rank instead. PowerSGD's switch to compressing changes the
-    string once, which costs one extra signature check.
-
-    Example:
-        >>> signature_option("bf16", None, "ddp_step")
-        'compression=torch.bfloat16'
-    """
-    c = as_compressor(compression, what)
-    if c is None:
-        return "compression=none"
-    if isinstance(c, Cast):
-        return f"compression={c.dtype}"
-    compressing = int(check_state(c, state, what).step) >= c.start_iter
-    return f"compression={c!r} compressing={compressing}"
 
 
 # --- the generator of Q's seeds, as a tensor ----------------------------------------------------
@@ -274,18 +236,14 @@ def _orthogonalize(matrices: torch.Tensor, epsilon: float) -> None:
         torch.linalg.qr(matrices, out=(matrices, r))
 
 
-# --- one step -----------------------------------------------------------------------------------
-
-
-Issue = Callable[[torch.Tensor], Any]  # start an all-reduce (sum), count it, return its work handle
-Wait = Callable[[Any, str], None]  # wait for a work handle; the string says what it was
+# --- one synchronisation ------------------------------------------------------------------------
 
 
 class _Bucket:
     """One bucket's tensors between launch and finish."""
 
-    def __init__(self) -> None:
-        self.flat: torch.Tensor
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
         self.before: torch.Tensor | None = None  # the error-fed input, for the next residual
         self.uncompressed: list[torch.Tensor] = []  # views into flat
         self.u_buf: torch.Tensor | None = None
@@ -298,34 +256,42 @@ class _Bucket:
         self.q_buf: torch.Tensor | None = None
         self.p_work: Any = None
         self.q_work: Any = None
+        self.round = 0  # finish calls so far: P's round trip, then Q's
 
 
-class PowerSGDStep:
-    """PowerSGD for one synchronisation of a bucket plan: driven by :class:`fddp.comm.Reducer`.
+class _Call:
+    """PowerSGD's working state for one synchronisation of a bucket plan.
 
     ``launch`` takes each bucket's flat gradient (which it may overwrite) and starts the
-    uncompressed and ``P`` all-reduces; ``finish`` orthogonalises ``P``, sends ``Q``, and rebuilds
-    the buckets. Only used once ``state.step >= start_iter``; before that the Reducer reduces
-    uncompressed and the state only counts the step (:func:`advance`).
+    uncompressed and ``P`` all-reduces; the first ``finish`` orthogonalises ``P`` and sends ``Q``,
+    the second rebuilds the bucket. Before ``start_iter`` buckets take the uncompressed mean (summed,
+    then divided) and only the state's step count moves.
     """
 
-    def __init__(self, config: PowerSGD, state: PowerSGDState, plan: BucketPlan, world: int, what: str) -> None:
-        self.config, self.plan, self.world, self.what = config, plan, world, what
+    def __init__(self, config: PowerSGD, state: PowerSGDState, comm: Comm) -> None:
+        self.config, self.comm, self.plan = config, comm, comm.plan
+        self.state = state
         self.step = int(state.step)
+        self.compressing = self.step >= config.start_iter
         self.first = self.step == config.start_iter  # the first compressed step: no residual, no Q yet
         self.rng = state.rng
         self.error, self.error_spec = (None, None)
         self.q, self.q_spec = (None, None)
-        if config.error_feedback:
-            self.error, self.error_spec = _leaves(state.error, plan, what, "error", lambda shape: shape)
-        if config.warm_start:
-            self.q, self.q_spec = _leaves(state.q, plan, what, "q", config.q_shape)
-        self.buckets: list[_Bucket | None] = [None] * len(plan.buckets)
+        if self.compressing and config.error_feedback:
+            self.error, self.error_spec = _leaves(state.error, self.plan, comm.what, "error", lambda shape: shape)
+        if self.compressing and config.warm_start:
+            self.q, self.q_spec = _leaves(state.q, self.plan, comm.what, "q", config.q_shape)
+        self.new_error = [None] * self.plan.num_leaves if self.error is not None else None
+        self.new_q = list(self.q) if self.q is not None else None
 
-    def launch(self, i: int, flat: torch.Tensor, issue: Issue) -> None:
-        """Compress bucket ``i`` and start its uncompressed and ``P`` all-reduces."""
-        cfg, b, s = self.config, self.plan.buckets[i], _Bucket()
-        s.flat = flat
+    def launch(self, bucket: GradBucket) -> Any:
+        """Compress the bucket and start its uncompressed and ``P`` all-reduces."""
+        if not self.compressing:
+            if bucket.buffer.dtype in LOW_PRECISION:  # divided first, so the sum cannot overflow
+                bucket.buffer.div_(self.comm.world_size)
+            return self.comm.all_reduce(bucket.buffer)
+        cfg, b, s = self.config, bucket.layout, _Bucket(bucket.buffer)
+        flat = s.flat
         views = flat.split(b.numels)
         if self.error is not None:
             if not self.first:
@@ -367,59 +333,59 @@ class PowerSGDStep:
             torch.bmm(matrix, q, out=p)
         if s.uncompressed:
             s.u_buf = torch.cat([v.reshape(-1) for v in s.uncompressed])
-            s.u_work = issue(s.u_buf)
+            s.u_work = self.comm.all_reduce(s.u_buf)
         if s.matrices:
             # P is orthogonalised after the sum, so it needs no division by the world size.
-            s.p_work = issue(s.p_buf)
-        self.buckets[i] = s
+            s.p_work = self.comm.all_reduce(s.p_buf)
+        return s
 
-    def finish(self, issue: Issue, wait: Wait) -> tuple[list[torch.Tensor], PowerSGDState]:
-        """Send every bucket's ``Q``, decompress, and return the mean buffers and the new state."""
-        eps = self.config.orthogonalization_epsilon
-        for i, s in enumerate(self.buckets):
-            if s is None:
-                raise RuntimeError(f"fddp.{self.what}: bucket {i} of {len(self.buckets)} was never launched")
+    def finish(self, bucket: GradBucket, s: Any) -> Any:
+        """First call: the uncompressed part and ``P``, then send ``Q``. Second call: decompress."""
+        comm, i, world = self.comm, bucket.index, self.comm.world_size
+        if not self.compressing:
+            comm.wait(s, f"the all-reduce of bucket {i}")
+            return bucket.buffer if bucket.buffer.dtype in LOW_PRECISION else bucket.buffer.div_(world)
+        if s.round == 0:
+            s.round = 1
             if s.u_work is not None:
-                wait(s.u_work, f"the uncompressed all-reduce of bucket {i}")
+                comm.wait(s.u_work, f"the uncompressed all-reduce of bucket {i}")
                 at = 0
-                u = s.u_buf.div_(self.world)
+                u = s.u_buf.div_(world)
                 for v in s.uncompressed:
                     v.copy_(u[at : at + v.numel()])
                     at += v.numel()
             if s.p_work is not None:
-                wait(s.p_work, f"the P all-reduce of bucket {i}")
+                comm.wait(s.p_work, f"the P all-reduce of bucket {i}")
                 for p in s.ps:
-                    _orthogonalize(p, eps)
+                    _orthogonalize(p, self.config.orthogonalization_epsilon)
                 for matrix, p, q in zip(s.matrices, s.ps, s.qs):
                     torch.bmm(matrix.transpose(1, 2), p, out=q)
-                s.q_work = issue(s.q_buf)
-        new_error = [None] * self.plan.num_leaves if self.error is not None else None
-        new_q = list(self.q) if self.q is not None else None
-        for i, s in enumerate(self.buckets):
-            if s.q_work is not None:
-                wait(s.q_work, f"the Q all-reduce of bucket {i}")
-                s.q_buf.div_(self.world)
-                for p, q, matrix in zip(s.ps, s.qs, s.matrices):
-                    torch.bmm(p, q.transpose(1, 2), out=matrix)
-            b = self.plan.buckets[i]
-            if new_error is not None:
-                for leaf, e, shape in zip(b.indices, (s.before - s.flat).split(b.numels), b.shapes):
-                    new_error[leaf] = e.view(shape)
-            if new_q is not None:
-                for leaf, q in zip(s.leaf_ids, s.qs):
-                    new_q[leaf] = q.view(q.shape[1:])
-        state = PowerSGDState(
-            torch.tensor(self.step + 1, dtype=torch.int64),
+                s.q_work = comm.all_reduce(s.q_buf)
+            return s  # another round: every bucket sends its Q before any waits for one
+        if s.q_work is not None:
+            comm.wait(s.q_work, f"the Q all-reduce of bucket {i}")
+            s.q_buf.div_(world)
+            for p, q, matrix in zip(s.ps, s.qs, s.matrices):
+                torch.bmm(p, q.transpose(1, 2), out=matrix)
+        b = bucket.layout
+        if self.new_error is not None:
+            for leaf, e, shape in zip(b.indices, (s.before - s.flat).split(b.numels), b.shapes):
+                self.new_error[leaf] = e.view(shape)
+        if self.new_q is not None:
+            for leaf, q in zip(s.leaf_ids, s.qs):
+                self.new_q[leaf] = q.view(q.shape[1:])
+        return s.flat
+
+    def new_state(self) -> PowerSGDState:
+        step = torch.tensor(self.step + 1, dtype=torch.int64)
+        if not self.compressing:  # before start_iter: only the count moves
+            return self.state._replace(step=step)
+        return PowerSGDState(
+            step,
             self.rng,
-            None if new_error is None else optree.tree_unflatten(self.error_spec, new_error),
-            None if new_q is None else optree.tree_unflatten(self.q_spec, new_q),
+            None if self.new_error is None else optree.tree_unflatten(self.error_spec, self.new_error),
+            None if self.new_q is None else optree.tree_unflatten(self.q_spec, self.new_q),
         )
-        return [s.flat for s in self.buckets], state
-
-
-def advance(state: PowerSGDState) -> PowerSGDState:
-    """The state after an uncompressed step (before ``start_iter``): only the count moves."""
-    return state._replace(step=torch.tensor(int(state.step) + 1, dtype=torch.int64))
 
 
 def _leaves(
@@ -431,19 +397,19 @@ def _leaves(
             f"fddp.{what}: compression_state.{field} is None, but this PowerSGD config needs it; make "
             "the state with the same config's init(params)"
         )
-    paths, leaves, spec = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
     if len(leaves) != plan.num_leaves:
         raise ValueError(
             f"fddp.{what}: compression_state.{field} has {len(leaves)} leaves, but params have "
             f"{plan.num_leaves}; make the state with PowerSGD.init(params)"
         )
     shapes = {i: s for b in plan.buckets for i, s in zip(b.indices, b.shapes)}
-    for i, (path, leaf) in enumerate(zip(paths, leaves)):
+    for i, (path, leaf) in enumerate(zip(paths(spec), leaves)):
         want = expect(shapes[i])
         got = tuple(leaf.shape) if isinstance(leaf, torch.Tensor) else None if leaf is None else type(leaf).__name__
         if got != want:
             raise ValueError(
-                f"fddp.{what}: compression_state.{field} leaf {'/'.join(map(str, path))!r} should be "
+                f"fddp.{what}: compression_state.{field} leaf {path!r} should be "
                 f"{'None' if want is None else f'a tensor of shape {want}'}, got "
                 f"{'None' if got is None else got}; make the state with the same config's init(params)"
             )

@@ -4,12 +4,13 @@ An optimizer step outside ``vmap`` is bound by memory traffic, and a pure one mu
 results to new tensors every step. On the host that is what made it slow: torch's CPU allocator
 hands large freed blocks back to the OS, so every new result paid page faults on first touch and a
 pure AdamW took twice the time of ``torch.optim.AdamW``'s in-place one. Here each operation runs
-once over a flat buffer taken from fddp's pool of host buffers (``fddp.buckets.new_buffer``), which
-hands a buffer out again only when nothing refers to it any more, so recycling is never observable.
+once over a flat buffer laid out by ``fddp._layout`` (one buffer per dtype and device, leaves in
+tree order) and taken from fddp's pool of host buffers (``fddp._pool``), which hands a buffer out
+again only when nothing refers to it any more, so recycling is never observable.
 
-Results go back to the caller as views of the flat buffers. When they come back as the next
-step's inputs (state, parameters, updates), ``as_flat`` recognises them and reads the buffer
-in place instead of copying; other leaves (fresh gradients, a user's own tensors) are copied in
+Results go back to the caller as views of the flat buffers (``_layout.views``). When they come back
+as the next step's inputs (state, parameters, updates), ``as_flat`` recognises them
+(``_layout.tiled``) and reads the buffer in place instead of copying; other leaves (fresh gradients, a user's own tensors) are copied in
 once. The same per-tensor functions run on flat buffers and, under ``vmap``, ``torch.compile`` or
 autograd, on each leaf with ``out=None``: the same kernels in the same order, so both paths give
 bit-identical results.
@@ -18,38 +19,24 @@ bit-identical results.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from fddp.buckets import new_buffer
+from fddp import _layout
+from fddp._layout import tiled, views
+from fddp._tree import LeafSpec
 
 _functorch = torch._C._functorch
 
 
-@dataclass(frozen=True)
-class Group:
-    """The leaves of one dtype and device, laid out back to back in one flat buffer.
+Group = _layout.Bucket  # one flat buffer: leaf indices, shapes, offsets, dtype and device
 
-    Attributes:
-        indices: the leaves' positions in the flattened tree, in buffer order.
-        offsets: where each leaf starts in the buffer (elements).
-        numel: the buffer's size.
-        dtype: the leaves' dtype.
-        device: the leaves' device.
-    """
 
-    indices: tuple[int, ...]
-    offsets: tuple[int, ...]
-    numel: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def new(self) -> Tensor:
-        """An uninitialised buffer for this group, recycled from the host pool when possible."""
-        return new_buffer(self.numel, self.dtype, self.device)
+def new(group: Group) -> Tensor:
+    """An uninitialised buffer for this group, recycled from the host pool when possible."""
+    return _layout.new_flat(group)
 
 
 def multi_tensor_ok(tensors: Sequence[Tensor]) -> bool:
@@ -104,9 +91,10 @@ def groups_for(
     for t in ref:
         if t.layout is not torch.strided or not t.is_contiguous() or (grad_mode and t.requires_grad):
             return None
-        specs.append((tuple(t.shape), t.dtype, t.device))
+        specs.append(LeafSpec(tuple(t.shape), t.dtype, t.device))
     for leaves in leaf_lists[1:]:
-        for t, (_, dtype, device) in zip(leaves, specs):
+        for t, spec in zip(leaves, specs):
+            dtype, device = spec.dtype, spec.device
             if (
                 t.dtype != dtype
                 or t.device != device
@@ -115,44 +103,7 @@ def groups_for(
                 or (grad_mode and t.requires_grad)
             ):
                 return None
-    return _layout(tuple(specs))
-
-
-@functools.lru_cache(maxsize=256)
-def _layout(specs: tuple) -> tuple[Group, ...]:
-    by_key: dict = {}
-    for i, (shape, dtype, device) in enumerate(specs):
-        by_key.setdefault((dtype, device), []).append((i, shape))
-    groups = []
-    for (dtype, device), members in by_key.items():
-        offsets, at = [], 0
-        for _, shape in members:
-            offsets.append(at)
-            at += functools.reduce(lambda a, b: a * b, shape, 1)
-        groups.append(Group(tuple(i for i, _ in members), tuple(offsets), at, dtype, device))
-    return tuple(groups)
-
-
-def tiled(leaves: Sequence[Tensor], group: Group) -> Tensor | None:
-    """The 1-D buffer the group's leaves tile, back to back at the group's offsets, if there is one.
-
-    That is how ``views`` hands results out; reading the buffer is then reading the leaves.
-    """
-    base = leaves[group.indices[0]]._base
-    if (
-        base is None
-        or base.dim() != 1
-        or base.numel() != group.numel
-        or base.dtype != group.dtype
-        or not base.is_contiguous()
-    ):
-        return None
-    start = base.storage_offset()
-    for i, off in zip(group.indices, group.offsets):
-        leaf = leaves[i]
-        if leaf._base is not base or leaf.storage_offset() - start != off:
-            return None
-    return base
+    return _layout.optim_plan(tuple(specs)).buckets
 
 
 def as_flat(leaves: Sequence[Tensor], group: Group) -> Tensor:
@@ -168,15 +119,10 @@ def copy(leaves: Sequence[Tensor], group: Group) -> Tensor:
 
 def copy_with_views(leaves: Sequence[Tensor], group: Group) -> tuple[Tensor, list[Tensor]]:
     """A new flat buffer holding a copy of the group's leaves, and its views shaped like them."""
-    out = group.new()
-    out_views = views(out, group, leaves)
+    out = new(group)
+    out_views = views(out, group)
     torch._foreach_copy_(out_views, [leaves[i] for i in group.indices])
     return out, out_views
-
-
-def views(flat: Tensor, group: Group, like: Sequence[Tensor]) -> list[Tensor]:
-    """Views of ``flat`` shaped like the group's leaves of ``like`` (no copy), in group order."""
-    return torch._C._nn.unflatten_dense_tensors(flat, [like[i] for i in group.indices])
 
 
 def scatter(out: list, group_views: Sequence[Tensor], group: Group) -> None:
@@ -226,11 +172,11 @@ def run(
         return outs
     for group in groups:
         flats = [None if xs is None else as_flat(xs, group) for xs in inputs]
-        res = unit(*flats, group.new)
+        res = unit(*flats, functools.partial(new, group))
         del flats  # drop our references so a copied-in input buffer is free again right away
         for k in range(num_outputs):
             if res[k] is not None:
-                scatter(outs[k], views(res[k], group, like), group)
+                scatter(outs[k], views(res[k], group), group)
     return outs
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import flat
-from .base import EmptyState, GradientTransformation, Params, Updates, _check_grads, _check_state
+from . import _flat as flat
+from ._base import EmptyState, GradientTransformation, Params, Updates, _check_grads, _check_state
 import optree
 
 

@@ -9,8 +9,8 @@ import optree
 import torch
 from torch import Tensor
 
-from . import flat
-from .base import (
+from . import _flat as flat
+from ._base import (
     GradientTransformation,
     Params,
     ScalarOrSchedule,
@@ -166,21 +166,21 @@ def sgd(
                 if d is None:
                     b = _axpy(gs, G, B, momentum, group, ps)
                 else:
-                    b = torch.add(d, B, alpha=momentum, out=group.new())
-                flat.scatter(new_b, flat.views(b, group, ps), group)
+                    b = torch.add(d, B, alpha=momentum, out=flat.new(group))
+                flat.scatter(new_b, flat.views(b, group), group)
                 if nesterov:
                     d = _axpy(gs, G, b, momentum, group, ps) if d is None else torch.add(d, b, alpha=momentum, out=d)
                 else:
                     d = b
             if d is None:  # plain SGD: p' = p - lr g, leaf by leaf unless g is flat
                 d = G
-            out = group.new()
+            out = flat.new(group)
             if d is None:
-                for v, i, pv in zip(flat.views(out, group, ps), group.indices, flat.views(P, group, ps)):
+                for v, i, pv in zip(flat.views(out, group), group.indices, flat.views(P, group)):
                     _step(pv, gs[i], lr_t, v)
             else:
                 _step(P, d, lr_t, out)
-            flat.scatter(new_p, flat.views(out, group, ps), group)
+            flat.scatter(new_p, flat.views(out, group), group)
         p = optree.tree_unflatten(treedef, new_p)
         return p, SGDState(state.count + 1, optree.tree_unflatten(treedef, new_b) if momentum else ())
 
@@ -197,10 +197,10 @@ def _is_empty(x) -> bool:
 
 def _axpy(gs: list[Tensor], G: Tensor | None, Y: Tensor, alpha: float, group: flat.Group, like: list[Tensor]) -> Tensor:
     """A new flat buffer holding ``g + alpha * Y`` for the group's gradients ``g`` (flat ``G`` if any)."""
-    out = group.new()
+    out = flat.new(group)
     if G is not None:
         return torch.add(G, Y, alpha=alpha, out=out)
-    for v, i, y in zip(flat.views(out, group, like), group.indices, flat.views(Y, group, like)):
+    for v, i, y in zip(flat.views(out, group), group.indices, flat.views(Y, group)):
         torch.add(gs[i], y, alpha=alpha, out=v)
     return out
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .base import (
+from ._base import (
     GradientTransformation,
     Params,
     ScalarOrSchedule,
@@ -27,7 +27,7 @@ from .base import (
 )
 import optree
 
-from . import flat
+from . import _flat as flat
 
 
 class AdamState(NamedTuple):

@@ -1,0 +1,192 @@
+"""Trees made identical across ranks: ``broadcast``, ``sync_buffers`` and ``verify_replicas``.
+
+The first two go through the same setup and reducer as gradients, with their own comm hooks
+(:class:`~fddp.hooks.Broadcast`, and a mean whose integer buckets take the maximum); the third
+compares one checksum per leaf in one small all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from fddp._tree import paths
+from fddp.sync import _differentiable
+from fddp.sync._setup import SyncOptions, make_options, setup
+from fddp.sync._signature import MismatchError, collective_device, wait
+from fddp.sync.hooks import Broadcast, BufferMean
+
+__all__ = ["broadcast", "sync_buffers", "verify_replicas", "checksum"]
+
+_MODES = ("broadcast", "mean")
+
+
+def _run(tree: Any, options: SyncOptions, what: str) -> Any:
+    sync = setup(tree, options, what)
+    reducer = sync.reducer()
+    reducer.push([t.detach() for t in sync.leaves])
+    flats, _ = reducer.finish()
+    return sync.unflatten(flats)
+
+
+def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0) -> Any:
+    """Return ``tree`` with rank ``src``'s values on every rank, in a few fused broadcasts.
+
+    The leaves are packed into flat buckets (the same planner as :func:`fddp.ddp_step`) and each
+    bucket is broadcast with one collective. The input is not modified; the returned leaves are
+    views into the received buffers. Before the first broadcast of a tree structure the ranks
+    compare its signature and raise :class:`MismatchError` on any difference. This is torch DDP's
+    broadcast at construction: use it on the parameters and, with
+    :func:`fddp.functionalize_with_buffers`, on the buffers.
+
+    Args:
+        tree: a pytree of tensors (parameters, optimizer state, buffers).
+        src: the rank, within ``group``, whose values everyone receives.
+        group: the process group; ``None`` for the default one.
+        bucket_cap_mb: the size of each fused broadcast, in MiB.
+
+    Returns:
+        A tree of the same structure holding ``src``'s values.
+
+    Example:
+        >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 2))
+        >>> params = fddp.broadcast(params)  # every rank now starts from rank 0's initialisation
+    """
+    _differentiable.refuse_under_transforms("broadcast")
+    options = make_options("broadcast", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+    n = dist.get_world_size(group) if dist.is_initialized() else 1
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+        raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
+    return _run(tree, SyncOptions(options.group, options.bucket_cap_mb, options.first_bucket_mb, Broadcast(src)), "broadcast")
+
+
+def sync_buffers(
+    buffers: Any,
+    /,
+    mode: Literal["broadcast", "mean"] = "broadcast",
+    *,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+) -> Any:
+    """Return ``buffers`` made identical on every rank, in one collective per bucket.
+
+    ``"broadcast"`` gives every rank rank ``src``'s buffers, as torch DDP's ``broadcast_buffers``
+    does at the start of each forward. ``"mean"`` averages floating-point buffers over the ranks
+    (running means and variances then summarise every rank's batches); integer and bool buffers
+    such as BatchNorm's ``num_batches_tracked`` are counters, not statistics, so they take their
+    maximum over the ranks instead (ranks that step together hold the same count, which the
+    maximum keeps; a mean of counts would need rounding). Integer and float buffers never share a
+    bucket, so this costs no extra collective.
+
+    Pure: the input is not modified. The first call for a tree checks that every rank holds the
+    same one and raises :class:`fddp.MismatchError` on every rank if not.
+
+    Args:
+        buffers: a pytree of tensors (e.g. the ``buffers`` dict of
+            :func:`fddp.functionalize_with_buffers`).
+        mode: ``"broadcast"`` or ``"mean"``.
+        src: with ``"broadcast"``, the rank (within ``group``) whose buffers everyone receives.
+        group: the process group; ``None`` for the default one.
+        bucket_cap_mb: the size of each fused collective, in MiB.
+
+    Returns:
+        A tree of the same structure, dtypes and shapes, equal on every rank.
+
+    Example:
+        >>> apply_fn, params, buffers = fddp.functionalize_with_buffers(torch.nn.BatchNorm1d(3))
+        >>> out, buffers = apply_fn(params, buffers, torch.randn(8, 3))
+        >>> buffers = fddp.sync_buffers(buffers, "mean")
+    """
+    if mode not in _MODES:
+        raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
+    if mode == "broadcast":
+        return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
+    _differentiable.refuse_under_transforms("sync_buffers")
+    options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+    return _run(buffers, SyncOptions(options.group, options.bucket_cap_mb, options.first_bucket_mb, BufferMean()), "sync_buffers")
+
+
+_MASK = (1 << 62) - 1  # checksums in [0, 2**62): their negations never overflow int64
+_CHUNK = 1 << 22  # words hashed at a time: bounds the temporaries at ~64 MiB
+
+
+def checksum(t: torch.Tensor, /) -> torch.Tensor:
+    """Return a 62-bit checksum of ``t``'s bytes, as an int64 scalar tensor on ``t``'s device.
+
+    The bytes (in row-major order) are read as little 32-bit words ``w_i`` (the last one
+    zero-padded) and summed as ``sum_i w_i * (2 i + 1) mod 2**62``. Changing any one word (a one-ulp
+    change of a float32, two bf16 values, ...) always changes the checksum, since ``(2 i + 1)`` is
+    odd and the change is smaller than ``2**32``; so does swapping two different words. It compares
+    bits, not values: ``0.0`` and ``-0.0``, or two NaNs with different payloads, differ.
+
+    Example:
+        >>> a = torch.ones(3)
+        >>> b = a.clone(); b[1] = torch.nextafter(b[1], torch.tensor(2.0))
+        >>> bool(checksum(a) != checksum(b))
+        True
+    """
+    if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
+        raise TypeError(f"checksum: needs a dense tensor with data, got layout {t.layout}, dtype {t.dtype}, device {t.device}")
+    data = t.detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
+    if data.numel() % 4:
+        data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
+    elif data.storage_offset() % 4:
+        data = data.clone()  # a view into a bucket may start mid-word; reading it as words needs a copy
+    words = data.view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _CHUNK):
+        w = words[start : start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
+        odd = torch.arange(start, start + w.numel(), dtype=torch.int64, device=t.device).mul_(2).add_(1)
+        total += (w * odd).sum()  # int64 arithmetic wraps: the sum is taken mod 2**64
+    return total & _MASK
+
+
+def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`fddp.MismatchError` on every rank unless all ranks hold bitwise equal leaves.
+
+    Each rank computes a checksum of every leaf (see :func:`checksum`: any single changed word,
+    such as a one-ulp difference, is always caught) and one all-reduce of ``2 * num_leaves`` int64
+    values compares them. On a difference the ranks also gather the checksums (a second small
+    collective) to name the first differing leaf and the ranks that disagree with rank 0, and all
+    raise the same error. The tree signatures (structure, shapes, dtypes) are compared first, as in
+    :func:`fddp.ddp_step`. Reading every byte costs about as much as one optimizer step: call it
+    every few hundred steps, after a resume, or in tests.
+
+    Args:
+        tree: a pytree of tensors: parameters, optimizer state, buffers.
+        group: the process group whose ranks must agree; ``None`` for the default group.
+
+    Raises:
+        MismatchError: on every rank, naming the first leaf (in tree order) whose bytes differ.
+
+    Example:
+        >>> params = fddp.broadcast(params)
+        >>> fddp.verify_replicas(params)  # passes; raises on every rank if any rank drifted
+    """
+    _differentiable.refuse_under_transforms("verify_replicas")
+    sync = setup(tree, make_options("verify_replicas", group=group), "verify_replicas")
+    leaves = sync.leaves
+    if dist.get_world_size(group) == 1 or not leaves:
+        return
+    device = collective_device(group)
+    sums = torch.stack([checksum(t).to(device) for t in leaves])
+    both = torch.cat([sums, -sums])
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), group, "verify_replicas", "the checksum all-reduce")
+    high, low = both[: len(leaves)], -both[len(leaves) :]
+    differ = (high != low).nonzero().flatten().tolist()
+    if not differ:
+        return
+    n = dist.get_world_size(group)
+    gathered = [torch.empty_like(sums) for _ in range(n)]
+    wait(dist.all_gather(gathered, sums, group=group, async_op=True), group, "verify_replicas", "the checksum gather")
+    first = differ[0]
+    others = [r for r in range(1, n) if gathered[r][first] != gathered[0][first]]
+    which = f"rank {others[0]} differs" if len(others) == 1 else f"ranks {others} differ"
+    more = f" (and {len(differ) - 1} more of the {len(leaves)} leaves)" if len(differ) > 1 else ""
+    raise MismatchError(
+        f"fddp.verify_replicas: ranks hold different values at leaf {paths(sync.spec)[first]!r}{more}: {which} "
+        f"from rank 0 (checksums {[int(g[first]) for g in gathered]})."
+    )

@@ -1,0 +1,102 @@
+"""``Comm``: one synchronisation's handle on the process group, given to comm hooks with each bucket.
+
+Hooks issue their collectives through it, so that every collective is counted (``SyncInfo``'s
+bytes and collectives), traced as a functional collective under ``torch.compile``, and waited for
+with an error that names the call, the rank and what it was doing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from fddp._layout import BucketPlan
+from fddp.sync._signature import collective_device, wait
+
+__all__ = ["Comm"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class Comm:
+    """One synchronisation as a comm hook sees it: the process group, the bucket plan, the weight.
+
+    Attributes:
+        group: the process group (``None``: the default one).
+        plan: the synchronisation's bucket plan (every bucket's leaves, shapes and offsets).
+        world_size: the number of ranks in ``group``.
+        rank: this process's rank in ``group``.
+        weight: this rank's weight for a weighted mean (a float64 CPU scalar tensor), or ``None``.
+        weight_sum: the sum of the weights over the ranks, once a weighted hook has learned it
+            (``SyncInfo.weight``).
+        bytes_sent: payload bytes handed to collectives so far.
+        collectives: collectives issued so far.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, what: str, plan: BucketPlan, weight: torch.Tensor | None = None
+    ) -> None:
+        self.group, self.what, self.plan, self.weight = group, what, plan, weight
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.weight_sum: torch.Tensor | None = None
+        self.bytes_sent = 0
+        self.collectives = 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where small tensors for this group's collectives must live."""
+        return collective_device(self.group)
+
+    def _count(self, t: torch.Tensor) -> None:
+        self.bytes_sent += t.numel() * t.element_size()
+        self.collectives += 1
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Any:
+        """Start an all-reduce of ``t`` in place (``op``: ``"sum"`` or ``"max"``); return its work handle.
+
+        Example:
+            >>> work = bucket.comm.all_reduce(bucket.buffer)
+            >>> bucket.comm.wait(work, "the all-reduce")
+        """
+        self._count(t)
+        if torch.compiler.is_compiling():
+            return _TracedAllReduce(t, op, self.group)
+        return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
+
+    def all_gather(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start gathering every rank's ``t`` (same shape on every rank); return ``(out, work)``,
+        ``out`` of shape ``(world_size, *t.shape)``, valid once ``work`` is waited for.
+
+        Example:
+            >>> everyone, work = bucket.comm.all_gather(values)
+            >>> bucket.comm.wait(work, "the gather")
+        """
+        self._count(t)
+        out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
+        return out, dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=True)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> Any:
+        """Start a broadcast of ``t`` from ``src`` (a rank of the group), in place; return its work."""
+        self._count(t)
+        global_src = src if self.group is None else dist.get_global_rank(self.group, src)
+        return dist.broadcast(t, src=global_src, group=self.group, async_op=True)
+
+    def wait(self, work: Any, doing: str) -> None:
+        """Wait for ``work``; on failure raise an error naming the call, the rank and ``doing``."""
+        wait(work, self.group, self.what, doing)
+
+
+class _TracedAllReduce:
+    """An all-reduce torch.compile puts in its graph (a functional collective); ``wait`` copies the
+    result back into the input, the in-place contract of ``dist.all_reduce`` that hooks rely on."""
+
+    def __init__(self, t: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> None:
+        self.t = t
+        self.out = funcol.all_reduce(t, op, group if group is not None else dist.group.WORLD)
+
+    def wait(self) -> None:
+        self.t.copy_(funcol.wait_tensor(self.out))

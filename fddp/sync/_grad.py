@@ -1,0 +1,253 @@
+"""``grad`` and ``grad_and_value``: torch.func's gradient transforms, averaged over the ranks.
+
+Each bucket's collectives start from inside the backward pass, as soon as that bucket's gradient
+exists, and are waited on only at the end, so communication overlaps the rest of the backward pass
+(as torch DDP's does). The reducer and comm hook are the ones ``ddp_step`` uses, so
+``fddp.grad(fn)(params, ...)`` equals ``fddp.ddp_step(params, torch.func.grad(fn)(params, ...))``
+bit for bit.
+
+How: autograd differentiates the caller's own leaves (no copy), and a hook on each leaf hands its
+gradient, once backward has produced it, to the reducer, which copies it into its slice of the
+bucket's flat buffer, as torch DDP's reducer does, and launches every bucket that is complete.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
+
+from fddp._tree import paths
+from fddp.sync import _differentiable
+from fddp.sync._reducer import SyncInfo
+from fddp.sync._setup import SyncOptions, as_weight, check_state, make_options, setup
+
+__all__ = ["grad", "grad_and_value"]
+
+ArgNums = int | tuple[int, ...]
+_CALL_TIME = ("weight", "compression_state")  # per-step values, given to the transformed function
+
+
+def grad_and_value(
+    fn: Callable[..., Any],
+    argnums: ArgNums = 0,
+    has_aux: bool = False,
+    *,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    compression: Any = None,
+    check_finite: bool = False,
+    return_info: bool = False,
+) -> Callable[..., Any]:
+    """Return a function computing the rank-averaged gradient of ``fn`` and ``fn``'s value.
+
+    The signature and results are those of :func:`torch.func.grad_and_value`, except that the
+    gradients are already averaged over the ranks of ``group``, exactly as
+    ``fddp.ddp_step(args[argnums], torch.func.grad(fn, argnums)(*args), ...)`` averages them. The
+    collectives overlap the backward pass: each bucket's starts as soon as its gradients exist.
+
+    Build the transform once; values that change every step go to the returned function as
+    keyword arguments, which it keeps for itself (``fn`` never sees them):
+
+    - ``weight=``: this rank's weight (its sample count); the gradients are then the weighted
+      mean, as with :func:`fddp.ddp_step`'s ``weight=``;
+    - ``compression_state=``: a stateful comm hook's state (PowerSGD's), the previous call's
+      ``info.compression_state``.
+
+    Every rank must call the returned function with trees of the same signature (checked once per
+    signature; a difference raises :class:`fddp.MismatchError` on every rank). A differentiated
+    leaf that ``fn`` does not use gets a zero gradient, and its bucket is still sent, so ranks that
+    use different parameters do not hang.
+
+    The returned gradients are views into one flat buffer per bucket. ``fn`` sees the caller's
+    own leaves (detached, never copied). Differentiation uses :func:`torch.autograd.grad`, so ``fn``
+    must be differentiable by autograd (activation checkpointing works), and this cannot run inside
+    torch.func transforms: there, use ``torch.func.grad`` and :func:`fddp.ddp_step`, which compose.
+
+    Args:
+        fn: the function to differentiate; it must return a scalar tensor (or ``(scalar, aux)``
+            with ``has_aux``).
+        argnums: which positional argument(s) to differentiate with respect to: an int, or a
+            tuple of ints (the gradients are then a tuple of trees).
+        has_aux: ``fn`` returns ``(loss, aux)``; ``aux`` is returned alongside, not differentiated
+            (its tensors detached, in any container torch.func knows, such as a transformers
+            ``ModelOutput``).
+        group: the process group to average over; ``None`` for the default group.
+        bucket_cap_mb: the cap of each bucket, in MiB.
+        first_bucket_mb: the cap of the first bucket, in MiB.
+        compression: ``"bf16"``/``"fp16"`` (or :class:`fddp.Cast`), a :class:`fddp.PowerSGD` or any
+            :class:`fddp.hooks.CommHook`, as in :func:`fddp.ddp_step`.
+        check_finite: compute ``info.finite`` (requires ``return_info``).
+        return_info: also return a :class:`fddp.SyncInfo`, as the last element.
+
+    Returns:
+        A function of ``fn``'s arguments (plus the keywords ``weight=`` and
+        ``compression_state=``) returning ``(grads, value)``, where ``value`` is ``fn``'s output
+        (``(loss, aux)`` with ``has_aux``), detached; with ``return_info``, ``(grads, value, info)``.
+
+    Example:
+        >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
+        >>> loss_fn = lambda p, x: apply_fn(p, x).pow(2).mean()
+        >>> grads, loss = fddp.grad_and_value(loss_fn)(params, torch.randn(8, 4))
+        >>> step = fddp.grad_and_value(loss_fn, return_info=True)  # built once, weighted per call
+        >>> grads, loss, info = step(params, torch.randn(8, 4), weight=8)
+    """
+    transform = _Transform(fn, argnums, has_aux, "grad_and_value", group, bucket_cap_mb, first_bucket_mb, compression, check_finite, return_info)
+
+    @functools.wraps(fn)
+    def grad_and_value_fn(*args: Any, weight: Any = None, compression_state: Any = None, **kwargs: Any) -> Any:
+        grads, value, info = transform(args, kwargs, weight, compression_state)
+        return (grads, value, info) if return_info else (grads, value)
+
+    return grad_and_value_fn
+
+
+def grad(
+    fn: Callable[..., Any],
+    argnums: ArgNums = 0,
+    has_aux: bool = False,
+    *,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    compression: Any = None,
+    check_finite: bool = False,
+    return_info: bool = False,
+) -> Callable[..., Any]:
+    """Return a function computing the rank-averaged gradient of ``fn``, as :func:`torch.func.grad`.
+
+    The same as :func:`grad_and_value` without the value: the returned function gives ``grads``,
+    ``(grads, aux)`` with ``has_aux``, and appends a :class:`fddp.SyncInfo` with ``return_info``.
+    It takes the same per-call keywords, ``weight=`` and ``compression_state=``.
+
+    Example:
+        >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
+        >>> grads = fddp.grad(lambda p, x: apply_fn(p, x).pow(2).mean())(params, torch.randn(8, 4))
+    """
+    transform = _Transform(fn, argnums, has_aux, "grad", group, bucket_cap_mb, first_bucket_mb, compression, check_finite, return_info)
+
+    @functools.wraps(fn)
+    def grad_fn(*args: Any, weight: Any = None, compression_state: Any = None, **kwargs: Any) -> Any:
+        grads, value, info = transform(args, kwargs, weight, compression_state)
+        out = (grads, value[1]) if has_aux else (grads,)
+        out += (info,) if return_info else ()
+        return out if len(out) > 1 else out[0]
+
+    return grad_fn
+
+
+class _Transform:
+    """The part of ``grad``/``grad_and_value`` fixed when the transform is built."""
+
+    def __init__(
+        self, fn: Callable, argnums: Any, has_aux: bool, what: str, group: Any, bucket_cap_mb: float,
+        first_bucket_mb: float, compression: Any, check_finite: bool, return_info: bool,
+    ) -> None:  # fmt: skip
+        self.fn, self.argnums, self.has_aux, self.what = fn, argnums, has_aux, what
+        self.nums = _check_argnums(argnums, what)
+        _check_no_reserved_names(fn, what)
+        # Options are checked when the transform is built, not at its first call; a weight given
+        # at call time selects the weighted mean then.
+        self.options = make_options(
+            what, group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+            compression=compression, check_finite=check_finite, return_info=return_info,
+        )  # fmt: skip
+        self.compression = compression
+
+    def call_options(self, weight: Any) -> SyncOptions:
+        if weight is None:
+            return self.options
+        o = self.options
+        return make_options(
+            self.what, group=o.group, bucket_cap_mb=o.bucket_cap_mb, first_bucket_mb=o.first_bucket_mb,
+            weight=weight, compression=self.compression, check_finite=o.check_finite,
+        )  # fmt: skip
+
+    def __call__(self, args: tuple, kwargs: dict, weight: Any, state: Any) -> tuple[Any, Any, SyncInfo]:
+        what = self.what
+        _differentiable.refuse_under_transforms(what, "use torch.func.grad inside the transform and fddp.ddp_step, which composes with it")
+        options = self.call_options(weight)
+        check_state(options, state, what, self.compression)
+        nums = self.nums
+        for a in nums:
+            if not -len(args) <= a < len(args):
+                raise ValueError(f"fddp.{what}: argnums {self.argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments")
+        tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
+        sync = setup(tree, options, what, state)
+        for i, t in enumerate(sync.leaves):
+            if not (t.is_floating_point() or t.is_complex()):
+                raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(sync.spec)[i]!r} is {t.dtype}")
+        inputs = [t.detach().requires_grad_() for t in sync.leaves]
+        reducer = sync.reducer(state)
+        for i, x in enumerate(inputs):
+            # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
+            # tensor's hooks run.
+            x.register_hook(functools.partial(reducer.arrive, i))
+        views = optree.tree_unflatten(sync.spec, inputs)
+        call_args = list(args)
+        if isinstance(self.argnums, int):
+            call_args[nums[0]] = views
+        else:
+            for a, v in zip(nums, views):
+                call_args[a] = v
+        with torch.enable_grad():
+            out = self.fn(*call_args, **kwargs)
+            loss = _loss_of(out, self.has_aux, what)
+            if loss.requires_grad:
+                torch.autograd.grad(loss, inputs, allow_unused=True)
+        reducer.flush()
+        flats, info = reducer.finish()
+        return sync.unflatten(flats), _detached(out), info
+
+
+def _detached(out: Any) -> Any:
+    """``fn``'s output with every tensor detached, in containers optree or torch's pytree knows.
+
+    torch.func detaches ``aux`` through torch's own pytree, where libraries such as transformers
+    register their output classes (``ModelOutput``); optree alone would treat those as leaves.
+    """
+    return torch_pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _check_argnums(argnums: Any, what: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if (
+        not isinstance(nums, tuple)
+        or not nums
+        or not all(isinstance(a, int) and not isinstance(a, bool) for a in nums)
+        or len(set(nums)) != len(nums)
+    ):
+        raise TypeError(f"fddp.{what}: argnums must be an int or a non-empty tuple of distinct ints, got {argnums!r}")
+    return nums
+
+
+def _check_no_reserved_names(fn: Callable, what: str) -> None:
+    """Refuse an ``fn`` with a parameter the returned function keeps for itself."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and some callables have no signature
+        return
+    clash = [name for name in _CALL_TIME if name in params]
+    if clash:
+        raise TypeError(
+            f"fddp.{what}: fn has a parameter named {clash[0]!r}, but the returned function takes "
+            f"{clash[0]}= for itself (a per-step sync value); rename fn's parameter or bind it with "
+            "functools.partial"
+        )
+
+
+def _loss_of(out: Any, has_aux: bool, what: str) -> torch.Tensor:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise ValueError(f"fddp.{what}(fn, has_aux=True): fn must return a (loss, aux) tuple, got {type(out).__name__}")
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.dim() != 0:
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"fddp.{what}: fn must return a scalar tensor (the loss), got {got}")
+    return out

@@ -1,0 +1,178 @@
+"""The reducer: copy values into a plan's buckets, hand each full bucket to the comm hook, collect.
+
+It only moves buckets; what a bucket becomes (a mean, a weighted mean, a compressed mean) is the
+hook's business. Two ways in: :meth:`Reducer.push` takes every leaf at once (``ddp_step``), and
+:meth:`Reducer.arrive` takes one leaf at a time, as backward produces it (``fddp.grad``'s hooks),
+launching each bucket as soon as it is full. Either way buckets are launched in plan order on every
+rank, so ranks whose backward passes visit leaves in different orders still issue the same sequence
+of collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from fddp import _layout
+from fddp._layout import BucketPlan
+from fddp.sync._comm import Comm
+from fddp.sync.hooks import CommHook, GradBucket
+
+__all__ = ["Reducer", "SyncInfo"]
+
+
+class SyncInfo(NamedTuple):
+    """What one synchronisation did, returned with ``return_info=True``.
+
+    Attributes:
+        finite: with ``check_finite=True``, a bool tensor, True when every reduced gradient is
+            finite. The reduced buffers are bitwise identical on all ranks, so every rank reaches
+            the same verdict without another collective. ``None`` otherwise.
+        weight: with ``weight=``, the sum of the weights over the ranks (a float64 tensor).
+        bytes_sent: bytes this rank handed to collectives (the payload, before the backend's own
+            ring or tree traffic).
+        collectives: the number of collectives issued.
+        compression_state: with a stateful comm hook (:class:`fddp.PowerSGD`), its state after
+            this step, to pass as ``compression_state=`` next time; ``None`` otherwise.
+
+    Example:
+        >>> grads, info = fddp.ddp_step(params, grads, check_finite=True, return_info=True)
+        >>> skip = not info.finite  # the same verdict on every rank
+    """
+
+    finite: torch.Tensor | None
+    weight: torch.Tensor | None
+    bytes_sent: int
+    collectives: int
+    compression_state: Any = None
+
+
+class Reducer:
+    """Move one tree's values through a bucket plan and a comm hook.
+
+    Args:
+        plan: the bucket plan the values follow.
+        hook: the comm hook that reduces each bucket.
+        state: the hook's state (``None`` for a stateless hook).
+        comm: the synchronisation's process group, plan and weight.
+        check_finite: compute :attr:`SyncInfo.finite` from the reduced buffers.
+    """
+
+    def __init__(self, plan: BucketPlan, hook: CommHook, state: Any, comm: Comm, check_finite: bool = False) -> None:
+        self.plan, self.hook, self.comm, self.check_finite = plan, hook, comm, check_finite
+        # Scaling factors the hook wants applied while values are copied in (1/n for a mean over a
+        # power-of-two group): one pass fewer than scaling the bucket afterwards.
+        self.scales = [_no_unit(hook.scale_in(comm, b)) for b in plan.buckets]
+        self.working = hook.begin(state, comm)
+        self.buckets: list[GradBucket | None] = [None] * len(plan.buckets)
+        self.pending: list[Any] = [None] * len(plan.buckets)
+        # fddp.grad's path: buffers made on first use, leaves still missing, the next to launch.
+        self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.views: list[Sequence[torch.Tensor] | None] = [None] * len(plan.buckets)
+        self.missing = [set(b.indices) for b in plan.buckets]
+        self.next = 0
+
+    def launch(self, i: int, flat: torch.Tensor) -> None:
+        """Hand bucket ``i`` (``flat``, already scaled by ``scales[i]``) to the hook."""
+        bucket = GradBucket(i, flat, self.plan.buckets[i], self.comm)
+        self.pending[i], self.working = self.hook.launch(self.working, bucket)
+        self.buckets[i] = bucket
+
+    def push(self, leaves: Sequence[torch.Tensor | None]) -> None:
+        """Copy every leaf (``None``: zeros) into its bucket and launch all buckets in order."""
+        for i, flat in enumerate(_layout.flatten(self.plan, leaves)):
+            if self.scales[i] is not None:
+                flat.mul_(self.scales[i])
+            self.launch(i, flat)
+
+    def arrive(self, leaf: int, g: torch.Tensor) -> None:
+        """Copy one leaf's value into its bucket; launch every bucket that is now complete, in order."""
+        b, k = _slots(self.plan)[leaf]
+        view = self._leaf_views(b)[k]
+        scale = self.scales[b]
+        if scale is None:
+            view.copy_(g)
+        else:
+            torch.mul(g, scale, out=view)  # the copy, scaled on the way
+        missing = self.missing[b]
+        missing.discard(leaf)
+        if not missing and b == self.next:
+            self._launch_ready()
+
+    def flush(self) -> None:
+        """Complete with zeros the leaves that never arrived (unused this step), then launch."""
+        for b in range(self.next, len(self.flats)):
+            for leaf in self.missing[b]:
+                self._leaf_views(b)[_slots(self.plan)[leaf][1]].zero_()
+            self.missing[b].clear()
+        self._launch_ready()
+
+    def _leaf_views(self, b: int) -> Sequence[torch.Tensor]:
+        views = self.views[b]
+        if views is None:
+            self.flats[b] = flat = _layout.new_flat(self.plan.buckets[b])
+            self.views[b] = views = _layout.views(flat, self.plan.buckets[b])
+        return views
+
+    def _launch_ready(self) -> None:
+        while self.next < len(self.flats) and not self.missing[self.next]:
+            self.launch(self.next, self.flats[self.next])
+            self.flats[self.next] = self.views[self.next] = None  # the hook holds the buffer now
+            self.next += 1
+
+    def finish(self) -> tuple[list[torch.Tensor], SyncInfo]:
+        """Wait for every bucket, in rounds (a hook may need several round trips); return the
+        reduced buffers and what the synchronisation did."""
+        for i, bucket in enumerate(self.buckets):
+            if bucket is None:
+                raise RuntimeError(f"fddp.{self.comm.what}: bucket {i} of {len(self.buckets)} was never launched")
+        out: list[Any] = [None] * len(self.buckets)
+        todo = list(range(len(self.buckets)))
+        while todo:
+            again = []
+            for i in todo:
+                result, self.working = self.hook.finish(self.working, self.buckets[i], self.pending[i])
+                if isinstance(result, torch.Tensor):
+                    out[i] = _checked(result, self.plan.buckets[i], self.hook, i)
+                else:
+                    self.pending[i] = result
+                    again.append(i)
+            todo = again
+        new_state = self.hook.end(self.working)
+        finite = _all_finite(out) if self.check_finite else None
+        comm = self.comm
+        return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state)
+
+
+def _no_unit(scale: float | None) -> float | None:
+    return None if scale == 1.0 else scale
+
+
+def _checked(result: torch.Tensor, bucket: _layout.Bucket, hook: CommHook, i: int) -> torch.Tensor:
+    if result.dtype != bucket.dtype or result.numel() != bucket.numel or result.dim() != 1:
+        raise ValueError(
+            f"comm hook {hook!r} returned a tensor of shape {tuple(result.shape)} and dtype {result.dtype} "
+            f"for bucket {i}; expected a 1-D tensor of {bucket.numel} elements of dtype {bucket.dtype}"
+        )
+    return result
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(plan: BucketPlan) -> dict[int, tuple[int, int]]:
+    """Map each leaf to (bucket, position in the bucket)."""
+    return {leaf: (b, k) for b, bucket in enumerate(plan.buckets) for k, leaf in enumerate(bucket.indices)}
+
+
+def _all_finite(flats: list[torch.Tensor]) -> torch.Tensor:
+    """Return a bool tensor: True when no buffer holds a NaN or an Inf.
+
+    Each buffer's min and max come from one pass without a temporary (``aminmax`` propagates NaN,
+    and an Inf is the min or the max); ``isfinite(f).all()`` writes a bool per element first and
+    is ~15x slower on a 25 MB bucket on the CPU.
+    """
+    ends = [torch.stack(torch.aminmax(torch.view_as_real(f) if f.is_complex() else f)) for f in flats if f.numel()]
+    if not ends:
+        return torch.tensor(True)
+    return torch.isfinite(torch.cat([e.to(ends[0].device) for e in ends])).all()

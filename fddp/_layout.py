@@ -157,6 +157,21 @@ def plan(
     return _plan_cached(specs, bucket_cap_mb, first_bucket_mb, order, reverse)
 
 
+def respec(plan: BucketPlan, specs: tuple[LeafSpec, ...]) -> BucketPlan:
+    """The same buckets (which leaves travel together, in which order) for leaves of other shapes.
+
+    Under ``vmap`` every member of an ensemble is synchronised at once: each bucket holds the same
+    leaves as a single member's plan, with the members stacked, so there is one collective per
+    bucket for all of them.
+    """
+    buckets = []
+    for b in plan.buckets:
+        numels = tuple(specs[i].numel for i in b.indices)
+        offsets = tuple(sum(numels[:k]) for k in range(len(numels)))
+        buckets.append(Bucket(b.indices, tuple(specs[i].shape for i in b.indices), numels, offsets, b.dtype, b.device))
+    return BucketPlan(tuple(buckets), plan.num_leaves)
+
+
 def optim_plan(specs: tuple[LeafSpec, ...]) -> BucketPlan:
     """One buffer per (dtype, device), leaves in tree order: the layout of ``fddp.optim``'s buffers."""
     return plan(specs, math.inf, math.inf, reverse=False)

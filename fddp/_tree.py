@@ -25,7 +25,7 @@ __all__ = [
     "tensor_leaves",
 ]
 
-_SHOWN_KEYS = 8  # keys listed in a structure message before "... and N more"
+_SHOWN_KEYS = 5  # a node's keys shown in a message, around the first that differs
 
 
 def path_str(entries: Sequence[Any]) -> str:
@@ -115,37 +115,41 @@ def definition_order(tree: Any) -> tuple[int, ...] | None:
     return None if order == tuple(range(len(order))) else order
 
 
-def structure_rows(tree: Any) -> list[tuple[str, str]]:
-    """Describe ``tree`` as ``(path, what is there)`` rows: every node (a dict's keys in insertion
-    order) before its children, every leaf with its spec. Two ranks' rows compare row by row.
+Row = tuple  # (where, what is there, the node's keys or None): one line of a tree's description
+
+
+def structure_rows(tree: Any) -> list[Row]:
+    """Describe ``tree`` as rows ``(path, what is there, keys)``: every node (a dict's keys in
+    insertion order) before its children, every leaf with its spec. Two ranks' rows compare row by
+    row; :func:`first_difference` names the first that differs.
 
     Example:
         >>> structure_rows({"b": torch.zeros(2), "a": None})
-        [('<root>', "dict with keys ['b', 'a']"), ('b', 'tensor shape=(2,) dtype=torch.float32 device=cpu'), ('a', 'None')]
+        [('<root>', 'dict', ('b', 'a')), ('b', 'tensor shape=(2,) dtype=torch.float32 device=cpu', None), ('a', 'None', None)]
     """
-    rows: list[tuple[str, str]] = []
+    rows: list[Row] = []
 
     def walk(node: Any, prefix: tuple) -> None:
         here = path_str(prefix)
         if isinstance(node, torch.Tensor):
-            rows.append((here, "tensor " + LeafSpec.of(node).describe()))
+            rows.append((here, "tensor " + LeafSpec.of(node).describe(), None))
             return
         if node is None:
-            rows.append((here, "None"))
+            rows.append((here, "None", None))
             return
         if isinstance(node, dict):
-            keys = list(node.keys())  # insertion order: the order buckets fill in
-            rows.append((here, f"{type(node).__name__} with keys {_cut(keys)}"))
+            keys = tuple(node.keys())  # insertion order: the order buckets fill in
+            rows.append((here, type(node).__name__, keys))
             for k in keys:
                 walk(node[k], prefix + (k,))
             return
         out = optree.tree_flatten_one_level(node, none_is_leaf=True)
         if not out.entries and optree.treespec_is_leaf(optree.tree_structure(node, none_is_leaf=True)):
-            rows.append((here, f"leaf of type {type(node).__name__}"))
+            rows.append((here, f"leaf of type {type(node).__name__}", None))
             return
         fields = getattr(type(node), "_fields", None)
-        names = list(fields) if fields else list(out.entries)
-        rows.append((here, f"{type(node).__name__} with {'fields' if fields else 'entries'} {_cut(names)}"))
+        names = tuple(fields) if fields else tuple(out.entries)
+        rows.append((here, type(node).__name__, names))
         for name, child in zip(names, out.children):
             walk(child, prefix + (name,))
 
@@ -153,17 +157,24 @@ def structure_rows(tree: Any) -> list[tuple[str, str]]:
     return rows
 
 
-def _cut(items: list[Any]) -> str:
-    shown = ", ".join(repr(k) for k in items[:_SHOWN_KEYS])
-    more = f", ... and {len(items) - _SHOWN_KEYS} more" if len(items) > _SHOWN_KEYS else ""
-    return f"[{shown}{more}]"
+def _describe(row: Row, at: int) -> str:
+    """A row for a message; a node's keys shown around position ``at``, cut to a readable length."""
+    where, what, keys = row
+    if keys is None:
+        return what
+    start = max(0, min(at - 2, len(keys) - _SHOWN_KEYS))
+    shown = ", ".join(repr(k) for k in keys[start : start + _SHOWN_KEYS])
+    before = "..., " if start > 0 else ""
+    rest = len(keys) - start - _SHOWN_KEYS
+    after = f", ... and {rest} more" if rest > 0 else ""
+    return f"{what} with keys [{before}{shown}{after}]"
 
 
-def first_difference(ref: Sequence[tuple[str, str]], other: Sequence[tuple[str, str]], ref_name: str, other_name: str) -> str | None:
+def first_difference(ref: Sequence[Row], other: Sequence[Row], ref_name: str, other_name: str) -> str | None:
     """Name the first row where two descriptions differ, or ``None`` if they are equal.
 
     Example:
-        >>> first_difference([("w", "tensor shape=(2,)")], [("w", "tensor shape=(3,)")], "rank 0", "rank 1")
+        >>> first_difference([("w", "tensor shape=(2,)", None)], [("w", "tensor shape=(3,)", None)], "rank 0", "rank 1")
         "at 'w': rank 0 has tensor shape=(2,), rank 1 has tensor shape=(3,)"
     """
     for i in range(max(len(ref), len(other))):
@@ -172,11 +183,14 @@ def first_difference(ref: Sequence[tuple[str, str]], other: Sequence[tuple[str, 
         if a == b:
             continue
         if a is None:
-            return f"{other_name} has more: {b[0]!r} ({b[1]}), which {ref_name} lacks"
+            return f"{other_name} has more: {b[0]!r} ({_describe(b, 0)}), which {ref_name} lacks"
         if b is None:
-            return f"{ref_name} has more: {a[0]!r} ({a[1]}), which {other_name} lacks"
+            return f"{ref_name} has more: {a[0]!r} ({_describe(a, 0)}), which {other_name} lacks"
+        at = 0
+        if a[2] is not None and b[2] is not None:  # two nodes: show their keys where they part
+            at = next((k for k, (x, y) in enumerate(zip(a[2], b[2])) if x != y), min(len(a[2]), len(b[2])))
         if a[0] == b[0]:
             where = a[0] if a[0].startswith("option ") else f"at {a[0]!r}"
-            return f"{where}: {ref_name} has {a[1]}, {other_name} has {b[1]}"
-        return f"{ref_name} has {a[0]!r} ({a[1]}) where {other_name} has {b[0]!r} ({b[1]})"
+            return f"{where}: {ref_name} has {_describe(a, at)}, {other_name} has {_describe(b, at)}"
+        return f"{ref_name} has {a[0]!r} ({_describe(a, at)}) where {other_name} has {b[0]!r} ({_describe(b, at)})"
     return None

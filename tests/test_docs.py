@@ -81,3 +81,34 @@ def test_readme_commands_are_the_quickstart_commands() -> None:
     assert commands(ROOT / "docs" / "quickstart.md") == readme
     # CI runs the README's test command.
     assert "\npython -m pytest -q\n" in (ROOT / ".ci" / "run").read_text()
+
+
+PRELUDE = """
+import torch, torch.nn.functional as F, fddp
+fddp.init()
+torch.manual_seed(0)
+apply_fn, params = fddp.functionalize(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)))
+opt = fddp.optim.sgd(lr=0.1)
+opt_state = opt.init(params)
+xs, ys = torch.randn(5, 4, 8), torch.randint(0, 3, (5, 4))
+loader = list(zip(xs, ys))
+def loss_fn(params, x, y):
+    return F.cross_entropy(apply_fn(params, x), y)
+before = {k: v.clone() for k, v in params.items()}
+"""
+CHECK = "\nassert all(not torch.equal(before[k], params[k]) for k in params), 'the loop did not train'\nprint('ok')\n"
+
+
+def _marked_blocks(path: Path, marker: str) -> list[str]:
+    return re.findall(rf"<!-- {re.escape(marker)}[^\n]*-->\n```python\n(.*?)```", path.read_text(), re.DOTALL)
+
+
+def test_concepts_loops_run(tmp_path: Path) -> None:
+    blocks = _marked_blocks(ROOT / "docs" / "concepts.md", "run by tests/test_docs.py")
+    assert len(blocks) == 2, "the Join and PowerSGD loops"
+    for i, block in enumerate(blocks):
+        script = tmp_path / f"loop{i}.py"
+        script.write_text(PRELUDE + block + CHECK)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == "ok", block + proc.stderr

@@ -124,3 +124,16 @@ def test_uneven_accumulate_trains(tmp_path: Path) -> None:
     out = launch("uneven_accumulate.py", "--epochs", "3", "--samples", "800", tmp=tmp_path)
     losses = [float(x) for x in re.findall(r"^epoch +\d+ +steps +\d+ +loss ([0-9.]+)$", out, re.MULTILINE)]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0], out
+
+
+def test_meta_learning_matches_one_process_full_batch_run(tmp_path: Path) -> None:
+    # The learning rate's hypergradient flows back through every ddp_step; sharded over 2 ranks,
+    # the outer loop must compute what one process computes on the full batches.
+    args = ("--outer-steps", "6", "--inner", "2")
+    launch("meta_learning.py", *args, "--out-dir", "two", tmp=tmp_path)
+    launch("meta_learning.py", *args, "--out-dir", "one", nproc=None, tmp=tmp_path)
+    two, one = read_outputs(tmp_path / "two"), read_outputs(tmp_path / "one")
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["lr"][-1] != two["args"]["lr"]  # the learning rate did move
+    for a, b in zip(two["lr"] + two["val_loss"], one["lr"] + one["val_loss"]):
+        assert abs(a - b) <= 1e-9 * abs(b), (two, one)

@@ -76,8 +76,9 @@ class Comm:
             >>> bucket.comm.wait(work, "the gather")
         """
         self._count(t)
-        out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
-        return out, dist.all_gather_into_tensor(out, t.contiguous(), group=self.group, async_op=True)
+        flat = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
+        work = _all_gather_single(flat, t.contiguous().reshape(-1), group=self.group, async_op=True)
+        return flat.view(self.world_size, *t.shape), work
 
     def broadcast(self, t: torch.Tensor, src: int) -> Any:
         """Start a broadcast of ``t`` from ``src`` (a rank of the group), in place; return its work."""
@@ -88,6 +89,10 @@ class Comm:
     def wait(self, work: Any, doing: str) -> None:
         """Wait for ``work``; on failure raise an error naming the call, the rank and ``doing``."""
         wait(work, self.group, self.what, doing)
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _TracedAllReduce:

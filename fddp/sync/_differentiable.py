@@ -1,37 +1,271 @@
-"""ddp_step under autograd and torch.func transforms (work in progress)."""
+"""``ddp_step`` as a citizen of autograd and torch.func, with JAX's ``lax.pmean`` semantics.
+
+The mean over ranks is linear, so its derivatives are means too. Following JAX's convention, the
+objective being differentiated is the *sum of every rank's objective*: the VJP of the mean over
+ranks is the same mean over ranks of the cotangents (one bucketed all-reduce in backward, with the
+forward's buckets, order and dtypes), and forward mode averages the tangents. For the weighted
+mean ``sum_r w_r g_r / W`` the VJP on rank ``r`` is ``w_r / W * sum_s ct_s`` and the JVP is the
+weighted mean of the tangents; the weights themselves are constants. Compressed modes (casts,
+PowerSGD, user hooks) have no derivative and raise when differentiated. Under ``vmap`` the
+members of an ensemble are stacked in each bucket, so one collective per bucket carries them all.
+
+Three paths, chosen per call:
+
+- no transform, no forward-mode level, nothing requiring grad: the plain eager sync, untouched
+  (``needed`` is false and ``ddp_step`` never comes here);
+- eagerly otherwise: :class:`_Mean`, an ``autograd.Function`` with ``setup_context``, a
+  ``backward`` and a ``jvp`` that call it again (so it is differentiable to any order) and a
+  ``vmap`` rule that runs it once on the stacked members;
+- while ``torch.compile`` traces: :class:`_TracedMean`, an old-style Function over functional
+  collectives (dynamo traces neither custom ``jvp`` nor ``vmap`` rules, nor eager async
+  collectives). There only the plain mean is differentiable, and ``jvp``/``vmap`` raise.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
+from torch.autograd import forward_ad
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+from fddp import _layout
+from fddp._tree import LeafSpec
+from fddp.sync._reducer import SyncInfo
+from fddp.sync._setup import SyncOptions, setup
+from fddp.sync.hooks import LOW_PRECISION, Mean, WeightedMean
+
+__all__ = ["needed", "ddp_step", "active_transforms", "refuse_under_transforms"]
 
 _functorch = torch._C._functorch
+_TT = _functorch.TransformType
+_TRANSFORM_NAMES = {
+    _TT.Grad: "torch.func.grad (or vjp, jacrev)",
+    _TT.Jvp: "torch.func.jvp (or jacfwd)",
+    _TT.Vmap: "torch.func.vmap",
+    _TT.Functionalize: "torch.func.functionalize",
+}
+_TINY = torch.finfo(torch.float64).tiny
 
 
-def active_transform() -> str | None:
-    interp = _functorch.peek_interpreter_stack()
-    if interp is None:
-        return None
-    return str(interp.key())
+def active_transforms() -> list[Any]:
+    """The active torch.func transforms, innermost first (eagerly and while dynamo traces)."""
+    keys: list[Any] = []
+
+    def walk() -> None:
+        if not torch._C._are_functorch_transforms_active():
+            return
+        interp = retrieve_current_functorch_interpreter()
+        keys.append(interp.key())
+        with interp.lower():
+            walk()
+
+    walk()
+    return keys
 
 
-def refuse_under_transforms(what: str, hint: str = "") -> None:
-    t = active_transform()
-    if t is not None:
-        raise RuntimeError(f"fddp.{what} cannot run inside {t}{': ' + hint if hint else ''}")
+def refuse_under_transforms(what: str, instead: str = "") -> None:
+    """Raise, naming ``fddp.<what>`` and the transform, if a torch.func transform is active.
+
+    Every rank runs the same code, so every rank raises here, before any collective: no hang.
+    """
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return
+    name = _TRANSFORM_NAMES.get(active_transforms()[0], "a torch.func transform")
+    raise RuntimeError(f"fddp.{what} cannot run inside {name}{'; ' + instead if instead else ''}")
 
 
-def needed(params: Any, grads: Any) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    if _functorch.peek_interpreter_stack() is not None:
+def needed(leaves: list[Any]) -> bool:
+    """Whether ``ddp_step`` must take a differentiable path for these gradient leaves."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return True
-    if not torch.is_grad_enabled():
-        return False
-    return any(isinstance(g, torch.Tensor) and g.requires_grad for g in optree.tree_leaves(grads))
+    if forward_ad._current_level >= 0:  # a dual level is open: tangents may ride on the leaves
+        return True
+    return torch.is_grad_enabled() and _any_requires_grad(*(t for t in leaves if t is not None))
 
 
-def ddp_step(params, grads, options, state):
-    raise NotImplementedError
+def _any_requires_grad_py(*tensors: torch.Tensor) -> bool:
+    return any(t.requires_grad for t in tensors)
+
+
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_py)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Call:
+    """One application of the mean: everything but the tensors.
+
+    ``members`` are one member's leaf specs (the shapes at the ``ddp_step`` call), which fix the
+    buckets under any number of ``vmap`` levels. ``infos`` receives the forward's ``SyncInfo``.
+    """
+
+    options: SyncOptions
+    spec: optree.PyTreeSpec
+    members: tuple[LeafSpec, ...]
+    state: Any = None
+    infos: list = dataclasses.field(default_factory=list)
+    plan: _layout.BucketPlan | None = None  # while dynamo traces: the buckets, planned outside the Function
+
+    def derived(self, *, weighted: bool) -> "_Call":
+        """The call that averages cotangents or tangents: the same buckets, no finite check."""
+        o = self.options
+        hook = WeightedMean() if weighted and o.weight is not None else Mean()
+        options = dataclasses.replace(o, hook=hook, weight=o.weight if weighted else None, check_finite=False)
+        return _Call(options, self.spec, self.members, plan=self.plan)
+
+    def describe(self) -> str:
+        return f"compression={self.options.hook!r}"
+
+
+def _differentiable(options: SyncOptions) -> bool:
+    return type(options.hook) in (Mean, WeightedMean)
+
+
+def _sync(call: _Call, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The eager sync of plain tensors: the same setup, reducer and hook as ``ddp_step``'s."""
+    tree = optree.tree_unflatten(call.spec, list(leaves))
+    sync = setup(tree, call.options, "ddp_step", call.state, members=call.members)
+    reducer = sync.reducer(call.state)
+    reducer.push([t.detach() for t in leaves])
+    flats, info = reducer.finish()
+    call.infos.append(info)
+    return _layout.unflatten(sync.plan, flats)
+
+
+class _Mean(torch.autograd.Function):
+    @staticmethod
+    def forward(call: _Call, *leaves: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(_sync(call, leaves))  # functorch has unwrapped every level: plain tensors
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        call = inputs[0]
+        ctx.call = call
+        ctx.metas = [(t.shape, t.dtype, t.device) for t in inputs[1:]]
+        if any(ctx.needs_input_grad[1:]) and not _differentiable(call.options):
+            raise RuntimeError(
+                f"fddp.ddp_step: {call.describe()} has no derivative, but its input is being "
+                "differentiated (torch.func.grad, vjp, jacrev or backward); use the plain or weighted "
+                "mean (compression=None) there, or detach the gradients"
+            )
+        if call.options.weight is not None:
+            ctx.weight_sum = call.infos[-1].weight
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
+        call = ctx.call
+        out = _Mean.apply(call.derived(weighted=False), *cts)
+        w = call.options.weight
+        if w is not None:
+            # d/dg_r of sum_s w_s g_s / W is w_r / W times the sum of the cotangents, which is
+            # n times their mean. W is the forward's weight sum, identical on every rank.
+            n = dist.get_world_size(call.options.group)
+            c = (w * n / ctx.weight_sum.to("cpu", torch.float64).clamp_min(_TINY)).item()
+            out = tuple(t * c for t in out)
+        return (None, *out)
+
+    @staticmethod
+    def jvp(ctx: Any, _call_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        call = ctx.call
+        if not _differentiable(call.options):
+            raise RuntimeError(f"fddp.ddp_step: {call.describe()} has no derivative, but forward mode (torch.func.jvp, jacfwd) asked for one")
+        filled = [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(tangents, ctx.metas)]
+        return tuple(_Mean.apply(call.derived(weighted=True), *filled))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: _Call, *leaves: torch.Tensor) -> tuple:
+        if not call.options.hook.batchable:
+            raise RuntimeError(
+                f"fddp.ddp_step: {call.describe()} cannot run under torch.func.vmap (it does not treat "
+                "every element alike); call ddp_step per member, or use the mean or a cast"
+            )
+        moved = [t if d is None else t.movedim(d, 0) for t, d in zip(leaves, in_dims[1:])]
+        # Apply again rather than sync here: under grad(vmap(...)) the leaves are still wrapped.
+        out = _Mean.apply(call, *moved)
+        return out, tuple(None if d is None else 0 for d in in_dims[1:])
+
+
+def _traced_mean(call: _Call, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The plain mean with functional collectives, for dynamo: the same arithmetic as ``Mean``."""
+    group = call.options.group if call.options.group is not None else dist.group.WORLD
+    n = dist.get_world_size(group)
+    pow2 = n & (n - 1) == 0
+    plan = call.plan
+    reduced = []
+    for b in plan.buckets:
+        flat = torch.cat([leaves[i].reshape(-1) for i in b.indices])
+        if pow2:
+            flat = flat * (1.0 / n)
+        elif flat.dtype in LOW_PRECISION:
+            flat = flat / n
+        reduced.append(torch.ops._c10d_functional.all_reduce(flat, "sum", group.group_name))
+    out: list[Any] = [None] * len(leaves)
+    for b, red in zip(plan.buckets, reduced):
+        red = torch.ops._c10d_functional.wait_tensor(red)
+        if not pow2 and red.dtype not in LOW_PRECISION:
+            red = red / n
+        for i, piece, shape in zip(b.indices, red.split(b.numels), b.shapes):
+            out[i] = piece.view(shape)
+    return out
+
+
+class _TracedMean(torch.autograd.Function):
+    # Old-style forward(ctx, ...) on purpose: dynamo (torch 2.13) binds ctx wrongly for
+    # setup_context-style Functions that take *args, and rejects custom jvp/vmap rules.
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *args: Any) -> tuple[torch.Tensor, ...]:
+        n = len(call.members)
+        ctx.call, ctx.extra = call, len(args) - n
+        return tuple(_traced_mean(call, args[:n]))
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
+        return (None, *_traced_apply(ctx.call, cts), *([None] * ctx.extra))
+
+
+def _traced_apply(call: _Call, leaves: Any) -> list[torch.Tensor]:
+    # With exactly two leaves dynamo's inlining drops ctx (its arity heuristic); one trailing
+    # None keeps the arity away from that case.
+    pad = (None,) if len(leaves) == 2 else ()
+    return list(_TracedMean.apply(call, *leaves, *pad))
+
+
+def ddp_step(params: Any, grads: Any, options: SyncOptions, state: Any) -> tuple[Any, SyncInfo | None]:
+    """``ddp_step`` on the differentiable paths; returns ``(grads, info)``."""
+    p_leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
+    members = tuple(LeafSpec.of(p) for p in p_leaves)
+    if grads is None:
+        g_leaves = [None] * len(p_leaves)
+    else:
+        g_leaves, _ = optree.tree_flatten(grads, none_is_leaf=True)
+    # A missing gradient is a zero one (an unused parameter), as on the plain path.
+    leaves = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g for g, m in zip(g_leaves, members)]
+    call = _Call(options, spec, members, state)
+    if torch.compiler.is_compiling():
+        return _compiled(call, leaves, spec)
+    out = _Mean.apply(call, *leaves)
+    info = call.infos[-1] if call.infos else None
+    return optree.tree_unflatten(spec, list(out)), info
+
+
+def _compiled(call: _Call, leaves: list[torch.Tensor], spec: Any) -> tuple[Any, SyncInfo | None]:
+    for key in active_transforms():
+        if key in (_TT.Jvp, _TT.Vmap):
+            raise NotImplementedError(
+                f"fddp.ddp_step cannot run inside {_TRANSFORM_NAMES[key]} within torch.compile (torch "
+                f"{torch.__version__} traces neither its forward-mode nor its batching rule); call it eagerly there"
+            )
+    o = call.options
+    sync = setup(optree.tree_unflatten(spec, leaves), o, "ddp_step", call.state)
+    if type(o.hook) is not Mean or o.check_finite:
+        # Compressed and weighted means trace through the reducer, without a derivative.
+        reducer = sync.reducer(call.state)
+        reducer.push(leaves)
+        flats, info = reducer.finish()
+        return sync.unflatten(flats), info
+    traced = dataclasses.replace(call, plan=sync.plan)
+    info = SyncInfo(None, None, sync.plan.nbytes, len(sync.plan.buckets))
+    return optree.tree_unflatten(spec, _traced_apply(traced, leaves)), info

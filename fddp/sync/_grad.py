@@ -25,12 +25,13 @@ import torch.utils._pytree as torch_pytree
 from fddp._tree import paths
 from fddp.sync import _differentiable
 from fddp.sync._reducer import SyncInfo
-from fddp.sync._setup import SyncOptions, as_weight, check_state, make_options, setup
+from fddp.sync._setup import SyncOptions, check_state, make_options, setup
 
 __all__ = ["grad", "grad_and_value"]
 
 ArgNums = int | tuple[int, ...]
 _CALL_TIME = ("weight", "compression_state")  # per-step values, given to the transformed function
+_BUILD_TIME = ("group", "bucket_cap_mb", "first_bucket_mb", "compression", "check_finite", "return_info")
 
 
 def grad_and_value(
@@ -98,7 +99,10 @@ def grad_and_value(
         >>> step = fddp.grad_and_value(loss_fn, return_info=True)  # built once, weighted per call
         >>> grads, loss, info = step(params, torch.randn(8, 4), weight=8)
     """
-    transform = _Transform(fn, argnums, has_aux, "grad_and_value", group, bucket_cap_mb, first_bucket_mb, compression, check_finite, return_info)
+    transform = _Transform(
+        fn, argnums, has_aux, "grad_and_value", group=group, bucket_cap_mb=bucket_cap_mb,
+        first_bucket_mb=first_bucket_mb, compression=compression, check_finite=check_finite, return_info=return_info,
+    )  # fmt: skip
 
     @functools.wraps(fn)
     def grad_and_value_fn(*args: Any, weight: Any = None, compression_state: Any = None, **kwargs: Any) -> Any:
@@ -108,29 +112,21 @@ def grad_and_value(
     return grad_and_value_fn
 
 
-def grad(
-    fn: Callable[..., Any],
-    argnums: ArgNums = 0,
-    has_aux: bool = False,
-    *,
-    group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    compression: Any = None,
-    check_finite: bool = False,
-    return_info: bool = False,
-) -> Callable[..., Any]:
+def grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool = False, **options: Any) -> Callable[..., Any]:
     """Return a function computing the rank-averaged gradient of ``fn``, as :func:`torch.func.grad`.
 
-    The same as :func:`grad_and_value` without the value: the returned function gives ``grads``,
-    ``(grads, aux)`` with ``has_aux``, and appends a :class:`fddp.SyncInfo` with ``return_info``.
-    It takes the same per-call keywords, ``weight=`` and ``compression_state=``.
+    The same as :func:`grad_and_value` without the value, with the same keyword options (``group``,
+    ``bucket_cap_mb``, ``first_bucket_mb``, ``compression``, ``check_finite``, ``return_info``): the
+    returned function gives ``grads``, ``(grads, aux)`` with ``has_aux``, and appends a
+    :class:`fddp.SyncInfo` with ``return_info``. It takes the same per-call keywords, ``weight=``
+    and ``compression_state=``.
 
     Example:
         >>> apply_fn, params = fddp.functionalize(torch.nn.Linear(4, 1))
         >>> grads = fddp.grad(lambda p, x: apply_fn(p, x).pow(2).mean())(params, torch.randn(8, 4))
     """
-    transform = _Transform(fn, argnums, has_aux, "grad", group, bucket_cap_mb, first_bucket_mb, compression, check_finite, return_info)
+    transform = _Transform(fn, argnums, has_aux, "grad", **options)
+    return_info = transform.return_info
 
     @functools.wraps(fn)
     def grad_fn(*args: Any, weight: Any = None, compression_state: Any = None, **kwargs: Any) -> Any:
@@ -145,20 +141,20 @@ def grad(
 class _Transform:
     """The part of ``grad``/``grad_and_value`` fixed when the transform is built."""
 
-    def __init__(
-        self, fn: Callable, argnums: Any, has_aux: bool, what: str, group: Any, bucket_cap_mb: float,
-        first_bucket_mb: float, compression: Any, check_finite: bool, return_info: bool,
-    ) -> None:  # fmt: skip
+    def __init__(self, fn: Callable, argnums: Any, has_aux: bool, what: str, **options: Any) -> None:
         self.fn, self.argnums, self.has_aux, self.what = fn, argnums, has_aux, what
         self.nums = _check_argnums(argnums, what)
         _check_no_reserved_names(fn, what)
+        unknown = sorted(set(options) - set(_BUILD_TIME))
+        if unknown:
+            per_call = [k for k in unknown if k in _CALL_TIME]
+            hint = f" ({', '.join(per_call)} changes every step: pass it to the returned function)" if per_call else ""
+            raise TypeError(f"fddp.{what}: unexpected keyword {unknown[0]!r}{hint}; the options are {', '.join(_BUILD_TIME)}")
+        self.return_info = bool(options.get("return_info", False))
+        self.compression = options.get("compression")
         # Options are checked when the transform is built, not at its first call; a weight given
         # at call time selects the weighted mean then.
-        self.options = make_options(
-            what, group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
-            compression=compression, check_finite=check_finite, return_info=return_info,
-        )  # fmt: skip
-        self.compression = compression
+        self.options = make_options(what, **options)
 
     def call_options(self, weight: Any) -> SyncOptions:
         if weight is None:
@@ -166,7 +162,7 @@ class _Transform:
         o = self.options
         return make_options(
             self.what, group=o.group, bucket_cap_mb=o.bucket_cap_mb, first_bucket_mb=o.first_bucket_mb,
-            weight=weight, compression=self.compression, check_finite=o.check_finite,
+            weight=weight, compression=self.compression, check_finite=o.check_finite, return_info=self.return_info,
         )  # fmt: skip
 
     def __call__(self, args: tuple, kwargs: dict, weight: Any, state: Any) -> tuple[Any, Any, SyncInfo]:
@@ -183,6 +179,16 @@ class _Transform:
         for i, t in enumerate(sync.leaves):
             if not (t.is_floating_point() or t.is_complex()):
                 raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(sync.spec)[i]!r} is {t.dtype}")
+        if torch.is_grad_enabled():
+            for i, t in enumerate(sync.leaves):
+                if t.grad_fn is not None:
+                    # Differentiating the caller's graph through this transform would need its
+                    # derivative; detaching here would drop it without a word.
+                    raise RuntimeError(
+                        f"fddp.{what}: leaf {paths(sync.spec)[i]!r} is the output of an autograd graph, "
+                        "and differentiating through fddp.grad/grad_and_value is not supported; use "
+                        "torch.func.grad and fddp.ddp_step, which compose, or detach the input"
+                    )
         inputs = [t.detach().requires_grad_() for t in sync.leaves]
         reducer = sync.reducer(state)
         for i, x in enumerate(inputs):

@@ -53,13 +53,13 @@ class SyncOptions:
     weight: torch.Tensor | None = None
     check_finite: bool = False
 
-    def signature_rows(self, state: Any) -> list[tuple[str, str]]:
+    def signature_rows(self, state: Any) -> list[tuple]:
         """The options as signature rows: any per-rank difference names the option and both values."""
         return [
-            ("option weight", "a weight" if self.weight is not None else "no weight"),
-            ("option bucket_cap_mb", repr(self.bucket_cap_mb)),
-            ("option first_bucket_mb", repr(self.first_bucket_mb)),
-            ("option compression", self.hook.signature(state)),
+            ("option weight", "a weight" if self.weight is not None else "no weight", None),
+            ("option bucket_cap_mb", repr(self.bucket_cap_mb), None),
+            ("option first_bucket_mb", repr(self.first_bucket_mb), None),
+            ("option compression", self.hook.signature(state), None),
         ]
 
 
@@ -158,7 +158,7 @@ class Sync(NamedTuple):
         return optree.tree_unflatten(self.spec, _layout.unflatten(self.plan, flats))
 
 
-def setup(tree: Any, options: SyncOptions, what: str, state: Any = None) -> Sync:
+def setup(tree: Any, options: SyncOptions, what: str, state: Any = None, *, members: tuple[LeafSpec, ...] | None = None) -> Sync:
     """Check ``tree``'s signature (with the options) across the group; return it with its plan.
 
     Every synchronising call starts here, so this also numbers the calls to ``fddp.<what>``, for
@@ -169,6 +169,8 @@ def setup(tree: Any, options: SyncOptions, what: str, state: Any = None) -> Sync
         options: the synchronisation's options.
         what: the public function's name, for messages.
         state: the comm hook's state (part of the signature: PowerSGD's switch to compressing).
+        members: under ``vmap``, the leaf specs of one member: buckets are planned for those and
+            hold every member's copy of their leaves (``fddp._layout.respec``).
     """
     require_initialized(what)
     leaves, spec = tensor_leaves(tree, what)
@@ -177,7 +179,10 @@ def setup(tree: Any, options: SyncOptions, what: str, state: Any = None) -> Sync
     rows = options.signature_rows(state)
     count_call(options.group, what)
     check_signature((spec, specs, order, tuple(rows)), lambda: rows + structure_rows(tree), options.group, what)
-    return Sync(leaves, spec, _plan(specs, order, options.bucket_cap_mb, options.first_bucket_mb), options, what)
+    plan = _plan(specs if members is None else members, order, options.bucket_cap_mb, options.first_bucket_mb)
+    if members is not None and members != specs:
+        plan = _layout.respec(plan, specs)
+    return Sync(leaves, spec, plan, options, what)
 
 
 def _plan(specs: tuple[LeafSpec, ...], order: tuple[int, ...] | None, bucket_cap_mb: float, first_bucket_mb: float) -> BucketPlan:

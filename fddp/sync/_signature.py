@@ -86,7 +86,7 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
 
 def check_signature(
     key: Hashable,
-    rows: Callable[[], list[tuple[str, str]]],
+    rows: Callable[[], list[tuple]],
     group: dist.ProcessGroup | None,
     what: str,
 ) -> None:
@@ -95,7 +95,7 @@ def check_signature(
     Args:
         key: a local, hashable stand-in for the signature (cheap to build on every call); a key
             already checked on ``group`` costs nothing.
-        rows: builds the signature as ``(where, what is there)`` rows, called only for a new key.
+        rows: builds the signature as ``fddp._tree`` rows, called only for a new key.
         group: the process group.
         what: the public function's name, for messages.
 
@@ -124,7 +124,7 @@ def check_signature(
     raise MismatchError(f"fddp.{what}: ranks disagree on the tree or the options. {_name_difference(gathered)}")
 
 
-def _name_difference(per_rank: Sequence[list[tuple[str, str]]]) -> str:
+def _name_difference(per_rank: Sequence[list[tuple]]) -> str:
     for r, rows in enumerate(per_rank[1:], start=1):
         diff = first_difference(per_rank[0], rows, "rank 0", f"rank {r}")
         if diff is not None:

@@ -8,32 +8,32 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp._tree import LeafSpec, paths
+from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._setup import check_state, make_options, setup
 
 __all__ = ["ddp_step"]
 
 
-def _grad_leaves(sync: Any, grads: Any) -> list[torch.Tensor | None]:
+def _grad_leaves(params: Any, grads: Any) -> list[torch.Tensor | None]:
     """Return the grads' leaves, or raise naming the first leaf that does not match its parameter."""
+    p_leaves, p_spec = tensor_leaves(params, "ddp_step")
     if grads is None:  # a rank with nothing to contribute (out of data): all zeros
-        return [None] * len(sync.leaves)
+        return [None] * len(p_leaves)
     g_leaves, g_spec = optree.tree_flatten(grads, none_is_leaf=True)
-    if g_spec != sync.spec:
+    if g_spec != p_spec:
         raise ValueError(
             "fddp.ddp_step: grads must have the same tree structure as params.\n"
-            f"  params: {sync.spec}\n  grads:  {g_spec}"
+            f"  params: {p_spec}\n  grads:  {g_spec}"
         )
-    names = paths(sync.spec)
-    for i, (p, g) in enumerate(zip(sync.leaves, g_leaves)):
+    for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
         if g is None:
             continue  # a parameter unused this step: counts as a zero gradient
         if not isinstance(g, torch.Tensor):
-            raise TypeError(f"fddp.ddp_step: grad {names[i]!r} must be a torch.Tensor or None, got {type(g).__name__}")
+            raise TypeError(f"fddp.ddp_step: grad {paths(p_spec)[i]!r} must be a torch.Tensor or None, got {type(g).__name__}")
         if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
             raise ValueError(
-                f"fddp.ddp_step: grad {names[i]!r} does not match its parameter: expected shape "
+                f"fddp.ddp_step: grad {paths(p_spec)[i]!r} does not match its parameter: expected shape "
                 f"{tuple(p.shape)}, dtype {p.dtype}, device {p.device}; got shape {tuple(g.shape)}, "
                 f"dtype {g.dtype}, device {g.device}"
             )
@@ -114,11 +114,11 @@ def ddp_step(
         compression=compression, check_finite=check_finite, return_info=return_info,
     )  # fmt: skip
     check_state(options, compression_state, "ddp_step", compression)
-    if _differentiable.needed(params, grads):
+    g_leaves = _grad_leaves(params, grads)
+    if _differentiable.needed(g_leaves):
         out, info = _differentiable.ddp_step(params, grads, options, compression_state)
         return (out, info) if return_info else out
     sync = setup(params, options, "ddp_step", compression_state)
-    g_leaves = _grad_leaves(sync, grads)
     reducer = sync.reducer(compression_state)
     reducer.push([None if g is None else g.detach() for g in g_leaves])
     flats, info = reducer.finish()

@@ -15,6 +15,8 @@ The protocol, per synchronisation of a tree whose buckets are ``b_0 .. b_k``::
     r_i, ws = hook.finish(ws, b_i, p_i)         # for each bucket, in order: wait, return the mean
     new_state = hook.end(ws)                    # -> SyncInfo.compression_state
 
+Optionally, ``scale_in(comm, layout)`` returns a factor for the reducer to apply while it copies
+values into a bucket (the mean's ``1/n`` for a power-of-two group), which saves a pass.
 ``finish`` may return something that is not a tensor: a further pending value, and the reducer
 calls ``finish`` again with it after every other bucket has had its turn (PowerSGD's second round
 trip). The buffer it finally returns must have the bucket's dtype and number of elements; it may be

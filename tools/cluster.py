@@ -198,7 +198,8 @@ def _probe() -> str | None:
         for argv in steps:
             proc = _sh(argv, check=False)
             if proc.returncode != 0:
-                return f"`{shlex.join(argv)}` failed: {proc.stderr.strip()}"
+                hint = " (needs CAP_NET_ADMIN: root)" if "not permitted" in proc.stderr else ""
+                return f"`{shlex.join(argv)}` failed: {proc.stderr.strip()}{hint}"
         return None
     except (OSError, subprocess.SubprocessError) as e:
         return f"making a network namespace failed: {e}"

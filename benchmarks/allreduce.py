@@ -41,11 +41,14 @@ def worker(args: argparse.Namespace) -> None:
     for nbytes in args.sizes:
         x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
         dist.all_reduce(x)  # warm up: connections, buffers
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(x)
-        first = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(first, op=dist.ReduceOp.MAX)
+        single = []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            single.append(time.perf_counter() - t0)
+        first = torch.tensor([statistics.median(single)], dtype=torch.float64)
+        dist.all_reduce(first, op=dist.ReduceOp.MAX)  # every rank must agree on the block size
         per_block = max(1, min(200, int(args.block_s / max(float(first), 1e-6))))
         times = []
         for _ in range(args.repeats):

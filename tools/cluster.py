@@ -208,10 +208,11 @@ def _probe() -> str | None:
             _sh(["ip", "netns", "del", ns], check=False)
 
 
-def _tbf_args(bits_per_s: int) -> list[str]:
-    """A token bucket for one direction of a link: a 1 ms bucket and a 100 ms queue at the rate."""
+def _tbf_args(bits_per_s: int, burst_s: float = BURST_S) -> list[str]:
+    """A token bucket for one direction of a link: ``burst_s`` of traffic at the rate (at least one
+    64 KiB GSO segment) and a 100 ms queue."""
     bytes_per_s = bits_per_s / 8
-    burst = max(int(bytes_per_s * BURST_S), 64 * 1024 + 1514)
+    burst = max(int(bytes_per_s * burst_s), 64 * 1024 + 1514)
     limit = max(int(bytes_per_s * QUEUE_S), 4 * burst)
     return ["tbf", "rate", f"{bits_per_s}bit", "burst", str(burst), "limit", str(limit)]
 
@@ -288,6 +289,8 @@ class Cluster:
         subnet: the private subnet the hosts' addresses come from (host k gets the subnet's
             ``10 + k``-th address, so addresses sort like the hosts; up to 200 hosts).
         mtu: the links' MTU.
+        burst_s: the token bucket's depth, in seconds of traffic at ``rate``: an idle link lets
+            this much through at memory speed, where a real NIC would serialise it at ``rate``.
 
     Example:
         >>> with Cluster(["a", "b"], rate="100mbit") as c:
@@ -302,6 +305,7 @@ class Cluster:
         *,
         subnet: str = "10.77.0.0/24",
         mtu: int = 1500,
+        burst_s: float = BURST_S,
     ) -> None:
         names = [f"node{i}" for i in range(hosts)] if isinstance(hosts, int) else list(hosts)
         if not names:
@@ -319,6 +323,7 @@ class Cluster:
         self.switch_netns = self.run_id
         self.prefixlen = net.prefixlen
         self.mtu = mtu
+        self.burst_s = burst_s
         self.hosts = [
             Host(i, n, f"{self.run_id}-{n}", str(net.network_address + 10 + i), IFNAME) for i, n in enumerate(names)
         ]
@@ -378,7 +383,7 @@ class Cluster:
             if self.rate_bps is not None:
                 # Egress on both ends: the host's end caps what it sends, the switch's what it gets.
                 for ns, dev in ((h.netns, h.ifname), (sw, port)):
-                    _sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *_tbf_args(self.rate_bps)])
+                    _sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *_tbf_args(self.rate_bps, self.burst_s)])
 
     def _add_netns(self, ns: str) -> None:
         _sh(["ip", "netns", "add", ns])

@@ -130,7 +130,10 @@ def run(args: argparse.Namespace) -> dict:
 
         sizes = sorted({d["bytes"] for r in step["results"].values() for d in r["modes"].values() if d["bytes"]})
         gloo_json = out.with_name(name + ".allreduce.tmp")
-        launch("allreduce.py", ["--sizes", *map(str, sizes), "--repeats", str(max(args.repeats, 3)), "--out", str(gloo_json)])
+        launch(
+            "allreduce.py",
+            ["--sizes", *map(str, sizes), "--repeats", str(max(args.repeats, 3)), "--out", str(gloo_json)],
+        )
         gloo = {s["bytes"]: s["median_s"] for s in json.loads(gloo_json.read_text())["sizes"]}
         gloo_json.unlink()
 
@@ -158,7 +161,9 @@ def main() -> None:
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--rate", default="1gbit", help="each host's link rate, both ways (tc syntax)")
     p.add_argument("--models", nargs="+", default=["mlp", "transformer"])
-    p.add_argument("--modes", nargs="+", default=None, help="only these modes of step.py (the floors and ddp always run)")
+    p.add_argument(
+        "--modes", nargs="+", default=None, help="only these modes of step.py (the floors and ddp always run)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

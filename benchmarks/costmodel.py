@@ -151,7 +151,11 @@ def _size(b: float) -> str:
 
 
 def report(
-    record: dict, algos: Sequence[str] = ALGORITHMS, stat: str = "median", fit_hosts: int | None = 2, detail: bool = True
+    record: dict,
+    algos: Sequence[str] = ALGORITHMS,
+    stat: str = "median",
+    fit_hosts: int | None = 2,
+    detail: bool = True,
 ) -> str:
     """The fits, a summary of their errors and the measured-vs-predicted tables, as text."""
     basis = "all runs" if fit_hosts is None else f"the {fit_hosts}-host run"
@@ -167,7 +171,9 @@ def report(
                     f"{r['hosts']} hosts{'*' if r['fitted'] else ''}: {100 * r['mean_abs_error']:.0f}% ({100 * r['max_abs_error']:.0f}%)"
                     for r in f["runs"]
                 )
-                lines.append(f"  {name:<22}{rate:>8}{1e6 * f['link'].alpha:10.1f}{f['link'].bandwidth_bps / 1e9:8.3f}   {errs}")
+                lines.append(
+                    f"  {name:<22}{rate:>8}{1e6 * f['link'].alpha:10.1f}{f['link'].bandwidth_bps / 1e9:8.3f}   {errs}"
+                )
     lines.append("  (* the run the model was fitted on; the others are predictions)")
     if not detail:
         return "\n".join(lines)
@@ -177,7 +183,9 @@ def report(
             link = f["link"]
             nominal = f"; link {f['rate_bps'] / 1e9:g} Gbit/s" if f.get("rate_bps") else ""
             tcp = f", TCP {f['tcp_bps'] / 1e9:.2f} Gbit/s" if f.get("tcp_bps") else ""
-            lines.append(f"{rate}: alpha {1e6 * link.alpha:.1f} us, {link.bandwidth_bps / 1e9:.3f} Gbit/s{nominal}{tcp}")
+            lines.append(
+                f"{rate}: alpha {1e6 * link.alpha:.1f} us, {link.bandwidth_bps / 1e9:.3f} Gbit/s{nominal}{tcp}"
+            )
             for run in f["runs"]:
                 tag = "fitted" if run["fitted"] else "predicted"
                 lines.append(f"  {run['hosts']} hosts ({run['world_size']} ranks, {tag})")
@@ -192,8 +200,12 @@ def main() -> None:
     p.add_argument("results", nargs="?", default=str(Path(__file__).parent / "results" / "allreduce.json"))
     p.add_argument("--algo", choices=ALGORITHMS, nargs="+", default=list(ALGORITHMS))
     p.add_argument("--stat", choices=("median", "min"), default="median")
-    p.add_argument("--fit-hosts", type=lambda s: None if s == "all" else int(s), default=2,
-                   help="fit on the runs with this many hosts ('all': on every run)")
+    p.add_argument(
+        "--fit-hosts",
+        type=lambda s: None if s == "all" else int(s),
+        default=2,
+        help="fit on the runs with this many hosts ('all': on every run)",
+    )
     p.add_argument("--summary", action="store_true", help="only the fits and their errors")
     args = p.parse_args()
     print(report(json.loads(Path(args.results).read_text()), args.algo, args.stat, args.fit_hosts, not args.summary))

@@ -6,13 +6,20 @@ links capped at 1 Gbit/s; every host runs ``torchrun --nnodes=N --rdzv-backend=c
 cluster. The one-host references run ``torchrun --standalone`` on a test bed of one host. Tearing a
 test bed down kills every process inside it, so nothing a test starts outlives it.
 
+What must hold: two hosts train ``examples/train_digits.py`` to bitwise the one-host result with
+identical replicas; a worker SIGKILLed on node1 restarts, resumes and ends bitwise equal too; and a
+host that never joins, a rendezvous host that never starts, or a host lost mid-run (its link cut)
+ends every agent that waits for it with an error within its timeouts, never a hang.
+
 Skipped, with the reason, where network namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,9 +75,7 @@ class Run(NamedTuple):
         assert steps, f"no checkpoint in {self.out_dir}\n{self.output}"
         return ckpt.load(steps[-1][1])
 
-    def test_accuracy(self) -> float:
-        import json
-
+    def final_test_accuracy(self) -> float:
         return json.loads((self.out_dir / "metrics.json").read_text())["history"][-1]["test_acc"]
 
 
@@ -139,7 +144,7 @@ def test_two_hosts_one_rank_each_match_one_host(tmp_path, one_host_2):
     assert "replicas identical on 2 process(es)" in run.output, run.output  # fddp.verify_replicas passed
     # Two ranks: each sum is a + b on both sides, whatever the topology, so the runs agree exactly.
     _assert_bitwise_equal(ref.final_state(), run.final_state(), "2 hosts x 1 rank vs 1 host x 2 ranks")
-    assert run.test_accuracy() == ref.test_accuracy() > 0.8
+    assert run.final_test_accuracy() == ref.final_test_accuracy() > 0.8
 
 
 def test_two_hosts_two_ranks_each_match_one_host(tmp_path):
@@ -151,7 +156,7 @@ def test_two_hosts_two_ranks_each_match_one_host(tmp_path):
     # Four ranks: gloo's ring visits the ranks in rank order, whichever host each is on, and every
     # rank reads the same shard in both runs: the same additions in the same order, bitwise equal.
     _assert_bitwise_equal(ref.final_state(), run.final_state(), "2 hosts x 2 ranks vs 1 host x 4 ranks")
-    assert run.test_accuracy() == ref.test_accuracy() > 0.8
+    assert run.final_test_accuracy() == ref.final_test_accuracy() > 0.8
 
 
 def test_worker_killed_on_host1_restarts_and_ends_bitwise_equal(tmp_path, one_host_2):
@@ -173,16 +178,58 @@ def test_worker_killed_on_host1_restarts_and_ends_bitwise_equal(tmp_path, one_ho
     _assert_bitwise_equal(ref.final_state(), run.final_state(), "killed and resumed vs uninterrupted")
 
 
-def test_host_that_never_joins_fails_the_rendezvous(tmp_path):
+# A training loop whose collectives give up after 5 s (fddp.init(timeout=...)).
+LOOP = """
+import time, torch, fddp
+fddp.init(timeout=5)
+w = torch.ones(1000)
+for i in range(100000):
+    fddp.ddp_step({"w": w}, {"w": w.clone()})
+    if i == 20:
+        print("running", flush=True)
+    time.sleep(0.01)
+"""
+
+
+def _never_joins(tmp: Path) -> list[Result]:
+    # node0 hosts the rendezvous and waits for node1, which never starts: join_timeout ends it.
     with Cluster(2, rate=RATE) as c:
-        script = [str(EXAMPLE), *ARGS, "--out-dir", str(tmp_path / "out")]
-        # node0 hosts the rendezvous and waits for node1, which never starts: join_timeout ends it.
-        # node1 of a second job waits for a rendezvous host that never starts: read_timeout ends it.
-        waits_for_peer = c.torchrun(0, script, rdzv_conf={"join_timeout": 3}, port=29400)
-        waits_for_host = c.torchrun(1, script, rdzv_conf={"read_timeout": 3}, port=29401)
-        results = c.run_all([waits_for_peer, waits_for_host], timeout=60)
-    host0, host1 = results
-    assert host0.returncode not in (0, None), host0.output
+        script = [str(EXAMPLE), *ARGS, "--out-dir", str(tmp / "out")]
+        return c.run_all([c.torchrun(0, script, rdzv_conf={"join_timeout": 3}), None], timeout=60)
+
+
+def _host_absent(tmp: Path) -> list[Result]:
+    # node1 waits for a rendezvous host that never starts: read_timeout ends it.
+    with Cluster(2, rate=RATE) as c:
+        script = [str(EXAMPLE), *ARGS, "--out-dir", str(tmp / "out")]
+        return c.run_all([None, c.torchrun(1, script, rdzv_conf={"read_timeout": 3})], timeout=60)
+
+
+def _lost_mid_run(tmp: Path) -> list[Result]:
+    # node1 loses power while the ranks train: rank 0's all-reduce times out (no FIN or RST comes),
+    # its agent restarts the group, and the new rendezvous waits for node1 until join_timeout.
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "loop.py").write_text(LOOP)
+    with Cluster(2, rate=RATE) as c:
+        argvs = [c.torchrun(h, [str(tmp / "loop.py")], max_restarts=1, rdzv_conf={"join_timeout": 5}) for h in c.hosts]
+        running = c.start_all(argvs, envs=[_env(c, h.index) for h in c.hosts])
+        deadline = time.monotonic() + TIMEOUT_S
+        while "running" not in running.output(0):
+            assert time.monotonic() < deadline, running.output(0)
+            time.sleep(0.2)
+        c.power_off(1)
+        return running.wait(60)
+
+
+def test_a_missing_host_ends_the_job_with_an_error_not_a_hang(tmp_path):
+    never_joins, host_absent, lost = (
+        Background(fn, tmp_path / fn.__name__) for fn in (_never_joins, _host_absent, _lost_mid_run)
+    )
+    [host0], [host1], (survivor, _) = never_joins.result(), host_absent.result(), lost.result()
+    assert host0.returncode not in (0, None), host0.output  # None: killed at the test's timeout
     assert "RendezvousTimeoutError" in host0.output, host0.output
     assert host1.returncode not in (0, None), host1.output
-    assert "RendezvousConnectionError" in host1.output, host1.output
+    assert "RendezvousConnectionError" in host1.output and "(node0, 29400)" in host1.output, host1.output
+    assert survivor.returncode not in (0, None), survivor.output
+    assert "Timed out" in survivor.output and "fddp.ddp_step" in survivor.output, survivor.output
+    assert "RendezvousTimeoutError" in survivor.output, survivor.output

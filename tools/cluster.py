@@ -383,7 +383,19 @@ class Cluster:
             if self.rate_bps is not None:
                 # Egress on both ends: the host's end caps what it sends, the switch's what it gets.
                 for ns, dev in ((h.netns, h.ifname), (sw, port)):
-                    _sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *_tbf_args(self.rate_bps, self.burst_s)])
+                    _sh(
+                        [
+                            "tc",
+                            "-n",
+                            ns,
+                            "qdisc",
+                            "replace",
+                            "dev",
+                            dev,
+                            "root",
+                            *_tbf_args(self.rate_bps, self.burst_s),
+                        ]
+                    )
 
     def _add_netns(self, ns: str) -> None:
         _sh(["ip", "netns", "add", ns])
@@ -497,6 +509,13 @@ class Cluster:
         """SIGKILL every process still running in the cluster's namespaces."""
         _kill_netns_processes(self._made)
 
+    def power_off(self, host: Host | int | str) -> None:
+        """Lose ``host`` as a power cut would: its link goes down first, so that no FIN or RST
+        reaches its peers (they learn of it only by timeouts), then every process on it is killed."""
+        h = self.host(host)
+        _sh(["ip", "-n", h.netns, "link", "set", h.ifname, "down"])
+        _kill_netns_processes([h.netns])
+
     def torchrun(
         self,
         host: Host | int | str,
@@ -544,6 +563,11 @@ class Running:
 
     def __init__(self, cluster: Cluster, started: list[tuple[Host, subprocess.Popen, Path]]) -> None:
         self.cluster, self.started = cluster, started
+
+    def output(self, host: Host | int | str) -> str:
+        """What the command on ``host`` has written so far."""
+        h = self.cluster.host(host)
+        return next(log.read_text(errors="replace") for g, _, log in self.started if g == h)
 
     def wait(self, timeout: float) -> list[Result]:
         """Wait up to ``timeout`` seconds for every command; then kill whatever still runs in the
@@ -656,7 +680,9 @@ def _rate_arg(s: str) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="say whether this machine can make a test bed, and why not")
     cleanup = sub.add_parser("cleanup", help="remove test beds whose creating process is gone")
@@ -676,7 +702,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.add_argument("--nproc-per-node", type=int, default=1)
             p.add_argument("--max-restarts", type=int, default=0)
         if name in ("run", "torchrun"):
-            p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command (run) or script and its args")
+            p.add_argument(
+                "command", nargs=argparse.REMAINDER, help="after --: the command (run) or script and its args"
+            )
     args = parser.parse_args(argv)
 
     if args.cmd == "check":
@@ -707,12 +735,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "run":
             argvs = [command] * len(c.hosts)
         else:
-            argvs = [c.torchrun(h, command, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts) for h in c.hosts]
+            argvs = [
+                c.torchrun(h, command, nproc_per_node=args.nproc_per_node, max_restarts=args.max_restarts)
+                for h in c.hosts
+            ]
         results = c.run_all(argvs, timeout=args.timeout)
         worst = 0
         for r in results:
             status = "timed out" if r.timed_out else f"exit {r.returncode}"
-            print(f"--- {r.host.name} ({r.host.addr}): {status}\n{r.output}", end="" if r.output.endswith("\n") else "\n")
+            print(
+                f"--- {r.host.name} ({r.host.addr}): {status}\n{r.output}", end="" if r.output.endswith("\n") else "\n"
+            )
             worst = max(worst, 124 if r.timed_out else abs(r.returncode))
         return worst
 

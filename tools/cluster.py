@@ -190,10 +190,25 @@ def _probe() -> str | None:
                 return (f"`ip netns add` is not permitted ({proc.stderr.strip()}); it needs CAP_NET_ADMIN "
                         f"(root){'' if euid == 0 else f', and this process runs as uid {euid}'}")  # fmt: skip
             made.append(ns)
+        try:
+            (NETNS_ETC / made[1]).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / made[1] / "hosts").write_text("127.0.0.1 localhost\n")
+        except OSError as e:
+            return f"cannot write {NETNS_ETC} (the hosts' /etc/hosts): {e}"
         steps = [
             ["ip", "link", "add", IFNAME, "netns", made[1], "type", "veth", "peer", "name", "p0", "netns", made[0]],
             ["tc", "-n", made[1], "qdisc", "add", "dev", IFNAME, "root", *_tbf_args(10**9)],
-            ["ip", "netns", "exec", made[1], "unshare", "--uts", "true"],
+            [
+                "ip",
+                "netns",
+                "exec",
+                made[1],
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                "printf probe > /proc/sys/kernel/hostname",
+            ],
         ]
         for argv in steps:
             proc = _sh(argv, check=False)
@@ -206,6 +221,7 @@ def _probe() -> str | None:
     finally:
         for ns in reversed(made):
             _sh(["ip", "netns", "del", ns], check=False)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
 
 
 def _tbf_args(bits_per_s: int, burst_s: float = BURST_S) -> list[str]:
@@ -286,8 +302,9 @@ class Cluster:
             letters and digits, starting with a letter).
         rate: each host's link rate, as tc writes it (``"1gbit"``, ``"100mbit"``) or in bits/s;
             None leaves the links unshaped (veth speed: memory copies).
-        subnet: the private subnet the hosts' addresses come from (host k gets the subnet's
-            ``10 + k``-th address, so addresses sort like the hosts; up to 200 hosts).
+        subnet: the private subnet the hosts' addresses come from. Host k gets the subnet's
+            address ``10 + k``: up to 90 hosts, their addresses have two digits and sort, as
+            strings, like the hosts (torchrun's c10d rendezvous numbers the nodes that way).
         mtu: the links' MTU.
         burst_s: the token bucket's depth, in seconds of traffic at ``rate``: an idle link lets
             this much through at memory speed, where a real NIC would serialise it at ``rate``.
@@ -315,9 +332,11 @@ class Cluster:
                 raise ValueError(f"host name {n!r}: use lower-case letters and digits, starting with a letter")
         if len(set(names)) != len(names):
             raise ValueError(f"host names must differ, got {names}")
+        if len(names) > 90:
+            raise ValueError(f"{len(names)} hosts: at most 90 (their addresses must sort like the hosts)")
         net = ipaddress.ip_network(subnet)
-        if len(names) + 10 >= net.num_addresses - 1:
-            raise ValueError(f"subnet {subnet} has no room for {len(names)} hosts")
+        if net.version != 4 or net.prefixlen > 24:
+            raise ValueError(f"subnet {subnet}: give an IPv4 subnet of /24 or larger")
         self.rate_bps = None if rate is None else parse_rate(rate)
         self.run_id = f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}"
         self.switch_netns = self.run_id
@@ -453,7 +472,7 @@ class Cluster:
     def command(self, host: Host | int | str, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run on ``host``: in its network namespace, under its own hostname."""
         h = self.host(host)
-        set_hostname = 'hostname "$0" && exec "$@"'
+        set_hostname = 'printf %s "$0" > /proc/sys/kernel/hostname && exec "$@"'  # in its own UTS namespace
         return ["ip", "netns", "exec", h.netns, "unshare", "--uts", "sh", "-c", set_hostname, h.name, *argv]
 
     def popen(self, host: Host | int | str, argv: Sequence[str], *, env: dict[str, str] | None = None,
@@ -719,7 +738,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"unavailable: {reason}", file=sys.stderr)
         return 1
-    command = [a for a in getattr(args, "command", []) if a != "--"] if hasattr(args, "command") else []
+    command = list(getattr(args, "command", []))
+    if command[:1] == ["--"]:
+        command = command[1:]
     if args.cmd in ("run", "torchrun") and not command:
         parser.error(f"{args.cmd}: give the command after --")
     with Cluster(args.hosts, rate=args.rate) as c:

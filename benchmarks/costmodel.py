@@ -103,19 +103,26 @@ def _loss(rows: Sequence[tuple[float, float, float]], alpha: float, beta: float)
     return sum(((a * alpha + b * beta) / t - 1) ** 2 for a, b, t in rows)
 
 
-def samples_of(run: dict, stat: str = "median") -> list[tuple[int, float, float]]:
-    """(ranks, bytes, seconds) of one run of benchmarks/allreduce.py; ``stat``: "median" or "min"
-    of its repeats (the minimum is the least disturbed by other work on the machine)."""
-    return [(run["world_size"], s["bytes"], s[f"{stat}_s"]) for s in run["sizes"]]
+def samples_of(run: dict, stat: str = "median", min_bytes: int = 0) -> list[tuple[int, float, float]]:
+    """(ranks, bytes, seconds) of one run of benchmarks/allreduce.py, messages of ``min_bytes`` or
+    more; ``stat``: "median" or "min" of its repeats (the minimum is the least disturbed by other
+    work on the machine)."""
+    return [(run["world_size"], s["bytes"], s[f"{stat}_s"]) for s in run["sizes"] if s["bytes"] >= min_bytes]
 
 
 def validate(
-    record: dict, fit_hosts: int | None = 2, algo: str = "ring", stat: str = "median", beta_from_tcp: bool = False
+    record: dict,
+    fit_hosts: int | None = 2,
+    algo: str = "ring",
+    stat: str = "median",
+    beta_from_tcp: bool = False,
+    min_bytes: int = 0,
 ) -> dict:
     """Fit every link rate on its ``fit_hosts``-host run (None: on all); predict every run of that rate.
 
     With ``beta_from_tcp`` the bandwidth is not fitted but taken from the TCP rate measured on the
     same links (the slowest of the fitted runs): only the latency comes from the all-reduces.
+    Messages under ``min_bytes`` are left out of the fit and the errors.
 
     Returns ``{rate: {"link": Link, "fitted_on": ..., "runs": [{"hosts", "world_size", "rows":
     [(bytes, measured_s, predicted_s, error)], "max_abs_error", "mean_abs_error"}]}}``.
@@ -125,11 +132,11 @@ def validate(
         runs = [r for r in record["runs"] if r["rate"] == rate]
         basis = [r for r in runs if fit_hosts is None or r["hosts"] == fit_hosts] or runs
         beta = 8 / min(r["tcp_bps"] for r in basis) if beta_from_tcp else None
-        link = fit([s for r in basis for s in samples_of(r, stat)], algo, beta)
+        link = fit([s for r in basis for s in samples_of(r, stat, min_bytes)], algo, beta)
         checked = []
         for r in runs:
             rows = []
-            for n, b, t in samples_of(r, stat):
+            for n, b, t in samples_of(r, stat, min_bytes):
                 p = allreduce_time(n, b, link, algo)
                 rows.append((b, t, p, p / t - 1))
             errs = [abs(e) for *_, e in rows]
@@ -156,15 +163,20 @@ def report(
     stat: str = "median",
     fit_hosts: int | None = 2,
     detail: bool = True,
+    min_bytes: int = 0,
 ) -> str:
     """The fits, a summary of their errors and the measured-vs-predicted tables, as text."""
     basis = "all runs" if fit_hosts is None else f"the {fit_hosts}-host run"
-    lines = [f"alpha-beta fits on {basis} of each link rate ({stat} of the repeats); errors = model / measured - 1", ""]
+    sizes = f", messages of {_size(min_bytes)} or more" if min_bytes else ""
+    lines = [
+        f"alpha-beta fits on {basis} of each link rate ({stat} of the repeats{sizes}); error = model / measured - 1",
+        "",
+    ]
     lines.append(f"  {'model':<22}{'rate':>8}{'alpha us':>10}{'Gbit/s':>8}   mean |error| (max) per run")
     fits = {}
     for algo in algos:
         for beta_from_tcp in (False, True):
-            v = fits[algo, beta_from_tcp] = validate(record, fit_hosts, algo, stat, beta_from_tcp)
+            v = fits[algo, beta_from_tcp] = validate(record, fit_hosts, algo, stat, beta_from_tcp, min_bytes)
             name = f"{algo}, {'beta = TCP rate' if beta_from_tcp else 'both fitted'}"
             for rate, f in v.items():
                 errs = "  ".join(
@@ -207,8 +219,10 @@ def main() -> None:
         help="fit on the runs with this many hosts ('all': on every run)",
     )
     p.add_argument("--summary", action="store_true", help="only the fits and their errors")
+    p.add_argument("--min-bytes", type=int, default=0, help="leave smaller messages out of the fit and the errors")
     args = p.parse_args()
-    print(report(json.loads(Path(args.results).read_text()), args.algo, args.stat, args.fit_hosts, not args.summary))
+    record = json.loads(Path(args.results).read_text())
+    print(report(record, args.algo, args.stat, args.fit_hosts, not args.summary, args.min_bytes))
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def _cluster_section() -> str:
     out.append(
         "Every mode of `benchmarks/step.py` against torch DDP in the same run, one torchrun agent per host. "
         "**wire ms** is the time a ring all-reduce of the mode's bytes keeps each link busy at the measured "
-        "TCP rate, 2(W-1)/W × bytes / rate; **limit** is max(no-communication floor, wire): no step can be "
+        "TCP rate, 2(W-1)/W × bytes / rate; **limit** is max(the fastest no-communication floor, wire): no step can be "
         "faster, even with perfect overlap."
     )
     for path in files:

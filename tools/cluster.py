@@ -130,18 +130,22 @@ def _netns_pids(ns: str) -> list[int]:
 
 
 def _kill_netns_processes(namespaces: Iterable[str], wait_s: float = 5.0) -> None:
-    """SIGKILL every process inside ``namespaces`` (namespaces this module made), and wait for them."""
-    pids = {p for ns in namespaces for p in _netns_pids(ns)}
-    pids.discard(os.getpid())
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
+    """SIGKILL every process inside ``namespaces`` (namespaces this module made), and wait for them.
+
+    Lists again after each round: a process may have started another (torchrun restarting its
+    workers) between the listing and the kill.
+    """
+    namespaces = list(namespaces)
     deadline = time.monotonic() + wait_s
-    while pids and time.monotonic() < deadline:
+    while True:
         # A killed child of ours stays a zombie until reaped; a zombie holds no namespace.
-        pids = {p for p in pids if _pid_alive(p) and not _is_zombie(p)}
-        if pids:
-            time.sleep(0.02)
+        pids = {p for ns in namespaces for p in _netns_pids(ns) if p != os.getpid() and not _is_zombie(p)}
+        if not pids or time.monotonic() > deadline:
+            return
+        for p in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        time.sleep(0.02)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -272,10 +276,10 @@ def _teardown_all() -> None:
 
 def _on_signal(signum: int, frame: object) -> None:
     _teardown_all()
-    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    previous = _previous_handlers.get(signum)
     if callable(previous):
         previous(signum, frame)
-    elif previous != signal.SIG_IGN:
+    else:  # the default action (None: a handler set outside Python, treated as the default)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -286,6 +290,8 @@ def _install_handlers() -> None:
         return  # signal handlers can only be set from the main thread; atexit still runs
     for sig in (signal.SIGTERM, signal.SIGHUP):
         current = signal.getsignal(sig)
+        if current == signal.SIG_IGN:
+            continue  # this process outlives the signal (nohup, say), and so must its test beds
         if current is not _on_signal:
             _previous_handlers[sig] = current
             signal.signal(sig, _on_signal)

@@ -221,10 +221,16 @@ def _lost_mid_run(tmp: Path) -> list[Result]:
         return running.wait(60)
 
 
-def test_a_missing_host_ends_the_job_with_an_error_not_a_hang(tmp_path):
-    never_joins, host_absent, lost = (
-        Background(fn, tmp_path / fn.__name__) for fn in (_never_joins, _host_absent, _lost_mid_run)
-    )
+@pytest.fixture(scope="module", autouse=True)
+def missing_host_runs(tmp_path_factory) -> list[Background]:
+    """The missing-host scenarios, started with the module: they spend most of their time waiting
+    for timeouts, which overlaps the other tests' work."""
+    tmp = tmp_path_factory.mktemp("missing")
+    return [Background(fn, tmp / fn.__name__) for fn in (_never_joins, _host_absent, _lost_mid_run)]
+
+
+def test_a_missing_host_ends_the_job_with_an_error_not_a_hang(missing_host_runs):
+    never_joins, host_absent, lost = missing_host_runs
     [host0], [host1], (survivor, _) = never_joins.result(), host_absent.result(), lost.result()
     assert host0.returncode not in (0, None), host0.output  # None: killed at the test's timeout
     assert "RendezvousTimeoutError" in host0.output, host0.output

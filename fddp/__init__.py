@@ -21,7 +21,7 @@ from fddp.compress import Cast, PowerSGD, PowerSGDState
 from fddp.grad import grad, grad_and_value
 from fddp.guard import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.join import Join
-from fddp.module import functionalize, functionalize_with_buffers
+from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.replicas import verify_replicas
 from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
 from fddp.step import ddp_step
@@ -49,6 +49,7 @@ __all__ = [
     "init",
     "is_initialized",
     "is_main",
+    "load_into",
     "local_rank",
     "optim",
     "rank",

@@ -81,3 +81,28 @@ def test_readme_commands_are_the_quickstart_commands() -> None:
     assert commands(ROOT / "docs" / "quickstart.md") == readme
     # CI runs the README's test command.
     assert "\npython -m pytest -q\n" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_quickstart_lists_every_flag_of_the_main_example() -> None:
+    source = (ROOT / "examples" / "train_digits.py").read_text()
+    flags = set(re.findall(r'add_argument\("(--[a-z-]+)"', source))
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    listed = set(re.findall(r"`(--[a-z-]+)`", text[text.index("Flags:") :].split("\n\n")[0]))
+    assert listed == flags, f"quickstart lists {sorted(listed)}, train_digits.py has {sorted(flags)}"
+
+
+def quickstart_output_patterns() -> list[re.Pattern]:
+    """The quick start's sample output lines, numbers and paths made wildcards."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    lines = [line for block in re.findall(r"```text\n(.*?)```", text, re.DOTALL) for line in block.splitlines()]
+    patterns = []
+    for line in lines:
+        if line.strip() == "...":
+            continue
+        parts = re.split(r"(runs/digits|\d[\d.,]*|\s+)", line)
+        wild = {"runs/digits": r"\S+?"}
+        regex = "".join(
+            wild.get(p) or (r"[\d.,]+" if p[:1].isdigit() else r"\s+" if p.isspace() else re.escape(p)) for p in parts
+        )
+        patterns.append(re.compile(regex + "$"))
+    return patterns

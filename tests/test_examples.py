@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from test_docs import quickstart_output_patterns
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TIMEOUT_S = 240  # one launch; on 2 shared cores a launch takes seconds, a hang takes forever
@@ -74,6 +76,16 @@ def test_train_digits_trains_and_resumes_to_the_same_numbers(tmp_path: Path) -> 
     # Params, optimizer state and data order all come back, so the numbers are the same, exactly.
     numbers = lambda h: {k: v for k, v in h.items() if k != "samples_per_s"}  # noqa: E731 - timing varies
     assert [numbers(h) for h in resumed["history"]] == [numbers(h) for h in full["history"]]
+
+
+def test_train_digits_output_is_the_quickstarts_and_a_finished_run_says_so(tmp_path: Path) -> None:
+    # One process (the cheapest launch): the quick start shows 2, the lines are the same otherwise.
+    first = launch("train_digits.py", "--epochs", "2", "--max-steps", "30", "--out-dir", "one", nproc=None, tmp=tmp_path)
+    again = launch("train_digits.py", "--epochs", "2", "--max-steps", "30", "--out-dir", "one", nproc=None, tmp=tmp_path)
+    assert "training on" not in again and "nothing to train: the run in one already finished" in again, again
+    lines = first.splitlines() + again.splitlines()
+    for pattern in quickstart_output_patterns():
+        assert any(pattern.match(line) for line in lines), f"no output line like the quick start's {pattern.pattern!r}:\n{first}{again}"
 
 
 def test_train_digits_runs_under_plain_python(tmp_path: Path) -> None:

@@ -136,3 +136,19 @@ def test_uneven_accumulate_trains(tmp_path: Path) -> None:
     out = launch("uneven_accumulate.py", "--epochs", "3", "--samples", "800", tmp=tmp_path)
     losses = [float(x) for x in re.findall(r"^epoch +\d+ +steps +\d+ +loss ([0-9.]+)$", out, re.MULTILINE)]
     assert len(losses) == 3 and losses[2] < losses[1] < losses[0], out
+
+
+def test_hf_gpt2_trains_samples_and_saves_a_model_that_loads_back(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
+    import torch
+
+    out = launch("hf_gpt2.py", "--out-dir", "hf", tmp=tmp_path)
+    m = json.loads((tmp_path / "hf" / "metrics.json").read_text())
+    assert m["world_size"] == 2 and mean(m["loss"][-5:]) < mean(m["loss"][:5]) / 4, m["loss"]
+    assert m["sample"].startswith("klmnop"), out  # it learnt the alphabet, and generate ran on the module
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf" / "model")
+    assert model.lm_head.weight is model.transformer.wte.weight  # saved and loaded tied
+    prompt = torch.tensor([[10, 11, 12]])  # "klm"
+    again = model.generate(prompt, attention_mask=prompt * 0 + 1, max_new_tokens=8, do_sample=False)
+    assert "".join("abcdefghijklmnopqrstuvwxyz_"[i] for i in again[0].tolist()) == m["sample"]
+

@@ -147,8 +147,7 @@ def main() -> None:
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"world_size": world, "members": args.members, "history": history}, f, indent=1)
         plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
-    if world > 1:
-        dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

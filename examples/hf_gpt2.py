@@ -27,7 +27,6 @@ import string
 import time
 
 import torch
-import torch.distributed as dist
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -113,9 +112,7 @@ def main() -> None:
         print(f"{args.steps} steps on {world} process(es) in {time.perf_counter() - t0:.1f} s; "
               f"greedy continuation of 'klm': {sample}; model saved to {os.path.join(args.out_dir, 'model')}",
               flush=True)  # fmt: skip
-    if world > 1:
-        dist.barrier()  # nobody tears the group down while rank 0 is still writing
-        dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def main() -> None:
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"ddp_loss": ddp_losses, "fddp_loss": fddp_losses, "max_param_diff": max_diff}, f)
         plot(ddp_losses, fddp_losses, max_diff, args, os.path.join(args.out_dir, "curves.png"))
-    dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

@@ -195,8 +195,7 @@ def main() -> None:
         print(f"final test accuracy {history[-1]['test_acc']:.4f} after {history[-1]['epoch']} epochs; "
               f"{time.perf_counter() - t_start:.1f} s; replicas identical on {world} process(es); "
               f"curves in {os.path.join(args.out_dir, 'curves.png')}", flush=True)  # fmt: skip
-    if world > 1:
-        dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

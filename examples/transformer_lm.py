@@ -26,7 +26,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import optree
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -191,8 +190,7 @@ def main() -> None:
         samples = ["".join(VOCAB[i] for i in row) for row in complete(params, test[:4])]
         print(f"final test exact-match {history['test_acc'][-1]:.3f} after {args.steps} steps, "
               f"{time.perf_counter() - t0:.1f} s; samples: {' '.join(samples)}", flush=True)  # fmt: skip
-    if world > 1:
-        dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

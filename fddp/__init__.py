@@ -23,7 +23,7 @@ from fddp.guard import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.replicas import verify_replicas
-from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, world_size
+from fddp.runtime import device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from fddp.step import ddp_step
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "local_rank",
     "optim",
     "rank",
+    "shutdown",
     "sync_buffers",
     "verify_replicas",
     "world_size",

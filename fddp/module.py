@@ -99,9 +99,14 @@ def functionalize_with_buffers(
     back in ``new_buffers``; a buffer the forward only reads (BERT's ``position_ids``, a causal
     mask, BatchNorm's statistics in eval mode) is passed as it is, without a copy, and comes back
     unchanged. Which buffers a forward writes is learnt from the first call in each train/eval
-    mode (which copies them all and watches which copies change); should a later call write a
-    buffer that was passed uncopied, apply_fn restores the caller's value and copies that buffer
-    from then on. Pass ``new_buffers`` to the next step (and, across ranks, through
+    mode, which copies them all and watches which copies change (their version counters, and
+    their values: batch_norm writes its statistics without a version bump). Should a later call
+    write a buffer that was passed uncopied (seen the same two ways), apply_fn gives the caller's
+    tensor its value back from a copy it keeps of each such buffer (made once per tensor it is
+    given) and copies that buffer from then on. Under
+    ``torch.compile`` or with other names than these, every buffer is copied and the call goes
+    through ``torch.func.functional_call``; under ``vmap`` over the buffers, every buffer is
+    copied too. Pass ``new_buffers`` to the next step (and, across ranks, through
     :func:`fddp.sync_buffers` when the rank-local statistics should agree).
 
     DDP broadcasts rank 0's buffers when it wraps a module; here, ``buffers = fddp.broadcast(buffers)``
@@ -161,7 +166,15 @@ def functionalize_with_buffers(
                 out = model(*args, **kwargs)
                 new_buffers = swap.current()
         if versions is not None:
-            changed = {name for name, t in given.items() if t._version != versions[name]}
+            # A write shows in the version counter, except where a kernel skips it (batch_norm
+            # updates its running statistics without a bump): compare the values too.
+            learning = written is None
+            changed = {
+                name
+                for name, t in given.items()
+                if t._version != versions[name] or (learning and not torch.equal(t, buffers[name]))
+            }
+            changed |= {name for name, b, snap in shared if not torch.equal(b, snap)}
             for name, b, snap in shared:
                 if name in changed:
                     # Written although the first call did not write it: keep the written value,

@@ -311,12 +311,11 @@ def test_functionalize_with_buffers_swaps_slots_and_copies_only_written_buffers(
     model = WithConstants()
     reference = copy.deepcopy(model)
     apply_fn, params, buffers = fddp.functionalize_with_buffers(model)
-    import fddp.module
 
     def no_walk(*args, **kwargs):
         raise AssertionError("functional_call's walk on the fast path")
 
-    monkeypatch.setattr(fddp.module, "functional_call", no_walk)
+    monkeypatch.setattr("fddp.module.functional_call", no_walk)
     before = {k: v.clone() for k, v in buffers.items()}
     for step in range(3):
         x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))

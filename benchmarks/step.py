@@ -4,7 +4,8 @@ Run with ``torchrun --standalone --nproc-per-node=2 benchmarks/step.py`` (CPU, g
 trains the same model with SGD (momentum 0.9) on each rank's own batch; modes are interleaved
 within every repeat so they share the machine's noise, and each result is the median over repeats
 of the mean step time (the slowest rank's). Prints a table of ratios against torch DDP measured in
-the same run, writes ``benchmarks/results/step.json`` and draws ``benchmarks/results/step.png``.
+the same run, writes ``benchmarks/results/step.json`` and draws ``benchmarks/results/step.png``
+(``--replot`` redraws the chart from the JSON without measuring).
 
 Modes:
     floor_torch       module forward/backward + torch.optim, no communication
@@ -319,26 +320,73 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
-def plot(results: dict[str, Any], path: str) -> None:
+# Chart labels and colours: one hue family per kind of mode, grey for the no-communication floors.
+PLOT_MODES = {
+    "ddp": ("torch DDP (the reference)", "#222222"),
+    "grad_and_value": ("fddp.grad_and_value, overlapped", "#1b7837"),
+    "grad_and_value_donated": ("  the same, apply_gradients(donate=True)", "#5aae61"),
+    "ddp_step": ("fddp.ddp_step after torch.func.grad", "#2166ac"),
+    "compiled": ("  the same, torch.compile'd", "#4393c3"),
+    "ddp_step_bf16": ("  the same, bf16 buckets", "#92c5de"),
+    "ddp_step_fp16": ("  the same, fp16 buckets", "#b2abd2"),
+    "ddp_step_psgd1": ("  the same, PowerSGD rank 1", "#8073ac"),
+    "ddp_step_psgd4": ("  the same, PowerSGD rank 4", "#542788"),
+    "per_tensor": ("one all-reduce per tensor (no buckets)", "#b35806"),
+    "floor_torch": ("floor: torch, no communication", "#bdbdbd"),
+    "floor_gav": ("floor: grad_and_value, one-rank group", "#9e9e9e"),
+    "floor_fddp": ("floor: torch.func.grad + fddp.optim", "#d9d9d9"),
+}
+
+
+def plot(data: dict[str, Any], path: str) -> None:
+    """Draw ``step.json``'s ratios: one panel per model, a horizontal bar per mode, DDP = 1 marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = data["results"]
     names = list(results)
-    modes = list(results[names[0]]["modes"])
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(modes)
-    for j, m in enumerate(modes):
-        ys = [results[n]["modes"][m]["ratio_to_ddp"] for n in names]
-        ax.bar([i + j * width for i in range(len(names))], ys, width, label=m)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
-    ax.set_ylabel("median step time / torch DDP")
-    ax.set_title(f"One training step, {dist.get_world_size()} gloo ranks on CPU (lower is better)")
-    ax.legend(ncol=3, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    present = list(dict.fromkeys(m for n in names for m in results[n]["modes"]))
+    modes = [m for m in PLOT_MODES if m in present] + [m for m in present if m not in PLOT_MODES]
+    labels = [PLOT_MODES.get(m, (m, None))[0] for m in modes]
+    colours = [PLOT_MODES.get(m, (None, "#f4a582"))[1] for m in modes]
+    top = max(d["ratio_to_ddp"] for n in names for d in results[n]["modes"].values())
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 + 2.9 * len(names), 0.34 * len(modes) + 1.6), sharey=True)
+    axes = [axes] if len(names) == 1 else list(axes)
+    ys = list(range(len(modes)))
+    for ax, name in zip(axes, names):
+        r = results[name]
+        ratios = [r["modes"][m]["ratio_to_ddp"] if m in r["modes"] else 0.0 for m in modes]
+        ax.barh(ys, ratios, color=colours, edgecolor="white", height=0.78)
+        for y, v in zip(ys, ratios):
+            if v >= 1.0:  # right of the bar; a bar that ends left of the DDP line gets it inside
+                ax.text(v + 0.03, y, f"{v:.2f}", va="center", fontsize=8.5)
+            elif v:
+                ax.text(v - 0.03, y, f"{v:.2f}", va="center", ha="right", fontsize=8.5, color="#111111")
+        ax.axvline(1.0, color="#222222", lw=1, ls="--")
+        ax.set_xlim(0, top * 1.18)
+        ax.set_title(f"{name}\n{r['values'] / 1e6:.1f}M values, {r['tensors']} tensors", fontsize=10)
+        ax.set_xlabel("step time ÷ torch DDP's")
+        ax.grid(axis="x", alpha=0.3)
+        ax.tick_params(axis="y", length=0)
+    axes[0].set_yticks(ys, labels, fontsize=9.5)
+    axes[0].invert_yaxis()  # the reference on top
+    axes[0].annotate("DDP = 1", xy=(1.0, -0.65), xytext=(1.04, -0.65), fontsize=8.5, va="center", annotation_clip=False)
+    args = data.get("args", {})
+    fig.suptitle(
+        "One data-parallel training step, relative to torch DDP (left of the dashed line: faster)",
+        fontsize=12, x=0.01, y=0.985, ha="left",
+    )  # fmt: skip
+    fig.text(
+        0.01, 0.935,
+        f"{data.get('world_size', '?')} gloo processes on CPU, torch {data.get('torch', '?')}, SGD with momentum; "
+        f"medians of {args.get('repeats', '?')} repeats of {args.get('steps', '?')} steps (the slowest rank's)",
+        fontsize=9, color="#444444", ha="left",
+    )  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 0.945))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -349,7 +397,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=None, help="run only these modes (and the floors and ddp)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step"))
+    parser.add_argument("--replot", action="store_true", help="redraw <out>.png from <out>.json; measure nothing")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.out + ".json") as f:
+            plot(json.load(f), args.out + ".png")
+        return
     torch.set_num_threads(1)  # 2 ranks share 2 cores, for DDP and fddp alike
     fddp.init()
     results = {}
@@ -360,8 +413,9 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out + ".json", "w") as f:
             meta = {"world_size": dist.get_world_size(), "torch": torch.__version__, "allocator": allocator(), "args": vars(args)}
-            json.dump({**meta, "results": results}, f, indent=1)
-        plot(results, args.out + ".png")
+            data = {**meta, "results": results}
+            json.dump(data, f, indent=1)
+        plot(data, args.out + ".png")
     dist.destroy_process_group()
 
 

@@ -70,7 +70,21 @@ def _undocumented_names(markdown: str) -> str:
 
 def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
     # Docstrings use Sphinx roles (:func:`ddp_step`); Markdown renders them as ":func:" + code.
-    return re.sub(r":(?:func|class|meth|mod|attr|exc|data|obj):(?=<code)", "", html)
+    html = re.sub(r":(?:func|class|meth|mod|attr|exc|data|obj):(?=<code)", "", html)
+    return re.sub(r"<table>.*?</table>", _breakable_code, html, flags=re.DOTALL)
+
+
+def _breakable_code(table: re.Match) -> str:
+    """Let identifiers in table cells wrap after ``.``, ``_`` and ``/`` only, never mid-word.
+
+    extra.css turns off the theme's ``word-break: break-word`` for code in tables; a ``<wbr>``
+    after each separator gives the browser the places where it may break instead.
+    """
+
+    def soften(code: re.Match) -> str:
+        return code.group(1) + re.sub(r"([._/,])(?=[^<]*(?:<|$))", r"\1<wbr>", code.group(2)) + code.group(3)
+
+    return re.sub(r"(<code>)([^<]*)(</code>)", soften, table.group(0))
 
 
 def _load(name: str) -> dict | None:

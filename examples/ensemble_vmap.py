@@ -50,6 +50,32 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def plot(history: list[dict], args: argparse.Namespace, world: int, path: str) -> None:
+    """Each member's curves in its own colour, the ensemble's accuracy in black."""
+    epochs = [h["epoch"] for h in history]
+    colours = plt.get_cmap("tab10" if args.members <= 10 else "viridis")
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for i in range(args.members):
+        colour = colours(i if args.members <= 10 else i / max(1, args.members - 1))
+        ax_loss.plot(epochs, [h["member_loss"][i] for h in history], color=colour, lw=1, marker=".", label=f"member {i}")
+        ax_acc.plot(epochs, [h["member_test_acc"][i] for h in history], color=colour, lw=1, marker=".")
+    ax_acc.plot(epochs, [h["ensemble_test_acc"] for h in history], color="black", lw=2.5, label="ensemble")
+    ax_loss.set(xlabel="epoch", ylabel="train cross-entropy", yscale="log", title="training loss of each member")
+    ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="test accuracy: each member, and the ensemble")
+    ax_loss.legend(fontsize=7, ncol=2)
+    ax_acc.legend(loc="lower right")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"{args.members} MLPs trained in one vmap on {world} process(es): AdamW lr {args.lr:g}, clipped at norm 1, "
+        f"global batch {args.batch_size}; ensemble = the average of the members' probabilities",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     args = parse_args()
     fddp.init()
@@ -120,20 +146,8 @@ def main() -> None:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"world_size": world, "members": args.members, "history": history}, f, indent=1)
-        epochs = [h["epoch"] for h in history]
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
-        ax_loss.plot(epochs, [h["member_loss"] for h in history], color="tab:blue", alpha=0.5, lw=0.8)
-        ax_loss.set(xlabel="epoch", ylabel="train cross-entropy", yscale="log", title=f"{args.members} members")
-        ax_acc.plot(epochs, [h["member_test_acc"] for h in history], color="gray", alpha=0.5, lw=0.8)
-        ax_acc.plot(epochs, [h["ensemble_test_acc"] for h in history], color="tab:red", lw=2, label="ensemble")
-        ax_acc.set(xlabel="epoch", ylabel="test accuracy", title="members (gray) and their average")
-        ax_acc.legend()
-        for ax in (ax_loss, ax_acc):
-            ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out_dir, "curves.png"), dpi=120)
-    if world > 1:
-        dist.destroy_process_group()
+        plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

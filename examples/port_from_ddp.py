@@ -7,7 +7,7 @@ numbered comments pair the lines that correspond. Both start from the same initi
 same batches and use the same SGD arithmetic, so their losses agree to float rounding: the script
 prints them next to each other and the largest parameter difference at the end.
 
-Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png`` (both loss curves on one chart).
+Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png`` (both loss curves, and their difference).
 """
 
 from __future__ import annotations
@@ -76,6 +76,33 @@ def train_fddp(args: argparse.Namespace, dataset: TensorDataset) -> tuple[list[f
     return losses, params
 
 
+def plot(ddp_losses: list[float], fddp_losses: list[float], max_diff: float, args: argparse.Namespace, path: str) -> None:
+    """Both loss curves, and below them how far apart they are at each step."""
+    steps = range(1, len(ddp_losses) + 1)
+    fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=(2, 1))
+    ax.plot(steps, ddp_losses, lw=3, alpha=0.45, color="tab:blue", label="torch DDP")
+    ax.plot(steps, fddp_losses, lw=1, color="tab:orange", label="fddp")
+    ax.set(ylabel="train cross-entropy\n(rank 0's batch)", yscale="log", title="the same loop, ported: the curves coincide")
+    ax.legend()
+    diff = [abs(a - b) for a, b in zip(ddp_losses, fddp_losses)]
+    ax_diff.plot(steps, [d if d > 0 else float("nan") for d in diff], marker=".", lw=0.8, color="tab:red")
+    exact = [s for s, d in zip(steps, diff) if d == 0]
+    ax_diff.plot(exact, [1e-9] * len(exact), "|", color="tab:green", label="equal to the bit (0, drawn at the bottom)")
+    ax_diff.set(xlabel="step", ylabel="|fddp - DDP| loss", yscale="log", ylim=(5e-10, 1e-3))
+    ax_diff.set_title(f"their difference: float rounding (largest parameter difference at the end: {max_diff:.1e})", fontsize=9)
+    ax_diff.legend(loc="upper left", fontsize=8)
+    for a in (ax, ax_diff):
+        a.grid(alpha=0.3)
+    fig.suptitle(
+        f"{dist.get_world_size()} process(es), SGD lr {args.lr:g}, momentum 0.9, weight decay 1e-4, "
+        f"{args.batch_size} samples per rank per step, {args.epochs} epoch(s)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="torch DDP and fddp, side by side.")
     p.add_argument("--epochs", type=int, default=3)
@@ -107,15 +134,8 @@ def main() -> None:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"ddp_loss": ddp_losses, "fddp_loss": fddp_losses, "max_param_diff": max_diff}, f)
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(ddp_losses, lw=2.5, alpha=0.5, label="torch DDP")
-        ax.plot(fddp_losses, lw=0.8, label="fddp")
-        ax.set(xlabel="step", ylabel="train cross-entropy (rank 0's batch)", yscale="log", title="the same loop, ported")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out_dir, "curves.png"), dpi=120)
-    dist.destroy_process_group()
+        plot(ddp_losses, fddp_losses, max_diff, args, os.path.join(args.out_dir, "curves.png"))
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def main() -> None:
 
     if args.out and fddp.is_main():
         ckpt.save(args.out, params)
-    dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

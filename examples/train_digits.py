@@ -61,14 +61,14 @@ def load_data() -> tuple[TensorDataset, torch.Tensor, torch.Tensor]:
     return TensorDataset(*tensors(x_train, y_train)), *tensors(x_test, y_test)
 
 
-def plot(history: list[dict], path: str) -> None:
+def plot(history: list[dict], args: argparse.Namespace, world: int, path: str) -> None:
     import matplotlib  # here, not at the top: only rank 0 draws, and the import costs every rank
 
     matplotlib.use("Agg")  # render to a file; there may be no display
     import matplotlib.pyplot as plt
 
     epochs = [h["epoch"] for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.8))
     for split in ("train", "test"):
         ax_loss.plot(epochs, [h[f"{split}_loss"] for h in history], marker=".", label=split)
         ax_acc.plot(epochs, [h[f"{split}_acc"] for h in history], marker=".", label=split)
@@ -77,6 +77,11 @@ def plot(history: list[dict], path: str) -> None:
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.suptitle(
+        f"digits MLP on {world} process(es): AdamW lr {args.lr:g} (cosine to 0 over {args.epochs} epochs), "
+        f"weight decay {args.weight_decay:g}, global batch {args.batch_size}",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -133,7 +138,11 @@ def main() -> None:
             print(f"resumed from {path} (epoch {state['epoch']}, step {state['step']})", flush=True)
     params, opt_state, step = state["params"], state["opt_state"], state["step"]
 
-    if fddp.is_main():
+    finished = state["epoch"] >= args.epochs or (args.max_steps is not None and step >= args.max_steps)
+    if fddp.is_main() and finished:
+        print(f"nothing to train: the run in {args.out_dir} already finished (epoch {state['epoch']}, step {step}); "
+              "raise --epochs to train on, or pass --fresh to start over", flush=True)  # fmt: skip
+    elif fddp.is_main():
         print(f"training on {world} process(es): {len(train_set)} train / {len(y_test)} test samples, "
               f"{args.batch_size // world} per rank per step", flush=True)  # fmt: skip
     for epoch in range(state["epoch"] + 1, args.epochs + 1):
@@ -183,12 +192,11 @@ def main() -> None:
     # Every rank must hold bitwise the same model and optimizer state; this raises on every rank if not.
     fddp.verify_replicas((params, opt_state))
     if fddp.is_main() and history:
-        plot(history, os.path.join(args.out_dir, "curves.png"))
+        plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
         print(f"final test accuracy {history[-1]['test_acc']:.4f} after {history[-1]['epoch']} epochs; "
               f"{time.perf_counter() - t_start:.1f} s; replicas identical on {world} process(es); "
               f"curves in {os.path.join(args.out_dir, 'curves.png')}", flush=True)  # fmt: skip
-    if world > 1:
-        dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import optree
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -88,6 +87,32 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
         return self.head(self.ln(self.blocks(x)))
+
+
+def plot(history: dict[str, list], args: argparse.Namespace, world: int, path: str) -> None:
+    """The loss with the learning rate on a second axis (one legend for both), and test accuracy."""
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    loss_line = ax_loss.plot(history["step"], history["loss"], lw=0.8, label="train loss (answer tokens)")
+    ax_lr = ax_loss.twinx()
+    lr_line = ax_lr.plot(history["step"], history["lr"], color="gray", ls="--", lw=1, label="learning rate (right axis)")
+    ax_lr.set_ylabel("learning rate", color="gray")
+    ax_lr.tick_params(axis="y", colors="gray")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy", yscale="log", title="training")
+    lines = loss_line + lr_line
+    ax_loss.legend(lines, [line.get_label() for line in lines], loc="upper right", fontsize=8)
+    ax_loss.grid(alpha=0.3)
+    ax_acc.plot(history["eval_step"], history["test_acc"], marker="o")
+    ax_acc.set(xlabel="step", ylabel="exact match", ylim=(0, 1.02), title="held-out sums, greedy decoding")
+    ax_acc.grid(alpha=0.3)
+    fig.suptitle(
+        f"GPT, {args.layers} blocks of width {args.d_model}, on {world} process(es): AdamW peak lr {args.lr:g} "
+        f"(warmup {args.warmup}, cosine), global batch {args.micro_batch * args.accum * world} sequences "
+        f"({args.accum} micro-batches of {args.micro_batch} per rank)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
@@ -161,22 +186,11 @@ def main() -> None:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"world_size": world, **history}, f)
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
-        ax_loss.plot(history["step"], history["loss"], lw=0.8, label="train loss (answer tokens)")
-        ax_lr = ax_loss.twinx()
-        ax_lr.plot(history["step"], history["lr"], color="gray", ls="--", lw=0.8)
-        ax_lr.set_ylabel("learning rate", color="gray")
-        ax_loss.set(xlabel="step", ylabel="cross-entropy", yscale="log", title="training")
-        ax_acc.plot(history["eval_step"], history["test_acc"], marker="o")
-        ax_acc.set(xlabel="step", ylabel="exact match", ylim=(0, 1), title="held-out sums")
-        ax_acc.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out_dir, "curves.png"), dpi=120)
+        plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
         samples = ["".join(VOCAB[i] for i in row) for row in complete(params, test[:4])]
         print(f"final test exact-match {history['test_acc'][-1]:.3f} after {args.steps} steps, "
               f"{time.perf_counter() - t0:.1f} s; samples: {' '.join(samples)}", flush=True)  # fmt: skip
-    if world > 1:
-        dist.destroy_process_group()
+    fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ def main() -> None:
             full = loss_fn(params, x_all, y_all).item()
         if fddp.is_main():
             print(f"epoch {epoch + 1:3d}  steps {steps:3d}  loss {full:.4f}", flush=True)
+    fddp.shutdown()  # every rank together: none leaves while another still communicates
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from fddp import checkpoint, optim, scaling
 from fddp.accumulation import GradAccumulator, accumulate_grads
 from fddp.guard import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.join import Join
-from fddp.module import functionalize, functionalize_with_buffers
-from fddp.runtime import clear_caches, device, init, is_initialized, is_main, local_rank, rank, world_size
+from fddp.module import functionalize, functionalize_with_buffers, load_into
+from fddp.runtime import clear_caches, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from fddp.sync import (
     Cast,
     MismatchError,
@@ -59,10 +59,12 @@ __all__ = [
     "init",
     "is_initialized",
     "is_main",
+    "load_into",
     "local_rank",
     "optim",
     "rank",
     "scaling",
+    "shutdown",
     "sync_buffers",
     "verify_replicas",
     "world_size",

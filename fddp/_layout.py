@@ -26,6 +26,11 @@ __all__ = ["MB", "Bucket", "BucketPlan", "plan", "flatten", "unflatten", "views"
 
 MB = 1024 * 1024  # caps are in MiB, as torch DDP's bucket_cap_mb
 
+# The attribute fddp.functionalize sets on the aliases of a module's own parameters that it hands
+# out: memory fddp must never write in place (apply_gradients(..., donate=True) copies such
+# leaves instead of updating them, and so the module).
+MODULE_ALIAS = "_fddp_module_alias"
+
 
 @dataclass(frozen=True)
 class Bucket:

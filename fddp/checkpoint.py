@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import pickle
 import re
@@ -49,7 +50,8 @@ _MISSING = object()
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file cannot be loaded, or does not match the expected ``like`` tree."""
+    """A checkpoint file cannot be loaded, or does not match the expected ``like`` tree; or, on the
+    ranks that did not write it, rank 0 failed to write it."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,9 +332,11 @@ def save(
 
     The file is written as ``<path>.tmp-<pid>`` in the same directory, flushed and fsynced, then
     renamed over ``path`` and the directory is fsynced, so ``path`` always holds either the old
-    checkpoint or the complete new one. Missing parent directories are created. Tensors are
-    stored detached, compact (a view saves only its own elements, not its base's storage) and on
-    the CPU, as plain ``torch.Tensor``; :func:`load` puts them back on a device.
+    checkpoint or the complete new one. A write that fails (a full disk, say) removes the
+    temporary file and leaves the old checkpoint as it was. Missing parent directories are
+    created. Tensors are stored detached, compact (a view saves only its own elements, not its
+    base's storage) and on the CPU, as plain ``torch.Tensor``; :func:`load` puts them back on a
+    device.
 
     Args:
         path: destination file.
@@ -340,16 +344,19 @@ def save(
         group: process group whose rank 0 writes; the default group when None. Other ranks return
             at once without touching the file system. Without ``torch.distributed`` initialised,
             the caller writes.
-        barrier: if True, every rank of ``group`` waits in ``dist.barrier(group)`` until the write
-            is done, so all ranks may read the file afterwards. Every rank must then call ``save``;
-            if rank 0 fails to write, it raises before the barrier and the others wait until the
-            group's timeout.
+        barrier: if True, every rank of ``group`` must call ``save`` and returns only once the
+            file is in place, so all ranks may read it afterwards (one small all-reduce that also
+            carries rank 0's success: if rank 0 fails to write, it raises its error and every other
+            rank raises :class:`CheckpointError`, instead of waiting). Leave it False when only
+            rank 0 calls ``save``. :func:`save_step` does this by default.
 
     Returns:
         ``path`` as a string (on every rank).
 
     Raises:
         TypeError: a leaf or dict key of an unsupported type, naming its path.
+        OSError: the file cannot be written, naming ``path``; a full disk says so (``ENOSPC``).
+        CheckpointError: with ``barrier=True``, on the other ranks, when rank 0 failed to write.
 
     Example:
         >>> import os, tempfile, torch
@@ -358,7 +365,14 @@ def save(
         '...model.pt'
     """
     path = os.fspath(path)
-    if _is_writer(group):
+    error = _write(path, tree) if _is_writer(group) else None
+    _agree(path, error, group, barrier)
+    return path
+
+
+def _write(path: str, tree: Any) -> BaseException | None:
+    """Write the file (on the writing rank); return the exception that stopped it, if any."""
+    try:
         leaves: list = []
         paths: list = []
         structure = _encode(tree, "tree", leaves, paths)
@@ -378,17 +392,55 @@ def save(
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as e:
             # An exception (not a kill) must not leave a stray temporary file behind.
             try:
                 os.remove(tmp)
             except OSError:
                 pass
-            raise
+            raise _write_error(e, path) from e
         _fsync_dir(directory)
-    if barrier and dist.is_available() and dist.is_initialized():
-        dist.barrier(group)
-    return path
+    except BaseException as e:  # noqa: BLE001 - handed to _agree, which raises it
+        return e
+    return None
+
+
+def _write_error(e: BaseException, path: str) -> BaseException:
+    """The error to raise for a failed write: the OSError behind it, naming the path.
+
+    torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos ...``, with the real cause, ``OSError: [Errno 28] No space left on device``,
+    only in the exception's context.
+    """
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or cause.errno is None:
+        return e
+    what = os.strerror(cause.errno)
+    if cause.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        what += " (the disk is full)"
+    return OSError(
+        cause.errno,
+        f"checkpoint not written: {what}; the previous file at this path, if any, is intact and the "
+        "partial temporary file was removed",
+        path,
+    )
+
+
+def _agree(path: str, error: BaseException | None, group: dist.ProcessGroup | None, barrier: bool) -> None:
+    """Raise the writer's error; with ``barrier``, first tell every rank whether the write succeeded."""
+    if barrier and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        # A barrier that carries the outcome: nobody waits for a writer that has already failed.
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(failed, group=group)
+        if error is None and int(failed.item()):
+            raise CheckpointError(
+                f"{path}: not written: rank 0 of the group failed to write it (its own error says why)"
+            )
+    if error is not None:
+        raise error
 
 
 def _refusal_reason(e: BaseException) -> str:
@@ -545,7 +597,7 @@ def save_step(
     keep: int | None = 3,
     prefix: str = "ckpt",
     group: dist.ProcessGroup | None = None,
-    barrier: bool = False,
+    barrier: bool = True,
 ) -> str:
     """Save ``tree`` as the checkpoint of ``step`` in ``directory`` and keep only the newest ``keep``.
 
@@ -555,6 +607,9 @@ def save_step(
     from an abandoned earlier run in the same directory) they count among those and
     :func:`latest` keeps returning them; clear the directory when restarting from an older step.
 
+    Every rank of ``group`` calls ``save_step`` and, by default, returns only once the new file is
+    in place and the old ones are pruned, so :func:`latest` then finds it on every rank.
+
     Args:
         directory: where checkpoints live; created if missing.
         step: training step, used in the file name (see :func:`step_path`).
@@ -562,10 +617,15 @@ def save_step(
         keep: how many checkpoints to keep (>= 1), or None to keep all.
         prefix: file name prefix.
         group: process group whose rank 0 writes and prunes.
-        barrier: as in :func:`save`.
+        barrier: wait until rank 0 has written (see :func:`save`); True by default here. With
+            False, the other ranks return at once, and may still find the previous checkpoint.
 
     Returns:
         The path of the checkpoint (on every rank).
+
+    Raises:
+        OSError: on rank 0, the file cannot be written (a full disk says so).
+        CheckpointError: on the other ranks (with ``barrier``), rank 0 failed to write.
 
     Example:
         >>> import tempfile, torch
@@ -578,13 +638,16 @@ def save_step(
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be >= 1 or None, got {keep}")
     path = step_path(directory, step, prefix=prefix)
-    save(path, tree, group=group, barrier=barrier)
-    if keep is not None and _is_writer(group):
-        others = [(s, p) for s, p in steps(directory, prefix=prefix) if s != step]
-        # Keep the new file plus the (keep - 1) highest other steps.
-        for _, old in others[: max(0, len(others) - (keep - 1))]:
-            try:
-                os.remove(old)
-            except FileNotFoundError:
-                pass
+    error = None
+    if _is_writer(group):
+        error = _write(path, tree)
+        if error is None and keep is not None:
+            others = [(s, p) for s, p in steps(directory, prefix=prefix) if s != step]
+            # Keep the new file plus the (keep - 1) highest other steps.
+            for _, old in others[: max(0, len(others) - (keep - 1))]:
+                try:
+                    os.remove(old)
+                except FileNotFoundError:
+                    pass
+    _agree(path, error, group, barrier)
     return path

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import gc
+import importlib
 import os
 import secrets
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device", "clear_caches"]
+__all__ = ["init", "shutdown", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device", "clear_caches"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -54,6 +57,13 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
         torch.cuda.set_device(local_rank())
     kwargs = {} if td is None else {"timeout": td}
     clear_caches()
+    # torch.distributed.nn.functional evaluates `group=group.WORLD` in its functions' signatures
+    # when it is imported: imported after this group exists (torch._dynamo imports it, and
+    # torch.func.grad imports torch._dynamo), ten default arguments keep the group alive after
+    # destroy_process_group, and gloo's threads with it, until interpreter shutdown. Imported
+    # now, those defaults are None (the default group at call time).
+    importlib.import_module("torch.distributed.nn.functional")
+
     store = _restart_scoped_store(td)
     if store is not None:
         rank_, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -63,6 +73,58 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
     else:
         # An in-memory store: a one-process world needs no rendezvous and no free port.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def shutdown() -> None:
+    """End the process group on every rank, together: the counterpart of :func:`init`.
+
+    Call it at the end of a successful run, on every rank (not on an error path: a rank that
+    failed never reaches it, and the others would wait in the barrier until the group's timeout).
+    In order, it:
+
+    1. waits for every rank (a barrier), so that no rank tears its connections down while a peer
+       is still in a collective or still writing a checkpoint the others may read;
+    2. destroys the process group (``torch.distributed.destroy_process_group``) while the
+       interpreter is fully alive;
+    3. lets go of what fddp keeps for the group (its pooled host buffers, the remembered tree
+       signatures) and collects garbage, so that no tensor or communication object tied to the
+       group is left for interpreter shutdown to free (DDP's reducer, for one, sits in reference
+       cycles); freeing those while the interpreter is being torn down can abort the process
+       ("terminate called without an active exception").
+
+    Without a process group it does nothing, so the same script ends cleanly under plain python.
+
+    Example:
+        >>> fddp.init()
+        >>> fddp.shutdown()
+        >>> fddp.is_initialized()
+        False
+    """
+    if not is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+    _release_captured_groups()
+    clear_caches()
+    gc.collect()
+
+
+def _release_captured_groups() -> None:
+    """Let go of destroyed process groups held as default arguments of torch.distributed.nn.functional.
+
+    Its functions are defined with ``group=group.WORLD``, evaluated on import; imported after the
+    group was made (by torch._dynamo, which torch.func.grad imports), they hold that group, and
+    gloo's worker threads, until interpreter shutdown, where tearing them down can abort the
+    process. :func:`init` imports the module first; a group made by ``init_process_group``
+    directly may still be caught, and is released here. ``None`` means the default group at call
+    time, which is what those defaults would be had the module been imported earlier.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for fn in vars(module).values() if module is not None else ():
+        defaults = getattr(fn, "__defaults__", None)
+        if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
 
 
 def _restart_scoped_store(timeout: datetime.timedelta | None) -> dist.Store | None:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import collections
 import enum
+import errno
 import os
 import pickle
 import random
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from typing import NamedTuple
 
@@ -20,6 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fddp
+from dist import run as dist_run
 from fddp import checkpoint as ckpt
 from fddp.checkpoint import CheckpointError
 
@@ -436,16 +441,120 @@ def test_only_rank_zero_writes(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-    monkeypatch.setattr(dist, "barrier", lambda group=None: calls.append(group))
-    path = ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)}, barrier=True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(group))
+    path = ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)})
     assert path.endswith("ckpt-00000003.pt")
     assert os.listdir(tmp_path) == []
-    assert calls == [None]
+    assert calls == [None]  # save_step waits for rank 0 by default
+    ckpt.save(tmp_path / "x.pt", {"w": torch.ones(1)})
+    assert calls == [None]  # save does not: rank 0 alone may call it
 
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)}, barrier=True)
+    ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)}, barrier=False)
     assert os.listdir(tmp_path) == ["ckpt-00000003.pt"]
-    assert calls == [None, None]
+    assert calls == [None]
+
+
+def _save_then_latest_worker(directory: str, rounds: int) -> list[int]:
+    """The quick start's pattern: every rank saves, then every rank loads the newest checkpoint."""
+    seen = []
+    for step in range(1, rounds + 1):
+        ckpt.save_step(directory, step, {"w": torch.full((64, 64), float(step)), "step": step}, keep=2)
+        seen.append(ckpt.load(ckpt.latest(directory))["step"])
+    return seen
+
+
+def test_every_rank_finds_the_checkpoint_just_saved():
+    directory = tempfile.mkdtemp(prefix="fddp-ckpt-")
+    try:
+        for seen in dist_run(_save_then_latest_worker, 2, directory, 30):
+            # Never an older step; a newer one is possible, since rank 0 may already be writing the next.
+            older = [(step, s) for step, s in enumerate(seen, 1) if s < step]
+            assert not older, f"(step saved, step read) where a rank read an older checkpoint: {older}"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _failed_write_worker(directory: str) -> str:
+    blocker = os.path.join(directory, "file")  # a file where the checkpoint directory should be
+    if fddp.rank() == 0:
+        open(blocker, "w").close()
+    try:
+        ckpt.save_step(os.path.join(blocker, "ckpt"), 1, {"w": torch.ones(2)})
+    except Exception as e:  # noqa: BLE001 - each rank reports what it raised
+        return f"{type(e).__name__}: {e}"
+    return "returned"
+
+
+def test_a_failed_write_raises_on_every_rank_instead_of_hanging():
+    directory = tempfile.mkdtemp(prefix="fddp-ckpt-")
+    try:
+        on_rank0, on_rank1 = dist_run(_failed_write_worker, 2, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert on_rank0.startswith(("FileExistsError", "NotADirectoryError")), on_rank0
+    assert on_rank1.startswith("CheckpointError") and "rank 0 of the group failed to write it" in on_rank1, on_rank1
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+class _FullDisk:
+    """A file object that takes ``room`` bytes, then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, f, room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _assert_disk_full_error(info, path, old, directory) -> None:
+    e = info.value
+    assert e.errno == errno.ENOSPC and e.filename == str(path), repr(e)
+    assert "the disk is full" in str(e) and str(path) in str(e), str(e)
+    assert not [n for n in os.listdir(directory) if ".tmp-" in n], "a temporary file was left behind"
+    assert_tree_equal(ckpt.load(path, like=old), old)
+
+
+def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    old = {"w": torch.ones(10), "step": 1}
+    path = ckpt.save_step(tmp_path, 1, old)
+    real_open = open
+    monkeypatch.setattr(ckpt, "open", lambda file, mode="r": _FullDisk(real_open(file, mode), 2000), raising=False)
+    with pytest.raises(OSError) as info:  # torch.save itself says "RuntimeError: ... unexpected pos"
+        ckpt.save_step(tmp_path, 1, {"w": torch.zeros(10_000), "step": 2})
+    _assert_disk_full_error(info, path, old, tmp_path)
+
+
+def test_a_full_tmpfs_is_named_and_keeps_the_previous_checkpoint(tmp_path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip() or proc.returncode}")
+    try:
+        old = {"w": torch.ones(10), "step": 1}
+        path = ckpt.save(mount / "c.pt", old)
+        with pytest.raises(OSError) as info:
+            ckpt.save(path, {"w": torch.zeros(100_000), "step": 2})
+        _assert_disk_full_error(info, path, old, mount)
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

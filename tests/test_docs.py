@@ -112,3 +112,28 @@ def test_concepts_loops_run(tmp_path: Path) -> None:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
         proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and proc.stdout.strip() == "ok", block + proc.stderr
+
+
+def test_quickstart_lists_every_flag_of_the_main_example() -> None:
+    source = (ROOT / "examples" / "train_digits.py").read_text()
+    flags = set(re.findall(r'add_argument\("(--[a-z-]+)"', source))
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    listed = set(re.findall(r"`(--[a-z-]+)`", text[text.index("Flags:") :].split("\n\n")[0]))
+    assert listed == flags, f"quickstart lists {sorted(listed)}, train_digits.py has {sorted(flags)}"
+
+
+def quickstart_output_patterns() -> list[re.Pattern]:
+    """The quick start's sample output lines, numbers and paths made wildcards."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    lines = [line for block in re.findall(r"```text\n(.*?)```", text, re.DOTALL) for line in block.splitlines()]
+    patterns = []
+    for line in lines:
+        if line.strip() == "...":
+            continue
+        parts = re.split(r"(runs/digits|\d[\d.,]*|\s+)", line)
+        wild = {"runs/digits": r"\S+?"}
+        regex = "".join(
+            wild.get(p) or (r"[\d.,]+" if p[:1].isdigit() else r"\s+" if p.isspace() else re.escape(p)) for p in parts
+        )
+        patterns.append(re.compile(regex + "$"))
+    return patterns

@@ -128,10 +128,10 @@ def test_trees_argnums_unused_leaves_and_sync_options_match_ddp_step():
 
 
 def _compiled_worker(steps: int) -> tuple:
-    """Eager and compiled training steps (torch.func.grad + ddp_step + fddp.optim.sgd)."""
+    """Eager and compiled training steps (torch.func.grad + ddp_step + fddp.optim.sgd), in float64."""
     import torch._inductor.compile_fx as compile_fx
 
-    apply_fn, params = fddp.functionalize(make_model("mlp"))
+    apply_fn, params = fddp.functionalize(make_model("mlp").double())
     params = fddp.broadcast(params)  # also checks the tree's signature across ranks, in eager
     opt = fddp.optim.sgd(0.1, momentum=0.9)
     caps = dict(bucket_cap_mb=0.004, first_bucket_mb=0.001)
@@ -152,6 +152,7 @@ def _compiled_worker(steps: int) -> tuple:
     comp_p, comp_s = params, opt.init(params)
     for i in range(steps):
         x, y = make_batch("mlp", seed=100 * i + fddp.rank())
+        x = x.double()
         eager_p, eager_s = step(eager_p, eager_s, x, y)
         comp_p, comp_s = compiled(comp_p, comp_s, x, y)
     buckets = len(plan_for(params, **caps).buckets)
@@ -163,8 +164,9 @@ def test_compiled_step_matches_eager():
     for eager, compiled, n_collectives, buckets in results:
         assert n_collectives == buckets > 1  # the all-reduces are inside the one graph
         for k in eager:
-            # Inductor fuses the loss and optimizer arithmetic differently: close, not bitwise.
-            torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6, msg=f"param {k}")
+            # Inductor's kernels (fused, with their own tanh) round differently from eager's, by how
+            # much depends on the CPU: in float64 that stays far below the tolerance on any of them.
+            torch.testing.assert_close(compiled[k], eager[k], rtol=1e-10, atol=1e-12, msg=f"param {k}")
     for k in results[0][0]:
         assert torch.equal(results[0][1][k], results[1][1][k]), f"compiled replicas differ at {k}"
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import fddp
+from dist import run
 from models import make_batch, make_model
 
 
@@ -119,3 +120,252 @@ def test_buffers_work_under_torch_func_grad():
         torch.testing.assert_close(grads[k], p.grad, rtol=1e-6, atol=1e-7)
     for k, v in ref_model.named_buffers():
         assert torch.equal(new_buffers[k], v), k
+
+
+# --- frozen parameters: no gradient, no update, no bytes sent (torch's meaning, DDP's behaviour) ------
+
+
+def frozen_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    model[2].requires_grad_(False)
+    return model
+
+
+def _frozen_worker(steps: int):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = fddp.rank()
+    ddp = DDP(frozen_model())  # DDP leaves parameters with requires_grad=False out of its buckets
+    torch_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, fused=True)
+    model = frozen_model()
+    frozen_before = model[2].weight.detach().clone()
+    apply_fn, params = fddp.functionalize(model)
+    params = fddp.broadcast(params)
+    opt = fddp.optim.adamw(lr=1e-2)
+    state = opt.init(params)
+
+    def loss_fn(p, x, y):
+        return torch.nn.functional.cross_entropy(apply_fn(p, x), y)
+
+    sent = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+        torch_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        torch_opt.step()
+        grads, _, info = fddp.grad_and_value(loss_fn, return_info=True)(params, x, y)
+        params, state = fddp.optim.apply_gradients(opt, grads, state, params)
+        sent.append(info.bytes_sent)
+    ours = {**{k: v for k, v in model.named_parameters() if not v.requires_grad}, **params}
+    theirs = {k: v.detach() for k, v in ddp.module.named_parameters()}
+    return ours, theirs, sent, torch.equal(model[2].weight, frozen_before)
+
+
+def test_frozen_parameters_are_not_trained_or_sent_as_under_ddp():
+    trainable_bytes = sum(p.numel() * p.element_size() for p in frozen_model().parameters() if p.requires_grad)
+    for ours, theirs, sent, frozen_kept in run(_frozen_worker, 2, 4):
+        assert sorted(ours) == sorted(theirs)
+        for k in theirs:  # grads, all-reduce arithmetic and AdamW(fused=True): the same kernels
+            assert torch.equal(ours[k], theirs[k]), f"{k} differs from torch DDP + AdamW(fused=True)"
+        assert frozen_kept, "the frozen layer changed"
+        assert sent == [trainable_bytes] * 4, (sent, trainable_bytes)
+
+
+def test_functionalize_leaves_frozen_parameters_in_the_module():
+    model = frozen_model()
+    apply_fn, params = fddp.functionalize(model)
+    assert list(params) == ["0.weight", "0.bias", "4.weight", "4.bias"]
+    x = torch.randn(3, 8)
+    assert torch.equal(apply_fn(params, x), model(x))
+    grads = torch.func.grad(lambda p: apply_fn(p, x).sum())(params)
+    assert list(grads) == list(params)
+    # Frozen values are read from the module at call time: a load_state_dict is seen.
+    with torch.no_grad():
+        model[2].weight.mul_(2)
+    assert torch.equal(apply_fn(params, x), model(x))
+    # A subset of names goes through functional_call and takes the rest, frozen included, from the module.
+    assert torch.equal(apply_fn({"4.bias": params["4.bias"]}, x), model(x))
+
+
+def test_trainable_filter_picks_the_parameters_like_equinox_partition():
+    model = make_model("mlp")
+    apply_fn, params = fddp.functionalize(model, trainable=lambda name, p: name.startswith("0."))
+    assert list(params) == ["0.weight", "0.bias"]
+    x, _ = make_batch("mlp", seed=0)
+    assert torch.equal(apply_fn(params, x), model(x))
+    # The left-out parameters still require grad in the module, but no graph reaches them.
+    apply_fn({k: v.detach().requires_grad_() for k, v in params.items()}, x).sum().backward()
+    assert all(p.grad is None for name, p in model.named_parameters() if not name.startswith("0."))
+    with pytest.raises(TypeError, match="trainable must be a function"):
+        fddp.functionalize(model, trainable="0.weight")
+
+
+# --- load_into: the trained values back in the module, tied weights and buffers included ---------------
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose output layer shares the embedding's weight (as GPT-2's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(idx)))
+
+
+def test_load_into_writes_params_and_buffers_back_and_keeps_weights_tied():
+    model = TiedLM()
+    apply_fn, params, buffers = fddp.functionalize_with_buffers(model)
+    assert "head.weight" not in params  # a tied weight is one leaf
+    with pytest.raises(RuntimeError, match="head.weight"):
+        copy.deepcopy(model).load_state_dict(params)  # why load_into exists
+    opt = fddp.optim.adamw(lr=0.1)
+    state = opt.init(params)
+    idx = torch.randint(0, 11, (16,), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(p, b):
+        logits, new_b = apply_fn(p, b, idx)
+        return torch.nn.functional.cross_entropy(logits, idx), new_b
+
+    for _ in range(3):
+        grads, buffers = torch.func.grad(loss_fn, has_aux=True)(params, buffers)
+        params, state = fddp.optim.apply_gradients(opt, grads, state, params)
+    assert fddp.load_into(model, params, buffers) is model
+    assert model.head.weight is model.emb.weight
+    assert torch.equal(model.head.weight, params["emb.weight"])
+    for k, v in model.named_buffers():
+        assert torch.equal(v, buffers[k]), k
+    assert int(model.body[1].num_batches_tracked) == 3
+    model.eval()
+    assert torch.equal(model(idx), apply_fn(params, buffers, idx)[0])
+    # The module's state_dict has every name again, tied ones included, and loads into a fresh model.
+    fresh = TiedLM()
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh.head.weight, params["emb.weight"])
+
+
+def test_load_into_errors_name_the_leaf_and_leave_the_module_alone():
+    model = TiedLM()
+    before = copy.deepcopy(model.state_dict())
+    good = {"emb.weight": torch.zeros(11, 8)}
+    with pytest.raises(KeyError, match=r"params\['emb.wieght'\]: TiedLM has no parameter of that name \(it has emb.weight"):
+        fddp.load_into(model, {**good, "emb.wieght": torch.zeros(11, 8)})
+    with pytest.raises(ValueError, match=r"params\['body.0.bias'\]: expected shape \(8,\) \(the module's\), got \(9,\)"):
+        fddp.load_into(model, {**good, "body.0.bias": torch.zeros(9)})
+    with pytest.raises(KeyError, match=r"buffers\['running_mean'\]: TiedLM has no buffer"):
+        fddp.load_into(model, good, {"running_mean": torch.zeros(8)})
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was written although the call failed"
+    # Either name of a tied weight works.
+    fddp.load_into(model, {"head.weight": torch.ones(11, 8)})
+    assert torch.equal(model.emb.weight, torch.ones(11, 8))
+
+
+# --- donation never writes into the module -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda: fddp.optim.adamw(1e-2), lambda: fddp.optim.sgd(0.1, momentum=0.9)], ids=["adamw", "sgd"])
+def test_donating_functionalized_params_copies_them_once_and_never_writes_the_module(make):
+    model = make_model("mlp")
+    before = copy.deepcopy(model.state_dict())
+    apply_fn, params = fddp.functionalize(model)
+    x, y = make_batch("mlp", seed=0)
+    opt = make()
+    state = opt.init(params)
+    loss = lambda p: torch.nn.functional.cross_entropy(apply_fn(p, x), y)  # noqa: E731
+    new, state = fddp.optim.apply_gradients(opt, torch.func.grad(loss)(params), state, params, donate=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"donation wrote into the module's {k}"
+    assert all(new[k].data_ptr() != params[k].data_ptr() for k in params)
+    # The copies are the caller's own: the next donated step updates them in place.
+    again, _ = fddp.optim.apply_gradients(opt, torch.func.grad(loss)(new), state, new, donate=True)
+    assert all(again[k] is new[k] for k in new)
+
+
+# --- functionalize_with_buffers: the slot-swap fast path, copies only of the buffers a forward writes ---
+
+
+class WithConstants(nn.Module):
+    """BatchNorm (writes its statistics in training mode) next to constant buffers (never written)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("position_ids", torch.arange(5).unsqueeze(0), persistent=False)
+        self.register_buffer("mask", torch.ones(5, 5).tril())
+        self.pos = nn.Embedding(5, 4)
+        self.bn = nn.BatchNorm1d(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x + self.pos(self.position_ids).sum(-1)) @ self.mask
+
+
+def test_functionalize_with_buffers_swaps_slots_and_copies_only_written_buffers(monkeypatch):
+    model = WithConstants()
+    reference = copy.deepcopy(model)
+    apply_fn, params, buffers = fddp.functionalize_with_buffers(model)
+
+    def no_walk(*args, **kwargs):
+        raise AssertionError("functional_call's walk on the fast path")
+
+    monkeypatch.setattr("fddp.module.functional_call", no_walk)
+    before = {k: v.clone() for k, v in buffers.items()}
+    for step in range(3):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        out, new = apply_fn(params, buffers, x)
+        assert torch.equal(out, reference(x))
+        for k, v in reference.named_buffers():
+            assert torch.equal(new[k], v), k
+        for k in buffers:
+            assert torch.equal(buffers[k], before[k]), f"input buffer {k} was modified"
+        if step:  # learnt on the first call: the constants are passed through, not copied
+            assert new["position_ids"] is buffers["position_ids"] and new["mask"] is buffers["mask"]
+        assert new["bn.running_mean"] is not buffers["bn.running_mean"]
+        buffers, before = new, {k: v.clone() for k, v in new.items()}
+    # In eval mode BatchNorm only reads its statistics: after the first eval call nothing is copied.
+    model.eval()
+    reference.eval()
+    for _ in range(2):
+        out, new = apply_fn(params, buffers, x)
+        assert torch.equal(out, reference(x))
+    assert all(new[k] is buffers[k] for k in buffers)
+    assert all(a is b for a, b in zip(model.buffers(), reference.buffers())) is False  # separate modules
+    for k, v in model.named_buffers():  # the module's own buffers were never touched
+        assert torch.equal(v, dict(WithConstants().named_buffers())[k]), k
+
+
+class SometimesWrites(nn.Module):
+    """Writes its buffer in place only on some calls (a Python counter): the first call learns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(3))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            self.total.add_(x)
+        return x * self.total
+
+
+def test_a_buffer_written_only_on_later_calls_never_changes_the_callers_tensor():
+    apply_fn, params, buffers = fddp.functionalize_with_buffers(SometimesWrites())
+    x = torch.ones(3)
+    out, new = apply_fn(params, buffers, x)  # call 1: no write
+    assert torch.equal(new["total"], torch.zeros(3)) and new["total"] is not buffers["total"]
+    out, new = apply_fn(params, new, x)  # call 2: writes the buffer passed uncopied
+    assert torch.equal(out, torch.ones(3)) and torch.equal(new["total"], torch.ones(3))
+    assert torch.equal(buffers["total"], torch.zeros(3))
+    shared = new
+    out, new2 = apply_fn(params, shared, x)  # call 3: no write
+    out, new3 = apply_fn(params, new2, x)  # call 4: writes, into a copy now
+    assert torch.equal(new3["total"], 2 * torch.ones(3)) and torch.equal(new2["total"], torch.ones(3))
+    assert torch.equal(shared["total"], torch.ones(3))

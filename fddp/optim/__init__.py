@@ -13,7 +13,9 @@ or, in one call that runs torch's fused kernels where it can (``sgd``, ``adam``,
 
 ``update`` never modifies its inputs, keeps the step count as a tensor and never calls
 ``.item()``, so it works under ``torch.func.vmap`` (an ensemble) and inside ``torch.compile``.
-Gradients must be tensors: a ``None`` gradient is rejected (pass zeros or drop the leaf).
+Gradients must be tensors of their parameter's dtype, as torch requires of ``param.grad``: a
+``None`` gradient is rejected (pass zeros or drop the leaf), and so is, naming the leaf and both
+dtypes, a float64 gradient for a float32 parameter.
 """
 
 from ._accumulate import AccumulateState, accumulate

@@ -8,7 +8,7 @@ import optree
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, Updates, _check_grads, _check_state, _flatten, _zeros_count
+from ._base import GradientTransformation, Params, Updates, _check_dtypes, _check_grads, _check_state, _flatten, _zeros_count
 
 
 class AccumulateState(NamedTuple):
@@ -75,6 +75,7 @@ def accumulate(opt: GradientTransformation, every_k: int) -> GradientTransformat
         _check_state(state, AccumulateState, where)
         sums, treedef = _flatten(state.grad_sum)
         gs, _ = _check_grads(grads, treedef, where)
+        _check_dtypes(gs, sums, treedef, where, "state.grad_sum")
         new_sums = [torch.add(s, g) for s, g in zip(sums, gs)]
         emit = state.mini_step == every_k - 1
         mean = optree.tree_unflatten(treedef, [torch.div(s, every_k) for s in new_sums])

@@ -13,6 +13,7 @@ from ._base import (
     Params,
     ScalarOrSchedule,
     Updates,
+    _check_dtypes,
     _check_grads,
     _check_lr,
     _check_nonneg,
@@ -20,6 +21,7 @@ from ._base import (
     _flatten,
     _fused_kernels_take,
     _lr_at,
+    _module_aliases,
     _paths,
     _register_fused,
     _params_leaves,
@@ -122,6 +124,9 @@ def _adam(
             raise ValueError(f"{name}: invalid betas[{i}]={b!r}; expected a float in [0, 1)")
     b1, b2 = float(betas[0]), float(betas[1])
     where = f"{name}.update"
+    # A constant lr makes the decay factor a constant too: round it to each dtype now, in eager
+    # Python, rather than in update (a float() of a tensor there is a graph break under compile).
+    const_decay = _rounded_decays(1.0 - float(lr) * weight_decay) if decoupled and weight_decay and not callable(lr) else None
 
     def init(params: Params) -> AdamState:
         leaves, treedef = _flatten(params)
@@ -141,6 +146,10 @@ def _adam(
         vs = _flatten(state.exp_avg_sq)[0]
         vmaxs = _flatten(state.max_exp_avg_sq)[0] if amsgrad else None
         ps = _params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
+        if ps is not None:
+            _check_dtypes(gs, ps, treedef, where, "params")
+        else:
+            _check_dtypes(gs, ms, treedef, where, "state.exp_avg")
         return treedef, gs, ms, vs, vmaxs, ps
 
     def update(grads: Updates, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
@@ -162,7 +171,7 @@ def _adam(
         leaves = [ms, gs, vs] + ([vmaxs] if amsgrad else []) + ([ps] if ps is not None else [])
         labels = ["exp_avg", "grads", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else []) + ["params"]
         groups = flat.groups_for(*leaves, names=lambda: _paths(treedef), labels=labels)
-        scalars = _Scalars(step=step, eps_hat=eps_hat, decay=decay)
+        scalars = _Scalars(step=step, eps_hat=eps_hat, decay=decay, rounded=const_decay)
         unit = functools.partial(_adam_unit, b1=b1, b2=b2, l2=l2, scalars=scalars)
         m, v, vmax, u = flat.run(unit, groups, [gs, ms, vs, vmaxs, ps], ms, 4)
         new_state = AdamState(
@@ -192,7 +201,8 @@ def _adam(
         # The kernel reads the step count from a float tensor, as torch.optim keeps it (no sync).
         step = (state.count + 1).to(torch.float32)
         trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
-        in_place = donate and flat.disjoint(gs, *trees)
+        # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
+        in_place = donate and flat.disjoint(gs, *trees) and not _module_aliases(ps)
         outs = [[None] * len(ps) for _ in trees]
         for group in groups:
             if in_place:
@@ -231,6 +241,11 @@ def _decay(lr_t, weight_decay: float, device) -> float | Tensor:
     return 1.0 - lr_t * weight_decay
 
 
+def _rounded_decays(c: float, dtypes: tuple = (torch.float32, torch.float64, torch.float16, torch.bfloat16)) -> dict:
+    """``c`` rounded to each dtype, minus 1, as Python floats (exact: see ``_Scalars.get``)."""
+    return {dtype: float(torch.tensor(c, dtype=dtype)) - 1.0 for dtype in dtypes}
+
+
 class _Scalars:
     """The step's scalar tensors, cast once per dtype they are used with.
 
@@ -238,8 +253,10 @@ class _Scalars:
     would otherwise promote a batched float64 scalar, and the result, to float64.
     """
 
-    def __init__(self, step: Tensor, eps_hat: Tensor, decay: float | Tensor | None) -> None:
-        self.step, self.eps_hat, self.decay = step, eps_hat, decay
+    def __init__(
+        self, step: Tensor, eps_hat: Tensor, decay: float | Tensor | None, rounded: dict[torch.dtype, float] | None
+    ) -> None:
+        self.step, self.eps_hat, self.decay, self.rounded = step, eps_hat, decay, rounded
         self.cache: dict = {}
 
     def get(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -249,7 +266,8 @@ class _Scalars:
             if isinstance(self.decay, Tensor):
                 decay = (self.decay.to(dtype).to(torch.float64) - 1.0).to(dtype)
             elif self.decay is not None:
-                decay = float(torch.tensor(self.decay, dtype=dtype)) - 1.0
+                rounded = self.rounded or {}
+                decay = rounded[dtype] if dtype in rounded else _rounded_decays(self.decay, (dtype,))[dtype]
             self.cache[dtype] = (self.step.to(dtype), self.eps_hat.to(dtype), decay)
         return self.cache[dtype]
 

@@ -15,6 +15,8 @@ import optree
 import torch
 from torch import Tensor
 
+from fddp._layout import MODULE_ALIAS
+
 from . import _flat as flat
 
 PyTree = Any
@@ -119,8 +121,14 @@ def apply_gradients(
     trees hold those same tensors; results equal ``torch.optim.*(fused=True)`` to the bit. Do not
     use the old trees afterwards (they hold the new values), nor donate tensors something else still
     needs, such as an EMA copy or the fallback of ``fddp.apply_if_finite``. Trees whose leaves share
-    memory (tied weights) are never updated in place. The state of a ``chain``'s earlier transforms
-    is not donated.
+    memory (tied weights) are never updated in place, nor are a module's own parameters as
+    :func:`fddp.functionalize` hands them out: the first donated step copies those (the module is
+    never written) and returns parameters of your own, which later steps update in place. The
+    state of a ``chain``'s earlier transforms is not donated.
+
+    Gradients must have their parameter's dtype, as torch requires of ``param.grad``: a float64
+    gradient for a float32 parameter raises a ``TypeError`` naming the leaf, in every optimizer
+    and on every path (``update``, ``apply_gradients``, donated or not).
 
     Args:
         opt: the optimizer.
@@ -260,6 +268,33 @@ def _check_grads(grads: Updates, treedef: optree.PyTreeSpec | None, where: str) 
                     "pass zeros for frozen parameters or drop them from both params and grads"
                 )
     return leaves, treedef
+
+
+def _check_dtypes(gs: Sequence[Tensor], like: Sequence[Tensor], treedef: optree.PyTreeSpec, where: str, like_name: str) -> None:
+    """Raise a TypeError naming the leaf unless every gradient has its parameter's dtype.
+
+    torch's rule: ``param.grad`` must have the parameter's dtype (``param.grad = g`` raises
+    otherwise), so torch.optim's kernels never see a float64 gradient for a float32 parameter
+    (its SGD would accept one, its Adam would not). Here every optimizer refuses, on every path.
+    ``like`` is the parameters or a state tree shaped from them (a momentum buffer, a moment).
+    """
+    for i, (g, p) in enumerate(zip(gs, like)):
+        if g.dtype != p.dtype:
+            raise TypeError(
+                f"{where}: grads{_paths(treedef)[i]} has dtype {g.dtype}, but its parameter has dtype "
+                f"{p.dtype} (as {like_name}{_paths(treedef)[i]} says); a gradient must have its parameter's "
+                "dtype, as torch requires of param.grad. Cast it first: "
+                "optree.tree_map(lambda g, p: g.to(p.dtype), grads, params)"
+            )
+
+
+def _module_aliases(leaves: Sequence[Tensor]) -> bool:
+    """Whether any leaf is an alias of a module's own parameter, as ``fddp.functionalize`` hands them out.
+
+    Donating those would update the module in place; the fused steps copy them instead (once: the
+    parameters they return are the caller's own).
+    """
+    return any(getattr(t, MODULE_ALIAS, False) for t in leaves)
 
 
 def _params_leaves(params: Params | None, treedef: optree.PyTreeSpec, where: str, why: str) -> list:

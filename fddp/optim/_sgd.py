@@ -15,6 +15,7 @@ from ._base import (
     Params,
     ScalarOrSchedule,
     Updates,
+    _check_dtypes,
     _check_grads,
     _check_lr,
     _check_nonneg,
@@ -22,6 +23,7 @@ from ._base import (
     _flatten,
     _fused_kernels_take,
     _lr_at,
+    _module_aliases,
     _paths,
     _register_fused,
     _params_leaves,
@@ -96,6 +98,12 @@ def sgd(
             bufs = None
             gs, treedef = _check_grads(grads, None, where)
         ps = _params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
+        if momentum:
+            _check_dtypes(gs, bufs, treedef, where, "state.momentum_buffer")
+        elif params is not None:
+            _check_dtypes(gs, ps if ps is not None else _params_leaves(params, treedef, where, ""), treedef, where, "params")
+        # Plain SGD called without params has nothing to compare with: its updates have the
+        # gradients' dtype, and apply_updates casts them to the parameters'.
         return treedef, gs, bufs, ps
 
     def update(grads: Updates, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
@@ -145,7 +153,9 @@ def sgd(
             return None
         lr_t = _lr_at(lr, state.count)
         donated = [ps] + ([bufs] if momentum else [])
-        if donate and _FUSED_SGD is not None and _fused_kernels_take(groups) and flat.disjoint(gs, *donated):
+        # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
+        in_place = flat.disjoint(gs, *donated) and not _module_aliases(ps)
+        if donate and _FUSED_SGD is not None and _fused_kernels_take(groups) and in_place:
             for group in groups:
                 _FUSED_SGD(
                     [ps[i] for i in group.indices], [gs[i] for i in group.indices],

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fddp.runtime import collective_device
+
 __all__ = ["CheckpointError", "save", "load", "save_step", "latest", "steps", "step_path"]
 
 _FORMAT = "fddp-checkpoint"
@@ -432,8 +434,7 @@ def _agree(path: str, error: BaseException | None, group: dist.ProcessGroup | No
     """Raise the writer's error; with ``barrier``, first tell every rank whether the write succeeded."""
     if barrier and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         # A barrier that carries the outcome: nobody waits for a writer that has already failed.
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=collective_device(group))
         dist.all_reduce(failed, group=group)
         if error is None and int(failed.item()):
             raise CheckpointError(

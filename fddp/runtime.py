@@ -199,6 +199,14 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where small tensors for collectives on ``group`` must live (NCCL-only groups cannot reduce
+    CPU tensors; gloo and mixed ``"cpu:gloo,cuda:nccl"`` groups can)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def require_initialized(what: str) -> None:
     """Raise a RuntimeError that tells the user how to start the runtime."""
     if not is_initialized():

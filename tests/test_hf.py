@@ -118,3 +118,21 @@ def test_per_sample_gradients_with_an_attention_mask_under_vmap_need_eager_atten
         one = torch.func.grad(loss_fn)(params, x[i], mask[i])
         for k in one:  # vmap and a loop run different kernels: float64 keeps them far below the tolerance
             torch.testing.assert_close(per_sample[k][i], one[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_has_aux_with_a_model_output_comes_back_detached_as_torch_func_does():
+    model = gpt2()
+    apply_fn, params = fddp.functionalize(model)
+    x = ids()
+
+    def loss_fn(p, x):
+        out = apply_fn(p, input_ids=x, labels=x, use_cache=False)  # torch.func refuses a cache object in aux
+        return out.loss, out
+
+    grads, (loss, out) = fddp.grad_and_value(loss_fn, has_aux=True)(params, x)
+    ref_grads, (ref_loss, ref_out) = torch.func.grad_and_value(loss_fn, has_aux=True)(params, x)
+    assert type(out) is type(ref_out) and not out.logits.requires_grad and not ref_out.logits.requires_grad
+    out.logits.numpy()  # detached: no "Can't call numpy() on Tensor that requires grad"
+    assert torch.equal(out.logits, ref_out.logits) and torch.equal(loss, ref_loss)
+    for k in ref_grads:
+        torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fddp._layout import MODULE_ALIAS
+from fddp._tree import paths
 
 from . import _flat as flat
 
@@ -233,7 +234,7 @@ def _flatten(tree: PyTree) -> tuple[list, optree.PyTreeSpec]:
 
 
 def _paths(treedef: optree.PyTreeSpec) -> list[str]:
-    return ["".join(f"[{k!r}]" for k in path) or "<root>" for path in treedef.paths()]
+    return list(paths(treedef))  # fddp's one path format: "exp_avg/0.weight"
 
 
 def _leaves_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, ref: str) -> list:
@@ -245,12 +246,12 @@ def _leaves_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, ref: str) 
         extra = [p for p in got_paths if p not in set(want_paths)]
         detail = ""
         if missing:
-            detail += f"; missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            detail += f"; missing {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''}"
         if extra:
-            detail += f"; unexpected {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"
-        raise ValueError(
-            f"{name} must have the same tree structure as {ref}: expected {treedef}, got {got}{detail}"
-        )
+            detail += f"; unexpected {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''}"
+        if not detail:  # the same leaves in other containers: show the structures, cut short
+            detail = f": expected {str(treedef)[:200]}, got {str(got)[:200]}"
+        raise ValueError(f"{name} must have the same tree structure as {ref}{detail}")
     return leaves
 
 
@@ -264,7 +265,7 @@ def _check_grads(grads: Updates, treedef: optree.PyTreeSpec | None, where: str) 
         for path, g in zip(_paths(treedef), leaves):
             if not isinstance(g, Tensor):
                 raise TypeError(
-                    f"{where}: grads{path} must be a tensor, got {_describe(g)}; "
+                    f"{where}: grad {path!r} must be a tensor, got {_describe(g)}; "
                     "pass zeros for frozen parameters or drop them from both params and grads"
                 )
     return leaves, treedef
@@ -281,8 +282,8 @@ def _check_dtypes(gs: Sequence[Tensor], like: Sequence[Tensor], treedef: optree.
     for i, (g, p) in enumerate(zip(gs, like)):
         if g.dtype != p.dtype:
             raise TypeError(
-                f"{where}: grads{_paths(treedef)[i]} has dtype {g.dtype}, but its parameter has dtype "
-                f"{p.dtype} (as {like_name}{_paths(treedef)[i]} says); a gradient must have its parameter's "
+                f"{where}: grad {_paths(treedef)[i]!r} has dtype {g.dtype}, but its parameter has dtype "
+                f"{p.dtype} (as {like_name} says); a gradient must have its parameter's "
                 "dtype, as torch requires of param.grad. Cast it first: "
                 "optree.tree_map(lambda g, p: g.to(p.dtype), grads, params)"
             )

@@ -78,7 +78,7 @@ def groups_for(
     for k, leaves in enumerate(leaf_lists[1:], 1):
         for i, (t, r) in enumerate(zip(leaves, ref)):
             if t.shape != r.shape:
-                where = f"leaf {names()[i]}" if names is not None else f"leaf {i}"
+                where = f"leaf {names()[i]!r}" if names is not None else f"leaf {i}"
                 what = f"{labels[k]} has" if labels else f"input {k} has"
                 ref_name = labels[0] if labels else "input 0"
                 raise ValueError(

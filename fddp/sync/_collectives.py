@@ -15,7 +15,8 @@ import torch.distributed as dist
 from fddp._tree import paths
 from fddp.sync import _differentiable
 from fddp.sync._setup import SyncOptions, make_options, setup
-from fddp.sync._signature import MismatchError, collective_device, wait
+from fddp.runtime import collective_device
+from fddp.sync._signature import MismatchError, wait
 from fddp.sync.hooks import Broadcast, BufferMean
 
 __all__ = ["broadcast", "sync_buffers", "verify_replicas", "checksum"]

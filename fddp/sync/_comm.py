@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from fddp._layout import BucketPlan
-from fddp.sync._signature import collective_device, wait
+from fddp.runtime import collective_device
+from fddp.sync._signature import wait
 
 __all__ = ["Comm"]
 

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fddp._tree import first_difference
+from fddp.runtime import collective_device
 
 __all__ = ["MismatchError", "check_signature", "count_call", "wait", "collective_device", "forget"]
 
@@ -74,14 +75,6 @@ def count_call(group: dist.ProcessGroup | None, what: str) -> None:
 def call_count(group: dist.ProcessGroup | None, what: str) -> int:
     """The number of calls to ``fddp.<what>`` on ``group`` so far in this process."""
     return _state(group).calls.get(what, 0)
-
-
-def collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where small tensors for collectives on ``group`` must live."""
-    # NCCL-only groups cannot reduce CPU tensors; mixed "cpu:gloo,cuda:nccl" groups can.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def check_signature(

@@ -52,6 +52,13 @@ class Bucket:
     dtype: torch.dtype
     device: torch.device
 
+    # Plans are made once and looked up (caches of views, slots) on every step: hash them once.
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.indices, self.shapes, self.dtype, self.device)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
     @property
     def numel(self) -> int:
         return sum(self.numels)
@@ -73,6 +80,12 @@ class BucketPlan:
 
     buckets: tuple[Bucket, ...]
     num_leaves: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.buckets, self.num_leaves)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def nbytes(self) -> int:

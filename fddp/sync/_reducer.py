@@ -106,6 +106,7 @@ class Reducer:
         self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self.views: list[Sequence[torch.Tensor] | None] = [None] * len(plan.buckets)
         self.missing = [set(b.indices) for b in plan.buckets]
+        self.where = _slots(plan)  # leaf -> (bucket, position): looked up once, not per leaf
         self.next = 0
 
     def launch(self, i: int, flat: torch.Tensor) -> None:
@@ -130,7 +131,7 @@ class Reducer:
 
     def arrive(self, leaf: int, g: torch.Tensor) -> None:
         """Copy one leaf's value into its bucket; launch every bucket that is now complete, in order."""
-        b, k = _slots(self.plan)[leaf]
+        b, k = self.where[leaf]
         view = self._leaf_views(b)[k]
         scale = self.scales[b]
         if scale is None:
@@ -147,7 +148,7 @@ class Reducer:
         """Complete with zeros the leaves that never arrived (unused this step), then launch."""
         for b in range(self.next, len(self.flats)):
             for leaf in self.missing[b]:
-                self._leaf_views(b)[_slots(self.plan)[leaf][1]].zero_()
+                self._leaf_views(b)[self.where[leaf][1]].zero_()
             self.missing[b].clear()
         self._launch_ready()
 

@@ -8,6 +8,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fddp import _shard
 from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._setup import check_state, make_options, setup
@@ -22,9 +23,10 @@ def _grad_leaves(params: Any, grads: Any) -> list[torch.Tensor | None]:
         return [None] * len(p_leaves)
     g_leaves, g_spec = optree.tree_flatten(grads, none_is_leaf=True)
     if g_spec != p_spec:
+        why = _shard.explain(p_spec, g_spec)
         raise ValueError(
-            "fddp.ddp_step: grads must have the same tree structure as params.\n"
-            f"  params: {p_spec}\n  grads:  {g_spec}"
+            "fddp.ddp_step: grads must have the same tree structure as params"
+            + (f": {why}" if why else f".\n  params: {p_spec}\n  grads:  {g_spec}")
         )
     for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
         if g is None:

@@ -246,7 +246,7 @@ def spec_has_sharded(spec: optree.PyTreeSpec) -> bool:
     return any(spec_has_sharded(c) for c in spec.children())
 
 
-def explain(want: optree.PyTreeSpec, got: optree.PyTreeSpec) -> str | None:
+def explain(want: optree.PyTreeSpec, got: optree.PyTreeSpec, want_name: str = "the reference", got_name: str = "this tree") -> str | None:
     """Words for two treedefs that differ because of sharding, or ``None`` if sharding is not why."""
     a, b = spec_has_sharded(want), spec_has_sharded(got)
     if not (a or b):
@@ -254,7 +254,7 @@ def explain(want: optree.PyTreeSpec, got: optree.PyTreeSpec) -> str | None:
     la = sharded_roots(optree.tree_unflatten(want, [None] * want.num_leaves))
     lb = sharded_roots(optree.tree_unflatten(got, [None] * got.num_leaves))
     if a != b:
-        which, other = ("the reference", "this tree") if a else ("this tree", "the reference")
+        which, other = (want_name, got_name) if a else (got_name, want_name)
         return (
             f"{which} is sharded (fddp.zero: one rank's slices of the buckets) but {other} is a replicated "
             "tree: the sharded and replicated paths do not mix. Give a sharded optimizer state sharded "

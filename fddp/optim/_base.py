@@ -236,7 +236,7 @@ def _leaves_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, ref: str) 
     """Flatten ``tree``, raising a ValueError naming the leaf paths if it does not match ``treedef``."""
     leaves, got = _flatten(tree)
     if got != treedef:
-        why = _shard.explain(treedef, got)
+        why = _shard.explain(treedef, got, ref, name)
         if why is not None:
             raise ValueError(f"{name} must have the same tree structure as {ref}: {why}")
         want_paths, got_paths = _paths(treedef), _paths(got)

@@ -23,7 +23,7 @@ def _grad_leaves(params: Any, grads: Any) -> list[torch.Tensor | None]:
         return [None] * len(p_leaves)
     g_leaves, g_spec = optree.tree_flatten(grads, none_is_leaf=True)
     if g_spec != p_spec:
-        why = _shard.explain(p_spec, g_spec)
+        why = _shard.explain(p_spec, g_spec, "params", "grads")
         raise ValueError(
             "fddp.ddp_step: grads must have the same tree structure as params"
             + (f": {why}" if why else f".\n  params: {p_spec}\n  grads:  {g_spec}")

@@ -269,7 +269,7 @@ def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.Proc
                 f"{directory}: checkpoint does not match `like` at {key!r}: expected shape {tuple(shape)} and dtype "
                 f"{t.dtype}, found shape {tuple(saved_shape)} and dtype {saved_dtype}"
             )
-    extra = [k for k in saved_tensors if k not in tensors]
+    extra = [k for k in saved_tensors if k not in tensors] + [k for k in saved_scalars if k not in scalars]
     if extra:
         raise CheckpointError(f"{directory}: checkpoint does not match `like`: it holds {extra[0]!r}, which `like` lacks")
     for key, value in scalars.items():

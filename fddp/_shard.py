@@ -94,6 +94,10 @@ class ShardLayout:
         align: shard sizes are multiples of this many elements.
         cuts: per bucket, this rank's :class:`Cut`.
         buffers: per flat buffer, ``(dtype, device, numel)``: one per dtype and device.
+
+    Example:
+        >>> layout = fddp.zero.shard(params).layout
+        >>> [(c.lo, c.hi, c.size) for c in layout.cuts]  # this rank's slice of every bucket
     """
 
     plan: BucketPlan

@@ -244,6 +244,20 @@ def _options_worker():
     ref = fddp.ddp_step(params, grad(loss)(params, x, y), **CAPS)
     full = fddp.zero.gather(g).wait()
     out["unweighted_reduce_scatter"] = max((full[k] - ref[k]).abs().max().item() for k in ref)
+    # Any whole-bucket hook inside: a cast, and PowerSGD with its state in and out.
+    local = grad(loss)(params, x, y)
+    cast = fddp.zero.ReduceScatter(inner=fddp.Cast(torch.bfloat16))
+    full = fddp.zero.gather(fddp.ddp_step(params, local, compression=cast, **CAPS)).wait()
+    ref = fddp.ddp_step(params, local, compression="bf16", **CAPS)
+    out["cast_equal"] = all(torch.equal(full[k], ref[k]) for k in ref)
+    psgd = fddp.PowerSGD(rank=1, start_iter=0)
+    state = psgd.init(params)
+    g, info = fddp.ddp_step(params, local, compression=fddp.zero.ReduceScatter(inner=psgd), compression_state=state, return_info=True, **CAPS)
+    ref, ref_info = fddp.ddp_step(params, local, compression=psgd, compression_state=state, return_info=True, **CAPS)
+    full = fddp.zero.gather(g).wait()
+    out["powersgd_equal"] = all(torch.equal(full[k], ref[k]) for k in ref) and all(
+        torch.equal(a, b) for a, b in zip(optree.tree_leaves(info.compression_state), optree.tree_leaves(ref_info.compression_state))
+    )
     # Clipping: one scalar all-reduce gives the global norm of the sharded gradients.
     opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(0.05), fddp.optim.adamw(1e-2))
     sh = fddp.zero.shard(params, **CAPS)
@@ -276,6 +290,7 @@ def test_weighted_means_clipping_finiteness_and_the_reduce_scatter_strategy():
         assert r["unweighted_reduce_scatter"] <= 1e-7, r
         assert r["clip"] <= 1e-6, r  # float64 sum of squares vs torch's per-tensor norms
         assert r["finite"] is False
+        assert r["cast_equal"] and r["powersgd_equal"], r
     assert results[0]["clip"] == results[1]["clip"] == results[2]["clip"]
 
 

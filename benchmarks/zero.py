@@ -25,8 +25,8 @@ Memory columns (bytes per rank, unique storages, so views of one buffer count on
                     returned: the full tree or this rank's shards)
     ddp buckets     DDP's own bucket buffers, kept besides p.grad (gradient_as_bucket_view=False)
     params          the parameters held (fddp_zero: the gathered full tree plus this rank's shards)
-    pool cached     fddp's host buffer pool: freed buffers it keeps for reuse (not part of the
-                    training state, returned by fddp.clear_caches())
+    pool cached     fddp's host buffer pool after two steps of this mode alone: freed buffers it
+                    keeps for reuse (not part of the training state; fddp.clear_caches() drops them)
 """
 
 from __future__ import annotations
@@ -160,14 +160,17 @@ def make_modes(model: nn.Module, names: list[str]) -> dict[str, Mode]:
     return {n: makers[n]() for n in names}
 
 
-def time_steps(step: Callable, batch: tuple, n: int) -> float:
+def time_steps(step: Callable, batch: tuple, n: int) -> tuple[float, float]:
+    """Mean wall time of a step (the slowest rank's) and CPU time (every rank's, all threads, summed)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         step(*batch)
-    elapsed = torch.tensor([(time.perf_counter() - t0) / n])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    wall = torch.tensor([(time.perf_counter() - t0) / n])
+    cpu = torch.tensor([(time.process_time() - c0) / n])
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu)
+    return float(wall), float(cpu)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -185,14 +188,20 @@ def worker(args: argparse.Namespace) -> None:
             mode.step(*batch)
     memory = {}
     for name, mode in modes.items():
+        fddp.clear_caches()  # the pool then holds only this mode's freed buffers
+        for _ in range(2):
+            mode.step(*batch)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mode.memory())
         memory[name] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}  # the fullest rank
     times: dict[str, list[float]] = {n: [] for n in modes}
+    cpu: dict[str, list[float]] = {n: [] for n in modes}
     for r in range(args.repeats):
         order = list(modes) if r % 2 == 0 else list(reversed(modes))  # interleave, alternate order
         for n in order:
-            times[n].append(time_steps(modes[n].step, batch, args.steps))
+            wall, used = time_steps(modes[n].step, batch, args.steps)
+            times[n].append(wall)
+            cpu[n].append(used)
     if fddp.is_main():
         out = {
             "world_size": dist.get_world_size(),
@@ -200,6 +209,7 @@ def worker(args: argparse.Namespace) -> None:
             "tensors": len(list(model.parameters())),
             "memory": memory,
             "times_ms": {n: [1e3 * t for t in ts] for n, ts in times.items()},
+            "cpu_ms": {n: [1e3 * t for t in ts] for n, ts in cpu.items()},
         }
         with open(args.worker_out, "w") as f:
             json.dump(out, f)
@@ -241,9 +251,11 @@ def report(results: dict[str, Any], time_world: int) -> str:
                 f"{m['ddp_buckets'] / 1e6:9.3f}{m['params'] / 1e6:9.3f}{m['pool_cached'] / 1e6:8.2f}"
             )
     timed = results[str(time_world)]
-    med = {n: statistics.median(ts) for n, ts in timed["times_ms"].items() if ts}
-    if med:
-        lines.append(f"\nstep time, {time_world} ranks: median over {len(next(iter(timed['times_ms'].values())))} repeats (ms)")
+    for key, what in (("times_ms", "wall time (the slowest rank)"), ("cpu_ms", "CPU time (all ranks and threads)")):
+        med = {n: statistics.median(ts) for n, ts in timed.get(key, {}).items() if ts}
+        if not med:
+            continue
+        lines.append(f"\nstep {what}, {time_world} ranks: median over {len(next(iter(timed[key].values())))} repeats (ms)")
         lines.append(f"  {'mode':<18}{'median':>8}{'× ddp':>7}{'× torch_zero':>13}{'× fddp':>8}")
         for n, t in med.items():
             cols = [f"{t / med[b]:{w}.2f}" if b in med else " " * w for b, w in (("ddp", 7), ("torch_zero", 13), ("fddp", 8))]
@@ -277,7 +289,8 @@ def main() -> None:
     loads = f"load average (1, 5, 15 min) before: {load_before}, after: {load_average()} on {os.cpu_count()} CPUs"
     print(text + "\n\n" + loads)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    meta = {"model": MODEL, "torch": torch.__version__, "time_world": args.time_world, "load_average": loads, "args": vars(args)}
+    kept = {k: v for k, v in vars(args).items() if k not in ("out", "worker_out")}
+    meta = {"model": MODEL, "torch": torch.__version__, "time_world": args.time_world, "load_average": loads, "args": kept}
     with open(args.out, "w") as f:
         json.dump({**meta, "results": results}, f, indent=1)
 

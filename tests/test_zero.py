@@ -427,6 +427,8 @@ def test_a_sharding_hook_must_return_a_shard():
     p = {"w": torch.ones(100)}
     with pytest.raises(ValueError, match=r"_HalfShard.*this rank's shard of bucket 0; expected a 1-D tensor of 128 elements"):
         fddp.ddp_step(p, p, compression=_HalfShard())
+    with pytest.raises(RuntimeError, match="no derivative and no batching rule"):
+        fddp.ddp_step(p, {"w": torch.ones(100, requires_grad=True)}, compression=fddp.zero.ReduceScatter())
     g = fddp.ddp_step(p, p, compression=fddp.zero.ReduceScatter())  # one process: the shard is all of it
     assert isinstance(g, fddp.zero.Sharded) and torch.equal(fddp.zero.gather(g).wait()["w"], p["w"])
     assert copy.copy(g.layout) == g.layout and tdist.get_world_size() == 1

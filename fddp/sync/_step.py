@@ -118,6 +118,12 @@ def ddp_step(
     check_state(options, compression_state, "ddp_step", compression)
     g_leaves = _grad_leaves(params, grads)
     if _differentiable.needed(g_leaves):
+        if options.hook.shards:
+            raise RuntimeError(
+                f"fddp.ddp_step: compression={options.hook!r} returns this rank's shards, which have no "
+                "derivative and no batching rule; call it eagerly, outside torch.func transforms, on "
+                "gradients that do not require grad (detach them)"
+            )
         out, info = _differentiable.ddp_step(params, grads, options, compression_state)
         return (out, info) if return_info else out
     sync = setup(params, options, "ddp_step", compression_state)

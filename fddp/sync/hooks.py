@@ -476,6 +476,8 @@ class ReduceScatter(CommHook):
         return self._inner(comm).scale_in(comm, layout)
 
     def begin(self, state: Any, comm: Comm) -> Any:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("fddp.zero.ReduceScatter cannot be traced by torch.compile; synchronise eagerly")
         inner = self._inner(comm)
         return _Shards(inner, inner.begin(state, comm), comm)
 

@@ -241,13 +241,17 @@ def time_steps(step: Callable, batch: tuple, n: int) -> float:
     return float(elapsed)
 
 
-def bench_model(name: str, repeats: int, steps: int, warmup: int) -> dict[str, Any]:
+def bench_model(name: str, repeats: int, steps: int, warmup: int, only: list[str] | None = None) -> dict[str, Any]:
     ctor, shape = MODELS[name]
     torch.manual_seed(0)
     model = ctor()
     g = torch.Generator().manual_seed(1 + fddp.rank())
     batch = (torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g))
     modes = make_modes(model)
+    if only is not None:  # the floors and DDP always run: every ratio and overhead needs them
+        if unknown := set(only) - set(modes):
+            raise SystemExit(f"--modes: no mode {sorted(unknown)}; the modes are {list(modes)}")
+        modes = {m: f for m, f in modes.items() if m in only or m.startswith("floor") or m == "ddp"}
     for step in modes.values():  # warm up (and compile) every mode before timing any
         for _ in range(warmup):
             step(*batch)
@@ -343,13 +347,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=None, help="run only these modes (and the floors and ddp)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step"))
     args = parser.parse_args()
     torch.set_num_threads(1)  # 2 ranks share 2 cores, for DDP and fddp alike
     fddp.init()
     results = {}
     for name in args.models:
-        results[name] = bench_model(name, args.repeats, args.steps, args.warmup)
+        results[name] = bench_model(name, args.repeats, args.steps, args.warmup, args.modes)
     if fddp.is_main():
         report(results, args)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -46,7 +46,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return markdown + _undocumented_names(markdown)
     if MARKER not in markdown:
         return markdown
-    return markdown.replace(MARKER, "\n\n".join([_step_section(), _optim_section(), _zero_section()]))
+    sections = [_step_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section()]
+    return markdown.replace(MARKER, "\n\n".join(sections))
 
 
 def _undocumented_names(markdown: str) -> str:
@@ -142,6 +143,74 @@ def _optim_section() -> str:
             f"| {ens['speedup']:.2f}× faster |",
         ])  # fmt: skip
     )
+    return "\n\n".join(out)
+
+
+def _cluster_section() -> str:
+    command = "python benchmarks/cluster_step.py --hosts 2 --rate 1gbit --repeats 3"
+    out = [
+        "## Where bytes cost: a training step across the test bed",
+        f"Command: `{command}` (needs root: it builds the [multi-node test bed](multi-node.md#the-test-bed-a-cluster-on-one-machine)).",
+    ]
+    files = sorted(RESULTS.glob("cluster_step_*.json"))
+    if not files:
+        return "\n\n".join([*out, _missing(command, "every step mode across hosts joined by rate-limited links")])
+    out.append(
+        "Every mode of `benchmarks/step.py` against torch DDP in the same run, one torchrun agent per host. "
+        "**wire ms** is the time a ring all-reduce of the mode's bytes keeps each link busy at the measured "
+        "TCP rate, 2(W-1)/W × bytes / rate; **limit** is max(the fastest no-communication floor, wire): no step can be "
+        "faster, even with perfect overlap."
+    )
+    for path in files:
+        data = json.loads(path.read_text())
+        c, args = data["cluster"], data.get("args", {})
+        out.append(
+            f"### {c['hosts']} hosts × {c['nproc_per_node']} rank{'s' if c['nproc_per_node'] > 1 else ''}, {c['rate']} links\n\n"
+            f"TCP measured at {c['tcp_bps'] / 1e9:.3f} Gbit/s; torch {data.get('torch')}; medians of "
+            f"{args.get('repeats', '?')} repeats of {args.get('steps', '?')} steps. Command: `{data.get('command', '')}`."
+        )
+        png = path.with_suffix(".png")
+        if png.is_file():
+            out.append(f"![Step time relative to torch DDP, {c['hosts']} hosts at {c['rate']}](results/{png.name})")
+        for model, r in data["results"].items():
+            rows = [
+                f"**{model}**: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors",
+                "",
+                "| mode | median ms | × DDP | MB sent | wire ms | limit ms | limit × DDP |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for mode, d in r["modes"].items():
+                lim = data["limits"][model].get(mode)
+                tail = (
+                    "| | | | |" if lim is None else f"| {d['bytes'] / 2**20:.2f} | {lim['wire_ms']:.1f} "
+                    f"| {lim['limit_ms']:.1f} | {lim['limit_ratio_to_ddp']:.2f} |"
+                )
+                rows.append(f"| `{mode}` | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} {tail}")
+            out.append("\n".join(rows))
+    return "\n\n".join(out)
+
+
+def _allreduce_section() -> str:
+    command = "python benchmarks/allreduce.py --hosts 2,4 --rates 1gbit,10gbit"
+    out = ["## All-reduce latency and bandwidth on the test bed", f"Command: `{command}`."]
+    data = _load("allreduce.json")
+    if data is None:
+        return "\n\n".join([*out, _missing(command, "gloo's all-reduce from 4 KiB to 64 MiB")])
+    runs = data["runs"]
+    sizes = [s["bytes"] for s in runs[0]["sizes"]]
+    head = "| size | " + " | ".join(f"{r['hosts']} hosts, {r['rate']}" for r in runs) + " |"
+    rows = [head, "| ---: |" + " ---: |" * len(runs)]
+    for i, b in enumerate(sizes):
+        cells = " | ".join(f"{1e3 * r['sizes'][i]['median_s']:.3f}" for r in runs)
+        rows.append(f"| {b / 2**10:g} KiB | {cells} |")
+    out.append("Median milliseconds per all-reduce of float32, one rank per host.\n\n" + "\n".join(rows))
+    import sys
+
+    sys.path.insert(0, str(RESULTS.parent))
+    import costmodel
+
+    out.append("`python benchmarks/costmodel.py` fits an alpha-beta model of a ring all-reduce on the 2-host runs and "
+               "predicts the others:\n\n```\n" + costmodel.report(data, detail=False) + "\n```")  # fmt: skip
     return "\n\n".join(out)
 
 

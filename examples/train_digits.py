@@ -22,10 +22,6 @@ import os
 import shutil
 import time
 
-import matplotlib
-
-matplotlib.use("Agg")  # render to a file; there may be no display
-import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,6 +62,11 @@ def load_data() -> tuple[TensorDataset, torch.Tensor, torch.Tensor]:
 
 
 def plot(history: list[dict], path: str) -> None:
+    import matplotlib  # here, not at the top: only rank 0 draws, and the import costs every rank
+
+    matplotlib.use("Agg")  # render to a file; there may be no display
+    import matplotlib.pyplot as plt
+
     epochs = [h["epoch"] for h in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.5))
     for split in ("train", "test"):

@@ -13,7 +13,7 @@ Example:
     >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
 """
 
-from fddp import checkpoint, optim
+from fddp import checkpoint, optim, scaling
 from fddp.accumulation import GradAccumulator, accumulate_grads
 from fddp.guard import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.join import Join
@@ -63,6 +63,7 @@ __all__ = [
     "local_rank",
     "optim",
     "rank",
+    "scaling",
     "sync_buffers",
     "verify_replicas",
     "world_size",

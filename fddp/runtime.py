@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
+import time
 
 import torch
 import torch.distributed as dist
@@ -64,28 +66,65 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
 
 
 def _restart_scoped_store(timeout: datetime.timedelta | None) -> dist.Store | None:
-    """Return torchrun's shared store with keys scoped to this restart, when that is safe; else None.
+    """Return torchrun's shared store with keys scoped to this attempt of the group; else None.
 
     torchrun (c10d rendezvous) hosts one TCP store for all of a job's restarts, and the process
     group's rendezvous keys (each rank's address) are not scoped by restart: after a worker is
     killed and the group restarted, a rank may read its dead predecessor's address and fail with
-    "Connection refused" (pytorch issue #135712). Prefixing the keys with the restart count fixes
-    that. The count is per torchrun agent, so it is used only when one agent runs every rank;
-    several agents can disagree on it, and there env:// is left as it is.
+    "Connection refused" (pytorch issue #135712). ``TORCHELASTIC_RESTART_COUNT`` cannot tell the
+    attempts apart when several agents (hosts) take part: an agent restarted by a peer's failure
+    does not count it, so the counts differ between hosts. The ranks therefore agree on a fresh
+    session id (see ``_agree_on_session``) and prefix every key with it.
     """
     env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not all(v in env for v in _TORCHRUN_VARS):
         return None
-    if not all(v in env for v in _TORCHRUN_VARS) or env.get("LOCAL_WORLD_SIZE") != env["WORLD_SIZE"]:
-        return None
-    store = dist.TCPStore(
-        env["MASTER_ADDR"],
-        int(env["MASTER_PORT"]),
-        int(env["WORLD_SIZE"]),
-        is_master=False,
-        timeout=timeout or dist.constants.default_pg_timeout,
-    )
-    return dist.PrefixStore(f"fddp/restart_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+    timeout = timeout or dist.constants.default_pg_timeout
+    rank_, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), size, is_master=False, timeout=timeout)
+    session = _agree_on_session(store, rank_, size, timeout)
+    return dist.PrefixStore(f"fddp/session_{session}", store)
+
+
+_HANDSHAKE = "fddp/handshake"
+
+
+def _agree_on_session(store: dist.Store, rank_: int, size: int, timeout: datetime.timedelta) -> str:
+    """Return a session id, the same on every rank and new for every start of the group.
+
+    Rank 0 draws the id. Every other rank draws a nonce, posts it under its rank and waits for the
+    id under a key named by that nonce: a key no earlier attempt can have written. A posted nonce
+    may still be a dead predecessor's, so rank 0 answers every nonce it sees until each rank has
+    acknowledged the id (under a key named by the id, again fresh).
+    """
+    if rank_ != 0:
+        nonce = secrets.token_hex(8)
+        store.set(f"{_HANDSHAKE}/hello/{rank_}", nonce)
+        session = store.get(f"{_HANDSHAKE}/welcome/{rank_}/{nonce}").decode()
+        store.set(f"{_HANDSHAKE}/ack/{session}/{rank_}", "1")
+        return session
+    session = secrets.token_hex(8)
+    answered: dict[int, bytes] = {}
+    pending = set(range(1, size))
+    deadline, pause = time.monotonic() + timeout.total_seconds(), 0.001
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{_HANDSHAKE}/ack/{session}/{r}"]):
+                pending.discard(r)
+                continue
+            nonce = store.get(f"{_HANDSHAKE}/hello/{r}")  # blocks until rank r (or a predecessor) posted
+            if answered.get(r) != nonce:
+                store.set(f"{_HANDSHAKE}/welcome/{r}/{nonce.decode()}", session)
+                answered[r] = nonce
+        if pending:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"fddp.init: ranks {sorted(pending)} of {size} did not join within {timeout} "
+                    "(they may have failed to start; see their logs)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)  # a few polls while everyone arrives, then fewer
+    return session
 
 
 def is_initialized() -> bool:

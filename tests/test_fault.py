@@ -16,6 +16,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -160,21 +162,49 @@ def test_sigkilled_worker_restarts_and_ends_bitwise_equal(tmp_path, name):
     assert any(not torch.equal(reference["params"][k], before[k]) for k in before)
 
 
-def test_restart_scoped_store_only_when_one_agent_runs_every_rank(monkeypatch):
-    """fddp.init scopes the process group's store keys by torchrun's restart count (see
-    fddp.runtime._restart_scoped_store), but only where that count is the same for every rank."""
+def test_restart_scoped_store_only_under_torchruns_shared_store(monkeypatch):
+    """fddp.init scopes the process group's store keys by a session id (see
+    fddp.runtime._restart_scoped_store) where torchrun's agent store is shared by the workers."""
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     env = dict(
-        RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port),
+        RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port),
         TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="1",
     )  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     scoped = runtime._restart_scoped_store(datetime.timedelta(seconds=10))
     scoped.set("k", "v")
-    assert server.get("fddp/restart_1/k") == b"v"
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # two agents: their restart counts may differ
-    assert runtime._restart_scoped_store(None) is None
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    again = runtime._restart_scoped_store(datetime.timedelta(seconds=10))
+    assert scoped.check(["k"]) and not again.check(["k"])  # a new start sees none of the old keys
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the store is not torchrun's
     assert runtime._restart_scoped_store(None) is None
+
+
+def _attempt(port: int, size: int, delays: list[float]) -> list[str]:
+    """One start of a group: each rank (a thread) waits its delay, then runs the handshake."""
+    sessions: list[str | None] = [None] * size
+
+    def rank(r: int) -> None:
+        time.sleep(delays[r])
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=20))
+        sessions[r] = runtime._agree_on_session(store, r, size, datetime.timedelta(seconds=20))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(s is not None for s in sessions), sessions
+    return sessions
+
+
+def test_session_handshake_ignores_a_dead_attempts_keys():
+    """pytorch issue #135712: the keys of an earlier start of the group stay in torchrun's store. A
+    rank that starts early must not take a late peer's old entries for new ones, whichever is late."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    seen = set()
+    for delays in ([0, 0, 0], [0, 0.3, 0.1], [0.3, 0, 0], [0, 0.2, 0.2]):
+        sessions = _attempt(server.port, 3, delays)
+        assert len(set(sessions)) == 1, (delays, sessions)  # every rank holds the same id...
+        assert sessions[0] not in seen, delays  # ...and no earlier attempt's
+        seen.add(sessions[0])

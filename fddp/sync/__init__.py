@@ -12,7 +12,7 @@ from fddp.sync import hooks
 from fddp.sync._collectives import broadcast, checksum, sync_buffers, verify_replicas
 from fddp.sync._grad import grad, grad_and_value
 from fddp.sync._powersgd import PowerSGD, PowerSGDState
-from fddp.sync._reducer import SyncInfo
+from fddp.sync._reducer import SyncInfo, Timeline
 from fddp.sync._setup import plan_of
 from fddp.sync._signature import MismatchError
 from fddp.sync._step import ddp_step
@@ -24,6 +24,7 @@ __all__ = [
     "PowerSGD",
     "PowerSGDState",
     "SyncInfo",
+    "Timeline",
     "broadcast",
     "checksum",
     "ddp_step",

@@ -205,6 +205,7 @@ class _Transform:
         with torch.enable_grad():
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)
+            reducer.mark_backward()
             if loss.requires_grad:
                 torch.autograd.grad(loss, inputs, allow_unused=True)
         reducer.flush()

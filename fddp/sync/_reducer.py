@@ -11,6 +11,7 @@ of collectives.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -21,6 +22,31 @@ from fddp.sync._comm import Comm
 from fddp.sync.hooks import CommHook, GradBucket
 
 __all__ = ["Reducer", "SyncInfo"]
+
+
+class Timeline(NamedTuple):
+    """When one synchronisation's work happened, in seconds since the reducer started.
+
+    ``fddp.grad_and_value`` starts its reducer before ``fn`` runs, so ``backward`` is the length of
+    the forward pass, and ``ready`` says when backward produced each leaf's gradient; for
+    ``ddp_step`` every leaf is ready at once. This is what the scaling model
+    (:func:`fddp.scaling.predict_step`) and :func:`fddp.scaling.choose_bucket_cap` read.
+
+    Attributes:
+        backward: when backward started (``fddp.grad_and_value``), or when the values were handed over.
+        ready: per leaf (tree-flatten order), when its value reached its bucket.
+        launched: per bucket, when its collectives started.
+        done: per bucket, when its reduced buffer came back.
+        nbytes: per bucket, its size in bytes.
+        end: when the synchronisation finished.
+    """
+
+    backward: float
+    ready: tuple[float, ...]
+    launched: tuple[float, ...]
+    done: tuple[float, ...]
+    nbytes: tuple[int, ...]
+    end: float
 
 
 class SyncInfo(NamedTuple):
@@ -37,6 +63,8 @@ class SyncInfo(NamedTuple):
         collectives: the number of collectives issued.
         compression_state: with a stateful comm hook (:class:`fddp.PowerSGD`), its state after
             this step, to pass as ``compression_state=`` next time; ``None`` otherwise.
+        timeline: when each leaf arrived and each bucket went out and came back
+            (:class:`fddp.sync.Timeline`); ``None`` where nothing was timed (torch.compile).
 
     Example:
         >>> grads, info = fddp.ddp_step(params, grads, check_finite=True, return_info=True)
@@ -48,6 +76,7 @@ class SyncInfo(NamedTuple):
     bytes_sent: int
     collectives: int
     compression_state: Any = None
+    timeline: Timeline | None = None
 
 
 class Reducer:
@@ -63,6 +92,11 @@ class Reducer:
 
     def __init__(self, plan: BucketPlan, hook: CommHook, state: Any, comm: Comm, check_finite: bool = False) -> None:
         self.plan, self.hook, self.comm, self.check_finite = plan, hook, comm, check_finite
+        self.t0 = _now()
+        self.t_backward = 0.0
+        self.ready = [0.0] * plan.num_leaves
+        self.launched = [0.0] * len(plan.buckets)
+        self.done = [0.0] * len(plan.buckets)
         # Scaling factors the hook wants applied while values are copied in (1/n for a mean over a
         # power-of-two group): one pass fewer than scaling the bucket afterwards.
         self.scales = [_no_unit(hook.scale_in(comm, b)) for b in plan.buckets]
@@ -78,11 +112,18 @@ class Reducer:
     def launch(self, i: int, flat: torch.Tensor) -> None:
         """Hand bucket ``i`` (``flat``, already scaled by ``scales[i]``) to the hook."""
         bucket = GradBucket(i, flat, self.plan.buckets[i], self.comm)
+        self.launched[i] = _now() - self.t0
         self.pending[i], self.working = self.hook.launch(self.working, bucket)
         self.buckets[i] = bucket
 
+    def mark_backward(self) -> None:
+        """Note that backward starts now (for :class:`Timeline`)."""
+        self.t_backward = _now() - self.t0
+
     def push(self, leaves: Sequence[torch.Tensor | None]) -> None:
         """Copy every leaf (``None``: zeros) into its bucket and launch all buckets in order."""
+        self.t_backward = now = _now() - self.t0
+        self.ready = [now] * self.plan.num_leaves
         for i, flat in enumerate(_layout.flatten(self.plan, leaves)):
             if self.scales[i] is not None:
                 flat.mul_(self.scales[i])
@@ -97,6 +138,7 @@ class Reducer:
             view.copy_(g)
         else:
             torch.mul(g, scale, out=view)  # the copy, scaled on the way
+        self.ready[leaf] = _now() - self.t0
         missing = self.missing[b]
         missing.discard(leaf)
         if not missing and b == self.next:
@@ -138,6 +180,7 @@ class Reducer:
                 if isinstance(result, torch.Tensor):
                     numel = self.comm.cut(i).size if self.hook.shards else self.plan.buckets[i].numel
                     out[i] = _checked(result, self.plan.buckets[i], numel, self.hook, i)
+                    self.done[i] = _now() - self.t0
                 else:
                     self.pending[i] = result
                     again.append(i)
@@ -150,7 +193,16 @@ class Reducer:
             bad = (~finite).to(device=comm.device, dtype=torch.int32).reshape(1)
             comm.wait(comm.all_reduce(bad, "max"), "the all-reduce of the finite checks")
             finite = (bad[0] == 0).to(finite.device)
-        return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state)
+        timeline = None if torch.compiler.is_compiling() else Timeline(
+            self.t_backward, tuple(self.ready), tuple(self.launched), tuple(self.done),
+            tuple(b.nbytes for b in self.plan.buckets), _now() - self.t0,
+        )  # fmt: skip
+        return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state, timeline)
+
+
+def _now() -> float:
+    # Dynamo cannot trace the clock; a compiled step reports no timeline.
+    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
 
 
 def _no_unit(scale: float | None) -> float | None:

@@ -1,0 +1,288 @@
+"""A model of a data-parallel step: when gradients become ready, how long buckets take on the wire.
+
+A step's time is the backward pass and the bucketed all-reduces, overlapped: bucket ``b`` can start
+once its last gradient exists (:class:`fddp.sync.Timeline`, recorded by fddp itself) and once bucket
+``b - 1`` is off the wire, and takes the link's all-reduce time for its bytes (:class:`Link`, an
+alpha-beta model of a ring or tree all-reduce). The step ends when both the backward pass and the
+last bucket are done, plus whatever follows (the optimizer). That is enough to predict how a step
+scales to more ranks and faster or slower links, and to choose the bucket size:
+
+    link = fddp.scaling.measure_link()                              # every rank calls it
+    timeline = fddp.scaling.measure_timeline(loss_fn, params, x, y)  # gradients ready when?
+    choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world=fddp.world_size())
+    print(choice.explain())
+    step = fddp.grad_and_value(loss_fn, bucket_cap_mb=choice.bucket_cap_mb)
+
+The model leaves out what a shared CPU adds (the all-reduce's own compute competing with the
+backward pass) and what a real fabric adds (congestion, stragglers); the docs' Scaling page shows
+how close it comes on the test bed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+import weakref
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fddp.sync import Timeline, grad_and_value, plan_of
+
+__all__ = ["Link", "Prediction", "BucketChoice", "predict_step", "choose_bucket_cap", "measure_link", "measure_timeline"]
+
+CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """An alpha-beta model of one all-reduce: ``latency`` per message step, ``bandwidth`` per rank.
+
+    Ring (gloo's and NCCL's default for large messages): ``2 (n - 1)`` steps, each sending
+    ``b / n`` bytes, so ``2 (n - 1) latency + 2 (n - 1) / n * b / bandwidth``. Tree: ``2 log2(n)``
+    steps that each forward the whole message, pipelined: ``2 log2(n) latency + 2 b / bandwidth``.
+
+    Attributes:
+        latency: seconds per message step (alpha).
+        bandwidth: bytes per second a rank sends and receives at once (1 / beta).
+        algorithm: ``"ring"`` or ``"tree"``.
+
+    Example:
+        >>> link = Link.gbit(10, latency_us=25)
+        >>> round(link.all_reduce_time(25 * 2**20, world=8) * 1e3, 1)  # ms for a 25 MiB bucket
+        37.1
+    """
+
+    latency: float
+    bandwidth: float
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        if not (self.latency >= 0 and self.bandwidth > 0):
+            raise ValueError(f"Link: latency must be >= 0 and bandwidth > 0, got {self.latency!r} and {self.bandwidth!r}")
+        if self.algorithm not in ("ring", "tree"):
+            raise ValueError(f"Link: algorithm must be 'ring' or 'tree', got {self.algorithm!r}")
+
+    @staticmethod
+    def gbit(rate: float, latency_us: float = 25.0, algorithm: str = "ring") -> "Link":
+        """A link of ``rate`` Gbit/s per rank with ``latency_us`` microseconds per message step.
+
+        Example:
+            >>> Link.gbit(1).bandwidth
+            125000000.0
+        """
+        return Link(latency_us * 1e-6, rate * 1e9 / 8, algorithm)
+
+    def all_reduce_time(self, nbytes: float, world: int) -> float:
+        """Seconds one all-reduce of ``nbytes`` takes over ``world`` ranks (0 for one rank).
+
+        Example:
+            >>> Link.gbit(1).all_reduce_time(8 * 2**20, world=2) > 0.06
+            True
+        """
+        if world <= 1:
+            return 0.0
+        if self.algorithm == "ring":
+            steps = 2 * (world - 1)
+            return steps * self.latency + steps / world * nbytes / self.bandwidth
+        depth = math.ceil(math.log2(world))
+        return 2 * depth * self.latency + 2 * nbytes / self.bandwidth
+
+
+class Prediction(NamedTuple):
+    """A predicted step.
+
+    Attributes:
+        step: seconds per step.
+        compute: the same step without communication (one rank).
+        exposed: communication not hidden behind the backward pass (``step - compute``).
+        efficiency: ``compute / step``, the scaling efficiency (1 is linear scaling).
+        buckets: per bucket, ``(start, end)`` of its all-reduce, in seconds from the step's start.
+    """
+
+    step: float
+    compute: float
+    exposed: float
+    efficiency: float
+    buckets: tuple[tuple[float, float], ...]
+
+
+def predict_step(
+    params: Any,
+    timeline: Timeline,
+    link: Link,
+    world: int,
+    *,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+    after: float = 0.0,
+    bytes_scale: float = 1.0,
+) -> Prediction:
+    """Predict one overlapped step (``fddp.grad_and_value``) of ``params`` on ``world`` ranks.
+
+    Args:
+        params: the parameter tree (its leaves' sizes and definition order make the buckets).
+        timeline: when each gradient became ready, from a step without communication
+            (:func:`measure_timeline`); times are seconds from the start of the step.
+        link: the all-reduce model.
+        world: the number of ranks.
+        bucket_cap_mb: the buckets' cap, in MiB.
+        first_bucket_mb: the first bucket's cap, in MiB.
+        after: seconds of work after the last bucket lands (the optimizer step).
+        bytes_scale: bytes on the wire per byte of gradient (0.5 for bf16 buckets).
+
+    Returns:
+        The :class:`Prediction`.
+
+    Example:
+        >>> p = predict_step(params, timeline, Link.gbit(10), world=64)
+        >>> p.efficiency
+    """
+    plan = plan_of(params, bucket_cap_mb, first_bucket_mb)
+    if len(timeline.ready) != plan.num_leaves:
+        raise ValueError(f"predict_step: the timeline has {len(timeline.ready)} leaves, params have {plan.num_leaves}")
+    backward_end = max(timeline.ready, default=timeline.backward)
+    prev_ready = prev_end = 0.0
+    spans = []
+    for b in plan.buckets:
+        # Buckets launch in plan order, each once its last gradient is in and its predecessor has.
+        ready = max([prev_ready, *(timeline.ready[i] for i in b.indices)])
+        start = max(ready, prev_end)
+        end = start + link.all_reduce_time(b.nbytes * bytes_scale, world)
+        spans.append((start, end))
+        prev_ready, prev_end = ready, end
+    compute = backward_end + after
+    step = max(backward_end, prev_end) + after
+    return Prediction(step, compute, step - compute, compute / step if step > 0 else 1.0, tuple(spans))
+
+
+class BucketChoice(NamedTuple):
+    """The bucket cap the model predicts fastest, and the prediction for every candidate.
+
+    Attributes:
+        bucket_cap_mb: the chosen cap, in MiB (pass it as ``bucket_cap_mb=``).
+        first_bucket_mb: the first bucket's cap that goes with it.
+        predictions: per candidate cap, its :class:`Prediction`.
+    """
+
+    bucket_cap_mb: float
+    first_bucket_mb: float
+    predictions: dict
+
+    def explain(self) -> str:
+        """A table of the candidates: predicted step, exposed communication, buckets.
+
+        Example:
+            >>> print(choice.explain())
+        """
+        lines = [f"{'cap MiB':>8} {'step ms':>9} {'exposed ms':>11} {'buckets':>8}"]
+        for cap, p in self.predictions.items():
+            mark = "  <- chosen" if cap == self.bucket_cap_mb else ""
+            lines.append(f"{cap:8g} {p.step * 1e3:9.2f} {p.exposed * 1e3:11.2f} {len(p.buckets):8d}{mark}")
+        return "\n".join(lines)
+
+
+def choose_bucket_cap(
+    params: Any,
+    timeline: Timeline,
+    link: Link,
+    world: int,
+    *,
+    candidates: Sequence[float] = CANDIDATE_CAPS_MB,
+    after: float = 0.0,
+    bytes_scale: float = 1.0,
+) -> BucketChoice:
+    """Choose the bucket cap that the model predicts fastest for this tree, timeline and link.
+
+    Small buckets start communicating early but pay the link's latency once each; large ones pay
+    it rarely but wait for their last gradient. Every candidate is predicted with the first
+    bucket capped at ``min(1, cap)`` MiB, as torch DDP does; ties go to the larger cap (fewer
+    collectives). Pure: every rank that passes the same arguments gets the same answer.
+
+    Example:
+        >>> choice = choose_bucket_cap(params, timeline, Link.gbit(1), world=2)
+        >>> grads, loss = fddp.grad_and_value(loss_fn, bucket_cap_mb=choice.bucket_cap_mb)(params, x, y)
+    """
+    if not candidates:
+        raise ValueError("choose_bucket_cap: no candidate caps")
+    preds = {}
+    for cap in sorted(candidates):
+        preds[cap] = predict_step(
+            params, timeline, link, world, bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap), after=after, bytes_scale=bytes_scale
+        )
+    best = min(preds, key=lambda c: (round(preds[c].step, 6), -c))
+    return BucketChoice(best, min(1.0, best), preds)
+
+
+def measure_link(*, group: dist.ProcessGroup | None = None, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**23), repeats: int = 5) -> Link:
+    """Fit a ring :class:`Link` to timed all-reduces on ``group`` (every rank must call this).
+
+    Each size is all-reduced ``repeats`` times; the fastest time per size (the least disturbed) is
+    taken over all ranks (the slowest rank's), and ``t = a + c * bytes`` is fitted by least
+    squares. Every rank gets the same link.
+
+    Example:
+        >>> link = fddp.scaling.measure_link()
+    """
+    world = dist.get_world_size(group)
+    if world < 2:
+        raise ValueError("measure_link: a one-rank group has no link to measure")
+    best = []
+    for n in sizes:
+        t = torch.zeros(max(1, n // 4), dtype=torch.float32)
+        dist.all_reduce(t, group=group)  # warm up this size
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            times.append(time.perf_counter() - t0)
+        best.append(min(times))
+    slowest = torch.tensor(best, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    xs = [float(max(1, n // 4) * 4) for n in sizes]
+    ys = slowest.tolist()
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = max(0.0, my - slope * mx)
+    steps = 2 * (world - 1)
+    return Link(latency=intercept / steps, bandwidth=steps / world / max(slope, 1e-15))
+
+
+def measure_timeline(fn: Callable[..., torch.Tensor], params: Any, *args: Any, repeats: int = 5, **kwargs: Any) -> Timeline:
+    """Time when each gradient of ``fn`` becomes ready, without communication (median of ``repeats``).
+
+    Runs ``fddp.grad_and_value(fn)`` over a group of this rank alone (every rank of the default
+    group must call this, since making the groups is collective), so the timeline is the compute
+    alone: what :func:`predict_step` overlaps the all-reduces with.
+
+    Example:
+        >>> timeline = fddp.scaling.measure_timeline(loss_fn, params, x, y)
+    """
+    alone = _own_group()
+    step = grad_and_value(fn, group=alone, return_info=True, bucket_cap_mb=1e9, first_bucket_mb=1e9)
+    step(params, *args, **kwargs)  # warm up
+    runs = [step(params, *args, **kwargs)[2].timeline for _ in range(repeats)]
+    return Timeline(
+        statistics.median(r.backward for r in runs),
+        tuple(statistics.median(r.ready[i] for r in runs) for i in range(len(runs[0].ready))),
+        (),
+        (),
+        (),
+        statistics.median(max(r.ready, default=r.backward) for r in runs),
+    )
+
+
+_alone: "weakref.WeakKeyDictionary[Any, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
+
+
+def _own_group() -> dist.ProcessGroup:
+    """A process group of this rank alone, made once per default group (every rank must call
+    this together the first time: making groups is collective)."""
+    world = dist.group.WORLD
+    if world not in _alone:
+        _alone[world], _ = dist.new_subgroups(group_size=1)
+    return _alone[world]

@@ -1,0 +1,69 @@
+"""The scaling model: the alpha-beta link, the overlap of buckets with backward, the bucket choice,
+and the timeline fddp records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fddp
+from fddp.scaling import Link, choose_bucket_cap, predict_step
+from fddp.sync import Timeline
+
+MB = 2**20
+
+
+def test_ring_and_tree_formulas():
+    link = Link(latency=1e-4, bandwidth=1e9)
+    assert link.all_reduce_time(8 * MB, 1) == 0.0
+    # ring, 4 ranks: 6 steps of latency, 6/4 of the message on the wire
+    assert link.all_reduce_time(8 * MB, 4) == pytest.approx(6e-4 + 1.5 * 8 * MB / 1e9)
+    tree = Link(latency=1e-4, bandwidth=1e9, algorithm="tree")
+    assert tree.all_reduce_time(8 * MB, 4) == pytest.approx(4e-4 + 2 * 8 * MB / 1e9)
+    assert Link.gbit(8).bandwidth == 1e9
+    with pytest.raises(ValueError, match="algorithm"):
+        Link(1e-4, 1e9, "butterfly")
+
+
+def _tree_and_timeline() -> tuple[dict, Timeline]:
+    # 4 leaves of 1 MiB in definition order a, b, c, d: backward makes d first (at 1 ms), a last (4 ms).
+    params = {k: torch.zeros(MB // 4) for k in "abcd"}
+    ready = (4e-3, 3e-3, 2e-3, 1e-3)  # optree order a, b, c, d
+    return params, Timeline(0.0, ready, (), (), (), 4e-3)
+
+
+def test_prediction_overlaps_buckets_with_backward_by_hand():
+    params, timeline = _tree_and_timeline()
+    link = Link(latency=0.0, bandwidth=MB / 1e-3)  # 2 ranks: 1 MiB on the wire takes 1 ms
+    one_per_leaf = predict_step(params, timeline, link, 2, bucket_cap_mb=1, first_bucket_mb=1, after=5e-4)
+    # d at 1..2, c at 2..3, b at 3..4, a at 4..5 ms; then the optimizer's 0.5 ms
+    assert [t for span in one_per_leaf.buckets for t in span] == pytest.approx([1e-3, 2e-3, 2e-3, 3e-3, 3e-3, 4e-3, 4e-3, 5e-3])
+    assert one_per_leaf.step == pytest.approx(5.5e-3) and one_per_leaf.compute == pytest.approx(4.5e-3)
+    assert one_per_leaf.efficiency == pytest.approx(4.5 / 5.5)
+    one_bucket = predict_step(params, timeline, link, 2, bucket_cap_mb=64, first_bucket_mb=64, after=5e-4)
+    assert list(one_bucket.buckets[0]) == pytest.approx([4e-3, 8e-3]) and len(one_bucket.buckets) == 1
+    assert one_bucket.step == pytest.approx(8.5e-3)
+
+
+def test_choice_trades_latency_against_overlap():
+    params, timeline = _tree_and_timeline()
+    fast = choose_bucket_cap(params, timeline, Link(latency=0.0, bandwidth=MB / 1e-3), world=2)
+    assert fast.bucket_cap_mb <= 1.0  # no latency: the smallest buckets overlap most
+    slow = choose_bucket_cap(params, timeline, Link(latency=5e-3, bandwidth=MB / 1e-3), world=2)
+    assert slow.bucket_cap_mb >= 4.0  # 5 ms a message: one bucket
+    assert "<- chosen" in slow.explain()
+
+
+def test_grad_and_value_records_when_gradients_arrive():
+    fddp.init()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    apply_fn, params = fddp.functionalize(model)
+    loss = lambda p, x: apply_fn(p, x).pow(2).sum()  # noqa: E731
+    _, _, info = fddp.grad_and_value(loss, return_info=True, first_bucket_mb=1e-5, bucket_cap_mb=1e-5)(params, torch.randn(4, 8))
+    t = info.timeline
+    order = list(params)  # definition order; optree sorts the keys the same way here
+    ready = dict(zip(sorted(params), t.ready))
+    assert 0 < t.backward <= min(t.ready) and max(t.done) <= t.end
+    # backward reaches the last layer first
+    assert ready[order[-1]] <= ready[order[0]]
+    assert all(launched >= 0 for launched in t.launched) and sum(t.nbytes) == sum(4 * p.numel() for p in params.values())

@@ -119,6 +119,26 @@ def test_optimizers_step_shards_as_they_step_whole_leaves(opt_name, how):
                 assert torch.equal(moment[k], ref_tree[k]), f"{opt_name} {how} world {world}: {field} {k}"
 
 
+def test_trees_of_several_dtypes_shard_into_one_buffer_per_dtype():
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "a": torch.randn(300, generator=g), "b": torch.randn(7, 9, generator=g, dtype=torch.float64),
+        "c": torch.randn(130, generator=g), "d": torch.randn(65, generator=g, dtype=torch.float64),
+    }  # fmt: skip
+    grads = optree.tree_map(torch.randn_like, params)
+    opt = fddp.optim.adamw(1e-2)
+    ref_p, _ = _step(opt, grads, opt.init(params), params, "fused")
+    plan, spec = plan_of(params, bucket_cap_mb=1e-3, first_bucket_mb=1e-3), optree.tree_structure(params)
+    outs = []
+    for rank in range(3):
+        lay = _shard.layout(plan, spec, 3, rank)
+        assert sorted(str(d) for d, _, _ in lay.buffers) == ["torch.float32", "torch.float64"]
+        p, _ = _step(opt, _slices(grads, lay), opt.init(_slices(params, lay)), _slices(params, lay), "fused")
+        outs.append(p)
+    full = _assemble(outs, params)
+    assert all(torch.equal(full[k], ref_p[k]) and full[k].dtype == params[k].dtype for k in params)
+
+
 def test_state_is_one_nth_plus_padding():
     _, params = fddp.functionalize(make_model("transformer"))
     plan, spec = plan_of(params, **CAPS), optree.tree_structure(params)

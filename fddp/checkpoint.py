@@ -654,7 +654,8 @@ def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.Proc
         A tree like ``like`` holding the checkpoint's values (new tensors; ``like`` is not modified).
 
     Raises:
-        CheckpointError: ``directory`` is not a complete sharded checkpoint, or does not match ``like``.
+        CheckpointError: ``directory`` is not a complete sharded checkpoint, does not match
+            ``like``, holds anything but tensors, or DCP cannot read it (the message says why).
 
     Example:
         >>> shards = fddp.zero.shard(params)  # on the new number of ranks

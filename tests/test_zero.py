@@ -452,3 +452,30 @@ def test_a_sharding_hook_must_return_a_shard():
     g = fddp.ddp_step(p, p, compression=fddp.zero.ReduceScatter())  # one process: the shard is all of it
     assert isinstance(g, fddp.zero.Sharded) and torch.equal(fddp.zero.gather(g).wait()["w"], p["w"])
     assert copy.copy(g.layout) == g.layout and tdist.get_world_size() == 1
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))  # would create a file, were it ever unpickled
+
+
+def test_loading_runs_no_code_from_the_checkpoint(tmp_path):
+    import pickle
+
+    fddp.init()
+    params = {"w": torch.ones(100)}
+    directory = fddp.checkpoint.save_sharded(str(tmp_path / "ckpt"), {"params": fddp.zero.shard(params), "step": 1})
+    like = {"params": fddp.zero.shard({"w": torch.zeros(100)}), "step": 0}
+    state = fddp.checkpoint.load_sharded(directory, like)
+    assert state["step"] == 1 and torch.equal(fddp.zero.gather(state["params"]).wait()["w"], params["w"])
+    marker = tmp_path / "pwned"
+    with open(os.path.join(directory, ".metadata"), "wb") as f:
+        pickle.dump(_Evil(str(marker)), f)
+    with pytest.raises(fddp.checkpoint.CheckpointError, match="refused to load io.open"):
+        fddp.checkpoint.load_sharded(directory, like)
+    assert not marker.exists()
+    with pytest.raises(fddp.checkpoint.CheckpointError, match=r"does not match `like` at 'params/w'"):
+        fddp.checkpoint.load_sharded(directory, {"params": fddp.zero.shard({"w": torch.zeros(99)}), "step": 0})

@@ -45,6 +45,7 @@ _PRIMITIVES = (bool, int, float, complex, str, bytes, type(None))
 
 try:  # DCP and its planner types (torch >= 2.4 has them; the protocol hooks are duck-typed)
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 except ImportError:  # pragma: no cover - builds without torch.distributed
@@ -229,6 +230,13 @@ if dcp is not None:
                 metadata = _Unpickler(io.BytesIO(data)).load()
             except Exception as e:
                 raise CheckpointError(f"{path}: refused to load the checkpoint's metadata ({e})") from None
+            from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+            if not isinstance(metadata, Metadata) or not all(
+                isinstance(v, TensorStorageMetadata) for v in metadata.state_dict_metadata.values()
+            ):
+                # fddp writes tensors only; DCP would unpickle anything else (torch.load, weights_only=False).
+                raise CheckpointError(f"{path}: refused to load: the checkpoint holds entries other than tensors")
             if getattr(metadata, "storage_meta", None) is None:
                 from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -282,7 +290,11 @@ def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.Proc
             )
     distributed, _ = _group_rank(group)
     state = {k: t for k, (t, _) in tensors.items()}
-    dcp.load(state, storage_reader=_SafeReader(directory), process_group=group, no_dist=not distributed)
+    try:
+        dcp.load(state, storage_reader=_SafeReader(directory), process_group=group, no_dist=not distributed)
+    except _CheckpointException as e:  # a BaseException, with every failed rank's error inside
+        first = next(iter(e.failures.values()))[0]
+        raise CheckpointError(f"{directory}: torch.distributed.checkpoint could not load it: {first}") from None
     return _put_scalars(out, "", saved_scalars)
 
 

@@ -46,7 +46,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return markdown + _undocumented_names(markdown)
     if MARKER not in markdown:
         return markdown
-    return markdown.replace(MARKER, "\n\n".join([_step_section(), _optim_section(), _cluster_section(), _allreduce_section()]))
+    sections = [_step_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section()]
+    return markdown.replace(MARKER, "\n\n".join(sections))
 
 
 def _undocumented_names(markdown: str) -> str:
@@ -224,4 +225,70 @@ def _allreduce_section() -> str:
 
     out.append("`python benchmarks/costmodel.py` fits an alpha-beta model of a ring all-reduce on the 2-host runs and "
                "predicts the others:\n\n```\n" + costmodel.report(data, detail=False) + "\n```")  # fmt: skip
+    return "\n\n".join(out)
+
+
+# What each mode of benchmarks/zero.py runs (its docstring has the same list).
+ZERO_MODES = {
+    "ddp": "torch DDP + `torch.optim.AdamW(fused=True)` (the reference)",
+    "torch_zero": "torch DDP + `ZeroRedundancyOptimizer(AdamW, fused=True)`: state sharded, full gradients",
+    "fddp": "`fddp.grad_and_value` + `fddp.optim.apply_gradients`: replicated",
+    "fddp_zero": "`fddp.grad_and_value(compression=fddp.zero.ReduceScatter())` + `apply_gradients` on the shards + `fddp.zero.gather`",
+    "fddp_donated": "`fddp`, params and state donated (updated in place)",
+    "fddp_zero_donated": "`fddp_zero`, shards and state donated",
+}
+
+
+def _zero_section() -> str:
+    command = "python benchmarks/zero.py"
+    out = ["## ZeRO: memory per rank and step time", f"Command: `{command}`."]
+    data = _load("zero.json")
+    if data is None:
+        return "\n\n".join([*out, _missing(command, "the sharded path's memory and step time")])
+    results = data["results"]
+    first = next(iter(results.values()))
+    out.append(
+        f"benchmarks/step.py's {data['model']} ({first['values'] / 1e6:.2f}M values in {first['tensors']} tensors), "
+        f"AdamW, torch {data['torch']}, gloo on CPU. Memory is per rank (the fullest one), counted as the "
+        "distinct buffers the loop holds after a step; fddp's buffer pool additionally keeps freed buffers for "
+        "reuse (`fddp.clear_caches()` returns them). "
+        f"Machine load during the run: {data.get('load_average', 'unknown')}."
+    )
+    rows = [
+        "| ranks | mode | what runs | optimizer state MB | ÷ DDP | gradients MB | ÷ DDP | parameters MB |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for world, r in results.items():
+        mem = r["memory"]
+        ref = mem.get("ddp")
+        for mode, m in mem.items():
+            rows.append(
+                f"| {world} | `{mode}` | {ZERO_MODES.get(mode, '')} | {m['state'] / 1e6:.3f} | "
+                f"{m['state'] / ref['state']:.3f} | {m['grads'] / 1e6:.3f} | {m['grads'] / ref['grads']:.3f} | "
+                f"{m['params'] / 1e6:.3f} |"
+            )
+    out.append("\n".join(rows))
+    timed = results.get(str(data.get("time_world")))
+    if timed and any(timed["times_ms"].values()):
+        import statistics
+
+        wall = {m: statistics.median(ts) for m, ts in timed["times_ms"].items() if ts}
+        cpu = {m: statistics.median(ts) for m, ts in timed.get("cpu_ms", {}).items() if ts}
+        n = len(next(iter(timed["times_ms"].values())))
+        out.append(
+            f"Step time on {data['time_world']} ranks, medians of {n} repeats of {data['args'].get('steps', '?')} steps, "
+            "modes interleaved; wall time is the slowest rank's, CPU time is every rank's (all threads) added up, "
+            "which a loaded machine disturbs less:"
+        )
+        rows = [
+            "| mode | wall ms | × DDP | × torch ZeRO | × fddp replicated | CPU ms | × fddp replicated |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for mode, t in wall.items():
+            c = cpu.get(mode)
+            cpu_cells = f"{c:.1f} | {c / cpu['fddp']:.2f}" if c is not None and "fddp" in cpu else " | "
+            rows.append(
+                f"| `{mode}` | {t:.1f} | {t / wall['ddp']:.2f} | {t / wall['torch_zero']:.2f} | {t / wall['fddp']:.2f} | {cpu_cells} |"
+            )
+        out.append("\n".join(rows))
     return "\n\n".join(out)

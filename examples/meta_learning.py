@@ -31,7 +31,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
@@ -111,8 +110,7 @@ def main() -> None:
             json.dump({"world_size": world, "args": vars(args), **history}, f, indent=1)
         plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
         print(f"learning rate {args.lr:g} -> {history['lr'][-1]:.4f}; curves in {args.out_dir}/curves.png")
-    dist.barrier()
-    dist.destroy_process_group()
+    fddp.shutdown()  # every rank together, before the interpreter exits
 
 
 def plot(history: dict, args: argparse.Namespace, world: int, path: str) -> None:

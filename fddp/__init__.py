@@ -33,6 +33,7 @@ from fddp.sync import (
     sync_buffers,
     verify_replicas,
 )
+from fddp import zero  # after fddp.sync, which it builds on
 
 __all__ = [
     "Cast",
@@ -68,5 +69,6 @@ __all__ = [
     "sync_buffers",
     "verify_replicas",
     "world_size",
+    "zero",
 ]
 __version__ = "0.1.0"

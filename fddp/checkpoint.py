@@ -19,6 +19,9 @@ moment leaves either the old file or the new one, never a torn one.
 Checkpoints of a run live in one directory as ``<prefix>-<step:08d>.pt``; :func:`save_step` writes
 one and keeps only the newest few, :func:`latest` finds the newest, :func:`steps` lists them all.
 
+Trees sharded by :mod:`fddp.zero` are saved per rank instead, into a directory that loads onto any
+number of ranks: :func:`save_sharded` and :func:`load_sharded`.
+
 Example:
     >>> import tempfile, torch, fddp.checkpoint as ckpt
     >>> d = tempfile.mkdtemp()
@@ -43,7 +46,7 @@ import torch.distributed as dist
 
 from fddp.runtime import collective_device
 
-__all__ = ["CheckpointError", "save", "load", "save_step", "latest", "steps", "step_path"]
+__all__ = ["CheckpointError", "save", "load", "save_step", "latest", "steps", "step_path", "save_sharded", "load_sharded"]
 
 _FORMAT = "fddp-checkpoint"
 _VERSION = 1
@@ -652,3 +655,78 @@ def save_step(
                     pass
     _agree(path, error, group, barrier)
     return path
+
+
+def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.ProcessGroup | None = None) -> str:
+    """Write a tree holding :class:`fddp.zero.Sharded` parts into ``directory``, every rank its own pieces.
+
+    The format is torch.distributed.checkpoint's (DCP): one file per rank plus a ``.metadata``
+    index, and a small ``fddp-manifest.pt`` (written with :func:`save`) holding the Python scalars
+    and every leaf's shape and dtype. Each leaf is stored whole under its path
+    (``opt/exp_avg/0.weight``), each rank writing the pieces its shards hold, so nothing in the
+    checkpoint depends on the world size or the bucket plan: :func:`load_sharded` reads it back
+    on any number of ranks, resharding, or into a replicated tree. Tensors that are not sharded (a
+    step count) must be equal on every rank; one copy is stored.
+
+    Atomic: the ranks write into ``<directory>.tmp-<token>`` and rank 0 renames it to
+    ``directory`` once everything is written, so ``directory`` either does not exist or is
+    complete. An existing ``directory`` is never overwritten (:class:`FileExistsError`): write
+    each checkpoint to a new one (say, per step) and delete old ones afterwards. Every rank of
+    ``group`` must call this, with trees of the same structure.
+
+    Args:
+        directory: the checkpoint directory to create (on a file system every rank sees).
+        tree: nested dicts, lists, tuples and NamedTuples of :class:`fddp.zero.Sharded` trees,
+            tensors and Python scalars: say ``{"params": shards, "opt": opt_state, "step": step}``.
+        group: the process group the tree is sharded over; ``None`` for the default group.
+            Without an initialised process group, one process writes everything.
+
+    Returns:
+        ``directory`` (absolute), on every rank.
+
+    Raises:
+        FileExistsError: ``directory`` exists (on every rank, before any rank writes).
+        RuntimeError: a sharded part was made for another world size or rank.
+
+    Example:
+        >>> fddp.checkpoint.save_sharded(f"ckpt/step-{step:08d}", {"params": shards, "opt": opt_state, "step": step})
+    """
+    from fddp.zero._checkpoint import save_sharded as save_
+
+    return save_(directory, tree, group=group)
+
+
+def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.ProcessGroup | None = None) -> Any:
+    """Read a checkpoint written by :func:`save_sharded` into the shape of ``like``, on any world size.
+
+    ``like`` says what to load and how it is cut here: make it as for a fresh start on the ranks
+    that load, ``shards = fddp.zero.shard(params)`` and ``opt.init(shards)``, and every rank reads
+    the pieces of the saved leaves that its new shards cover, whatever the world size at save. A
+    replicated ``like`` (full trees, say on one process for evaluation) loads whole leaves. The
+    structure, every leaf's number of elements and dtype, and every Python scalar's type must match;
+    the first difference raises :class:`CheckpointError`. No code from the checkpoint runs: its
+    manifest is read with :func:`load` and DCP's ``.metadata`` with an unpickler that accepts DCP's
+    own metadata classes only. Every rank of ``group`` must call this.
+
+    Args:
+        directory: a directory written by :func:`save_sharded`.
+        like: the tree to fill, e.g. ``{"params": shards, "opt": opt.init(shards), "step": 0}``; its
+            values are not used, only its structure, layouts, dtypes and devices.
+        group: the process group ``like``'s shards were made on; ``None`` for the default group.
+
+    Returns:
+        A tree like ``like`` holding the checkpoint's values (new tensors; ``like`` is not modified).
+
+    Raises:
+        CheckpointError: ``directory`` is not a complete sharded checkpoint, does not match
+            ``like``, holds anything but tensors, or DCP cannot read it (the message says why).
+
+    Example:
+        >>> shards = fddp.zero.shard(params)  # on the new number of ranks
+        >>> like = {"params": shards, "opt": opt.init(shards), "step": 0}
+        >>> state = fddp.checkpoint.load_sharded("ckpt/step-00001000", like)
+        >>> params = fddp.zero.gather(state["params"]).wait()
+    """
+    from fddp.zero._checkpoint import load_sharded as load_
+
+    return load_(directory, like, group=group)

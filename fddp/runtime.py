@@ -284,10 +284,11 @@ def clear_caches() -> None:
     Example:
         >>> fddp.clear_caches()
     """
-    from fddp import _layout, _pool, _tree
+    from fddp import _layout, _pool, _shard, _tree
     from fddp.sync import _signature
 
     _signature.forget()
+    _shard.clear()
     _layout._plan_cached.cache_clear()
     _layout._templates.cache_clear()
     _tree.paths.cache_clear()

@@ -22,9 +22,9 @@ def _public(module: types.ModuleType) -> list[tuple[str, object]]:
 
 
 def _documented_objects() -> list[tuple[str, object]]:
-    """Every public function and class of fddp, fddp.optim and fddp.checkpoint."""
+    """Every public function and class of fddp, fddp.optim, fddp.checkpoint and fddp.zero."""
     out = []
-    for module in (fddp, fddp.optim, fddp.checkpoint):
+    for module in (fddp, fddp.optim, fddp.checkpoint, fddp.zero):
         for name, obj in _public(module):
             if inspect.isfunction(obj) or inspect.isclass(obj):
                 out.append((name, obj))
@@ -137,3 +137,12 @@ def quickstart_output_patterns() -> list[re.Pattern]:
         )
         patterns.append(re.compile(regex + "$"))
     return patterns
+
+
+def test_zero_loop_runs(tmp_path: Path) -> None:
+    (block,) = _marked_blocks(ROOT / "docs" / "zero.md", "run by tests/test_docs.py")
+    script = tmp_path / "zero_loop.py"
+    script.write_text(PRELUDE + block + CHECK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", block + proc.stderr

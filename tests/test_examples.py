@@ -160,3 +160,21 @@ def test_hf_gpt2_trains_samples_and_saves_a_model_that_loads_back(tmp_path: Path
     again = model.generate(prompt, attention_mask=prompt * 0 + 1, max_new_tokens=8, do_sample=False)
     assert "".join("abcdefghijklmnopqrstuvwxyz_"[i] for i in again[0].tolist()) == m["sample"]
 
+
+def test_zero_trains_sharded_and_resumes_on_one_process(tmp_path: Path) -> None:
+    # 2 processes, a sharded checkpoint after step 20; then the same run resumed from it on 1.
+    out = launch("zero.py", "--steps", "40", "--save-at", "20", "--out-dir", "two", tmp=tmp_path)
+    assert "on 2 process(es)" in out
+    two = read_outputs(tmp_path / "two")
+    losses = [h["loss"] for h in two["history"]]
+    assert len(losses) == 40 and mean(losses[-5:]) < mean(losses[:5]) / 3, losses
+    assert two["test_acc"] > 0.8
+    # ZeRO: this rank holds half of AdamW's two moments, plus under 64 float32 of padding each (one bucket).
+    assert two["state_bytes"] <= two["replicated_state_bytes"] / 2 + 2 * 64 * 4
+    launch("zero.py", "--steps", "40", "--resume", "two/ckpt-00000020", "--out-dir", "one", nproc=None, tmp=tmp_path)
+    one = read_outputs(tmp_path / "one")
+    assert one["world_size"] == 1 and [h["step"] for h in one["history"]] == list(range(21, 41))
+    # The same global batches: only the order of the sums differs from the 2-process run.
+    for h in one["history"]:
+        assert h["loss"] == pytest.approx(two["history"][h["step"] - 1]["loss"], abs=1e-5), h
+    assert one["test_acc"] == pytest.approx(two["test_acc"], abs=0.01)

@@ -203,6 +203,8 @@ def _adam(
         trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
         # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
         in_place = donate and flat.disjoint(gs, *trees) and not _module_aliases(ps)
+        if not flat.kernels_take(params, treedef):
+            return None  # shards below the root: the pure path
         outs = [[None] * len(ps) for _ in trees]
         for group in groups:
             if in_place:
@@ -210,11 +212,15 @@ def _adam(
             else:
                 # Copies of params and state, updated in place by the kernel: the inputs stay as they were.
                 new = [flat.copy_with_views(leaves, group)[1] for leaves in trees]
-            p_, m_, v_, *vmax_ = new
-            kernel(
-                p_, [gs[i] for i in group.indices], m_, v_, vmax_[0] if amsgrad else [], [step] * len(p_),
-                lr=lr_t, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False,
-            )
+            # One tensor per leaf, or a sharded tree's leaf-aligned pieces (copied back after).
+            lists, after = flat.kernel_lists(params, group, [new[0], [gs[i] for i in group.indices], *new[1:]], (1,))
+            p_, g_, m_, v_, *vmax_ = lists
+            if p_:  # a rank may hold nothing of a sharded group; the kernel refuses empty lists
+                kernel(
+                    p_, g_, m_, v_, vmax_[0] if amsgrad else [], [step] * len(p_),
+                    lr=lr_t, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False,
+                )
+            after()
             for out, group_views in zip(outs, new):
                 flat.scatter(out, group_views, group)
         p, m, v, *vmax = [optree.tree_unflatten(treedef, out) for out in outs]

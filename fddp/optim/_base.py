@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fddp._layout import MODULE_ALIAS
 from fddp._tree import paths
+from fddp import _shard
 
 from . import _flat as flat
 
@@ -149,6 +150,8 @@ def apply_gradients(
     """
     if not isinstance(opt, GradientTransformation):
         raise TypeError(f"apply_gradients: opt must be a GradientTransformation, got {type(opt).__name__}")
+    if isinstance(params, _shard.Sharded):
+        params.layout.check_group("optim.apply_gradients")
     fused = _FUSED.get(opt.update)
     if fused is not None:
         out = fused(grads, state, params, bool(donate))
@@ -241,6 +244,9 @@ def _leaves_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, ref: str) 
     """Flatten ``tree``, raising a ValueError naming the leaf paths if it does not match ``treedef``."""
     leaves, got = _flatten(tree)
     if got != treedef:
+        why = _shard.explain(treedef, got, ref, name)
+        if why is not None:
+            raise ValueError(f"{name} must have the same tree structure as {ref}: {why}")
         want_paths, got_paths = _paths(treedef), _paths(got)
         missing = [p for p in want_paths if p not in set(got_paths)]
         extra = [p for p in got_paths if p not in set(want_paths)]

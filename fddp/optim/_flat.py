@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from fddp import _layout
+from fddp import _layout, _shard
 from fddp._layout import tiled, views
 from fddp._tree import LeafSpec
 
@@ -181,4 +181,31 @@ def run(
 
 
 def _no_buffer() -> None:
+    return None
+
+
+def kernels_take(params: object, treedef: object) -> bool:
+    """Whether :func:`kernel_lists` can cut this tree for torch's fused kernels: a plain tree, or a
+    :class:`fddp.zero.Sharded` at the root (shards deeper down take the pure path, which is
+    position-independent)."""
+    return isinstance(params, _shard.Sharded) or not _shard.spec_has_sharded(treedef)
+
+
+def kernel_lists(
+    params: object, group: Group, lists: Sequence[Sequence[Tensor]], read_only: Sequence[int] = ()
+) -> tuple[Sequence[Sequence[Tensor]], Callable[[], None]]:
+    """The tensor lists to hand torch's fused kernels for one flat group, and what to run after.
+
+    For a plain tree, the lists themselves (one tensor per leaf, as ``torch.optim``'s fused=True).
+    For a :class:`fddp.zero.Sharded` tree, the leaves' pieces cut so that every element takes the
+    kernel's code path of the per-leaf call (``fddp._shard.kernel_pieces``), so that sharded steps
+    equal replicated ones to the bit; the returned function copies the pieces that went through
+    temporaries back (except for the lists in ``read_only``).
+    """
+    if isinstance(params, _shard.Sharded):
+        return _shard.kernel_pieces(params.layout, group.indices, lists, read_only)
+    return lists, _nothing
+
+
+def _nothing() -> None:
     return None

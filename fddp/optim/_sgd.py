@@ -155,14 +155,20 @@ def sgd(
         donated = [ps] + ([bufs] if momentum else [])
         # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
         in_place = flat.disjoint(gs, *donated) and not _module_aliases(ps)
-        if donate and _FUSED_SGD is not None and _fused_kernels_take(groups) and in_place:
+        if donate and _FUSED_SGD is not None and _fused_kernels_take(groups) and in_place and flat.kernels_take(params, treedef):
             for group in groups:
-                _FUSED_SGD(
-                    [ps[i] for i in group.indices], [gs[i] for i in group.indices],
-                    [bufs[i] for i in group.indices] if momentum else [],
-                    weight_decay=weight_decay, momentum=momentum, lr=lr_t, dampening=dampening,
-                    nesterov=nesterov, maximize=False, is_first_step=False,
-                )
+                leaves = [[ps[i] for i in group.indices], [gs[i] for i in group.indices]]
+                if momentum:
+                    leaves.append([bufs[i] for i in group.indices])
+                # One tensor per leaf, or a sharded tree's leaf-aligned pieces (copied back after).
+                lists, after = flat.kernel_lists(params, group, leaves, (1,))
+                if lists[0]:  # a rank may hold nothing of a sharded group; the kernel refuses empty lists
+                    _FUSED_SGD(
+                        lists[0], lists[1], lists[2] if momentum else [],
+                        weight_decay=weight_decay, momentum=momentum, lr=lr_t, dampening=dampening,
+                        nesterov=nesterov, maximize=False, is_first_step=False,
+                    )
+                after()
             return optree.tree_unflatten(treedef, ps), SGDState(state.count + 1, state.momentum_buffer)
         new_p, new_b = [None] * len(ps), [None] * len(ps)
         for group in groups:

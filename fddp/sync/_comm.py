@@ -7,12 +7,14 @@ with an error that names the call, the rank and what it was doing.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from fddp import _shard
 from fddp._layout import BucketPlan
 from fddp.runtime import collective_device
 from fddp.sync._signature import wait
@@ -46,6 +48,20 @@ class Comm:
         self.weight_sum: torch.Tensor | None = None
         self.bytes_sent = 0
         self.collectives = 0
+
+    @functools.cached_property
+    def shard_layout(self) -> _shard.ShardLayout:
+        """How this rank's shards cut the plan's buckets (``fddp.zero``'s layout)."""
+        return _shard.layout(self.plan, None, self.world_size, self.rank, self.group)
+
+    def cut(self, index: int) -> _shard.Cut:
+        """This rank's cut of bucket ``index``: the elements it holds and its shard size.
+
+        Example:
+            >>> c = bucket.comm.cut(bucket.index)
+            >>> shard[: c.held].copy_(reduced[c.lo : c.hi])
+        """
+        return self.shard_layout.cuts[index]
 
     @property
     def device(self) -> torch.device:
@@ -81,6 +97,40 @@ class Comm:
         work = _all_gather_single(flat, t.contiguous().reshape(-1), group=self.group, async_op=True)
         return flat.view(self.world_size, *t.shape), work
 
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Any:
+        """Start summing ``t`` (``world_size * out.numel()`` elements) over the ranks, this rank
+        receiving its slice ``[rank * n, (rank + 1) * n)`` of the sum in ``out``; return the work.
+
+        On gloo the backend clones ``t``, all-reduces it and copies the slice in ``wait()`` (its
+        work has no future: always ``wait`` it); on NCCL it sends half an all-reduce's bytes.
+
+        Example:
+            >>> work = bucket.comm.reduce_scatter(shard, padded_bucket)
+            >>> bucket.comm.wait(work, "the reduce-scatter")
+        """
+        if t.numel() != self.world_size * out.numel():
+            raise ValueError(
+                f"fddp.{self.what}: a reduce-scatter takes {self.world_size} x {out.numel()} elements, got {t.numel()}"
+            )
+        self._count(t)
+        return _reduce_scatter_single(out, t, group=self.group, async_op=True)
+
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> Any:
+        """Start gathering every rank's ``t`` into ``out`` (rank ``r``'s at ``[r * n, (r + 1) * n)``);
+        return the work.
+
+        Example:
+            >>> work = bucket.comm.all_gather_into(full, shard)
+            >>> bucket.comm.wait(work, "the all-gather")
+        """
+        if out.numel() != self.world_size * t.numel():
+            raise ValueError(
+                f"fddp.{self.what}: an all-gather of {t.numel()} elements per rank needs {self.world_size} x "
+                f"{t.numel()} elements of output, got {out.numel()}"
+            )
+        self._count(t)
+        return _all_gather_single(out, t, group=self.group, async_op=True)
+
     def broadcast(self, t: torch.Tensor, src: int) -> Any:
         """Start a broadcast of ``t`` from ``src`` (a rank of the group), in place; return its work."""
         self._count(t)
@@ -92,8 +142,10 @@ class Comm:
         wait(work, self.group, self.what, doing)
 
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor to all_gather_single and
+# reduce_scatter_single (the old names warn).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _TracedAllReduce:

@@ -55,7 +55,8 @@ class SyncInfo(NamedTuple):
     Attributes:
         finite: with ``check_finite=True``, a bool tensor, True when every reduced gradient is
             finite. The reduced buffers are bitwise identical on all ranks, so every rank reaches
-            the same verdict without another collective. ``None`` otherwise.
+            the same verdict without another collective (a sharding hook's ranks each hold their
+            own shards, and one small all-reduce shares the verdict). ``None`` otherwise.
         weight: with ``weight=``, the sum of the weights over the ranks (a float64 tensor).
         bytes_sent: bytes this rank handed to collectives (the payload, before the backend's own
             ring or tree traffic).
@@ -178,7 +179,8 @@ class Reducer:
             for i in todo:
                 result, self.working = self.hook.finish(self.working, self.buckets[i], self.pending[i])
                 if isinstance(result, torch.Tensor):
-                    out[i] = _checked(result, self.plan.buckets[i], self.hook, i)
+                    numel = self.comm.cut(i).size if self.hook.shards else self.plan.buckets[i].numel
+                    out[i] = _checked(result, self.plan.buckets[i], numel, self.hook, i)
                     self.done[i] = _now() - self.t0
                 else:
                     self.pending[i] = result
@@ -187,6 +189,11 @@ class Reducer:
         new_state = self.hook.end(self.working)
         finite = _all_finite(out) if self.check_finite else None
         comm = self.comm
+        if finite is not None and self.hook.shards and comm.world_size > 1:
+            # Each rank holds its own shards: one small all-reduce makes the verdict everyone's.
+            bad = (~finite).to(device=comm.device, dtype=torch.int32).reshape(1)
+            comm.wait(comm.all_reduce(bad, "max"), "the all-reduce of the finite checks")
+            finite = (bad[0] == 0).to(finite.device)
         timeline = None if torch.compiler.is_compiling() else Timeline(
             self.t_backward, tuple(self.ready), tuple(self.launched), tuple(self.done),
             tuple(b.nbytes for b in self.plan.buckets), _now() - self.t0,
@@ -203,11 +210,12 @@ def _no_unit(scale: float | None) -> float | None:
     return None if scale == 1.0 else scale
 
 
-def _checked(result: torch.Tensor, bucket: _layout.Bucket, hook: CommHook, i: int) -> torch.Tensor:
-    if result.dtype != bucket.dtype or result.numel() != bucket.numel or result.dim() != 1:
+def _checked(result: torch.Tensor, bucket: _layout.Bucket, numel: int, hook: CommHook, i: int) -> torch.Tensor:
+    if result.dtype != bucket.dtype or result.numel() != numel or result.dim() != 1:
+        what = "this rank's shard of " if hook.shards else ""
         raise ValueError(
             f"comm hook {hook!r} returned a tensor of shape {tuple(result.shape)} and dtype {result.dtype} "
-            f"for bucket {i}; expected a 1-D tensor of {bucket.numel} elements of dtype {bucket.dtype}"
+            f"for {what}bucket {i}; expected a 1-D tensor of {numel} elements of dtype {bucket.dtype}"
         )
     return result
 

@@ -17,7 +17,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _layout
+from fddp import _layout, _shard
 from fddp._layout import BucketPlan
 from fddp._tree import LeafSpec, definition_order, structure_rows, tensor_leaves
 from fddp.runtime import require_initialized
@@ -81,7 +81,7 @@ def as_hook(compression: Any, weighted: bool, what: str) -> CommHook:
 
 def stateful(hook: CommHook) -> bool:
     """Whether the hook keeps state between steps (it defines its own ``init``)."""
-    return type(hook).init is not CommHook.init
+    return hook.stateful
 
 
 def make_options(
@@ -154,7 +154,12 @@ class Sync(NamedTuple):
         return Reducer(self.plan, o.hook, state, Comm(o.group, self.what, self.plan, o.weight), o.check_finite)
 
     def unflatten(self, flats: list[torch.Tensor]) -> Any:
-        """The tree rebuilt from reduced buffers (its leaves are views into them)."""
+        """The tree rebuilt from reduced buffers (its leaves are views into them); a sharding
+        hook's shards as a :class:`fddp.zero.Sharded` of the tree instead."""
+        o = self.options
+        if o.hook.shards:
+            world, rank = dist.get_world_size(o.group), dist.get_rank(o.group)
+            return _shard.Sharded(flats, _shard.layout(self.plan, self.spec, world, rank, o.group))
         return optree.tree_unflatten(self.spec, _layout.unflatten(self.plan, flats))
 
 
@@ -174,6 +179,12 @@ def setup(tree: Any, options: SyncOptions, what: str, state: Any = None, *, memb
     """
     require_initialized(what)
     leaves, spec = tensor_leaves(tree, what)
+    if _shard.spec_has_sharded(spec):
+        raise TypeError(
+            f"fddp.{what}: got a sharded tree (fddp.zero.Sharded: this rank's slices of the buckets, which "
+            "differ between ranks by design); synchronise the full tree instead, e.g. the parameters "
+            "from fddp.zero.gather(shards).wait()"
+        )
     specs = tuple(LeafSpec.of(t) for t in leaves)
     order = definition_order(tree)
     rows = options.signature_rows(state)

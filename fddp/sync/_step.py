@@ -8,6 +8,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fddp import _shard
 from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._setup import check_state, make_options, setup
@@ -22,9 +23,10 @@ def _grad_leaves(params: Any, grads: Any) -> list[torch.Tensor | None]:
         return [None] * len(p_leaves)
     g_leaves, g_spec = optree.tree_flatten(grads, none_is_leaf=True)
     if g_spec != p_spec:
+        why = _shard.explain(p_spec, g_spec, "params", "grads")
         raise ValueError(
-            "fddp.ddp_step: grads must have the same tree structure as params.\n"
-            f"  params: {p_spec}\n  grads:  {g_spec}"
+            "fddp.ddp_step: grads must have the same tree structure as params"
+            + (f": {why}" if why else f".\n  params: {p_spec}\n  grads:  {g_spec}")
         )
     for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
         if g is None:
@@ -116,6 +118,12 @@ def ddp_step(
     check_state(options, compression_state, "ddp_step", compression)
     g_leaves = _grad_leaves(params, grads)
     if _differentiable.needed(g_leaves):
+        if options.hook.shards:
+            raise RuntimeError(
+                f"fddp.ddp_step: compression={options.hook!r} returns this rank's shards, which have no "
+                "derivative and no batching rule; call it eagerly, outside torch.func transforms, on "
+                "gradients that do not require grad (detach them)"
+            )
         out, info = _differentiable.ddp_step(params, grads, options, compression_state)
         return (out, info) if return_info else out
     sync = setup(params, options, "ddp_step", compression_state)

@@ -22,7 +22,7 @@ import torch
 from fddp._pool import new_buffer
 from fddp._tree import LeafSpec
 
-__all__ = ["MB", "Bucket", "BucketPlan", "plan", "flatten", "unflatten", "views", "tiled", "new_flat"]
+__all__ = ["MB", "Bucket", "BucketPlan", "plan", "flatten", "unflatten", "views", "tiled", "tiling", "new_flat"]
 
 MB = 1024 * 1024  # caps are in MiB, as torch DDP's bucket_cap_mb
 
@@ -260,6 +260,45 @@ def unflatten(plan: BucketPlan, flats: Sequence[torch.Tensor]) -> list[torch.Ten
         for i, view in zip(b.indices, views(flat, b)):
             leaves[i] = view
     return leaves  # type: ignore[return-value]
+
+
+def tiling(leaves: Sequence[torch.Tensor]) -> tuple[Bucket, ...] | None:
+    """The buckets these leaves already tile, if every leaf is a view that :func:`views` made.
+
+    Gradients from ``ddp_step`` and ``grad_and_value`` are views of their bucket buffers; an
+    optimizer that adopts that layout for its own buffers reads the gradients in place, one flat
+    operation per bucket instead of one per leaf, and its results (parameters, state) come out in
+    the same layout, so the next step recognises them too. ``None`` unless every base is a 1-D
+    contiguous buffer exactly tiled by its leaves, back to back.
+    """
+    groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i, t in enumerate(leaves):
+        base = t._base
+        if base is None:
+            return None
+        entry = groups.get(id(base))
+        if entry is None:
+            groups[id(base)] = entry = (base, [])
+        entry[1].append(i)
+    buckets = []
+    for base, idx in groups.values():
+        if base.dim() != 1 or not base.is_contiguous():
+            return None
+        start = base.storage_offset()
+        idx.sort(key=lambda i: leaves[i].storage_offset())
+        shapes, numels, offsets, at = [], [], [], 0
+        for i in idx:
+            t = leaves[i]
+            if t.storage_offset() - start != at or t.dtype != base.dtype or not t.is_contiguous():
+                return None
+            shapes.append(tuple(t.shape))
+            numels.append(t.numel())
+            offsets.append(at)
+            at += t.numel()
+        if at != base.numel():
+            return None
+        buckets.append(Bucket(tuple(idx), tuple(shapes), tuple(numels), tuple(offsets), base.dtype, base.device))
+    return tuple(buckets)
 
 
 def tiled(leaves: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor | None:

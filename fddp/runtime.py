@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import importlib
@@ -73,6 +74,32 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
     else:
         # An in-memory store: a one-process world needs no rendezvous and no free port.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    _release_at_exit()
+
+
+_at_exit_registered = False
+
+
+def _release_at_exit() -> None:
+    """Destroy fddp's process group at interpreter exit if the script did not call :func:`shutdown`.
+
+    atexit handlers run while the interpreter is fully alive; a gloo group left for interpreter
+    finalization to free can abort the process ("terminate called without an active exception")
+    after the script's last line. No barrier here: a script that ends without ``shutdown`` may be
+    ending on an error, and a peer that never arrives would hold the barrier for the whole timeout.
+    """
+    global _at_exit_registered
+    if not _at_exit_registered:
+        atexit.register(_destroy_if_alive)
+        _at_exit_registered = True
+
+
+def _destroy_if_alive() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+        _release_captured_groups()
+        clear_caches()
+        gc.collect()
 
 
 def shutdown() -> None:

@@ -60,7 +60,9 @@ def groups_for(
 ) -> tuple[Group, ...] | None:
     """The flat layout for updating these parallel leaf lists together, or ``None`` for leaf by leaf.
 
-    The first list sets the layout. Flat buffers are used only when every leaf is a plain
+    The first list that already tiles flat buffers (gradients from ``ddp_step``, the results of an
+    earlier step) sets the layout; otherwise one buffer per dtype and device, in tree order. Flat
+    buffers are used only when every leaf is a plain
     contiguous tensor with the first list's dtype and device, when no torch.func transform or
     ``torch.compile`` tracing is active (``out=`` and the buffer pool are eager-only), and when
     autograd does not need to see the arithmetic.
@@ -103,6 +105,12 @@ def groups_for(
                 or (grad_mode and t.requires_grad)
             ):
                 return None
+    for leaves in leaf_lists:
+        # A list that already tiles flat buffers (gradients in their buckets, or this optimizer's
+        # own results) sets the layout: read in place, and the results keep that layout.
+        adopted = _layout.tiling(leaves)
+        if adopted is not None:
+            return adopted
     return _layout.optim_plan(tuple(specs)).buckets
 
 

@@ -108,12 +108,7 @@ class Comm:
             >>> work = bucket.comm.reduce_scatter(shard, padded_bucket)
             >>> bucket.comm.wait(work, "the reduce-scatter")
         """
-        if t.numel() != self.world_size * out.numel():
-            raise ValueError(
-                f"fddp.{self.what}: a reduce-scatter takes {self.world_size} x {out.numel()} elements, got {t.numel()}"
-            )
-        self._count(t)
-        return _reduce_scatter_single(out, t, group=self.group, async_op=True)
+        return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out)
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> Any:
         """Start gathering every rank's ``t`` into ``out`` (rank ``r``'s at ``[r * n, (r + 1) * n)``);
@@ -123,13 +118,17 @@ class Comm:
             >>> work = bucket.comm.all_gather_into(full, shard)
             >>> bucket.comm.wait(work, "the all-gather")
         """
-        if out.numel() != self.world_size * t.numel():
+        return self._sized("an all-gather", _all_gather_single, out, t, whole=out, part=t)
+
+    def _sized(self, collective: str, op: Any, out: torch.Tensor, t: torch.Tensor, *, whole: torch.Tensor, part: torch.Tensor) -> Any:
+        """Check that ``whole`` holds ``world_size`` parts, count ``t``, start ``op(out, t)``."""
+        if whole.numel() != self.world_size * part.numel():
             raise ValueError(
-                f"fddp.{self.what}: an all-gather of {t.numel()} elements per rank needs {self.world_size} x "
-                f"{t.numel()} elements of output, got {out.numel()}"
+                f"fddp.{self.what}: {collective} of {part.numel()} elements per rank needs "
+                f"{self.world_size} x {part.numel()} elements in all, got {whole.numel()}"
             )
         self._count(t)
-        return _all_gather_single(out, t, group=self.group, async_op=True)
+        return op(out, t, group=self.group, async_op=True)
 
     def broadcast(self, t: torch.Tensor, src: int) -> Any:
         """Start a broadcast of ``t`` from ``src`` (a rank of the group), in place; return its work."""

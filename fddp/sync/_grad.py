@@ -25,13 +25,13 @@ import torch.utils._pytree as torch_pytree
 from fddp._tree import paths
 from fddp.sync import _differentiable
 from fddp.sync._reducer import SyncInfo
-from fddp.sync._setup import SyncOptions, check_state, make_options, setup
+from fddp.sync._setup import KEYWORDS, SyncOptions, check_state, make_options, setup
 
 __all__ = ["grad", "grad_and_value"]
 
 ArgNums = int | tuple[int, ...]
 _CALL_TIME = ("weight", "compression_state")  # per-step values, given to the transformed function
-_BUILD_TIME = ("group", "bucket_cap_mb", "first_bucket_mb", "compression", "check_finite", "return_info")
+_BUILD_TIME = tuple(k for k in KEYWORDS if k not in _CALL_TIME)
 
 
 def grad_and_value(

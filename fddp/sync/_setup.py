@@ -26,7 +26,7 @@ from fddp.sync._reducer import Reducer
 from fddp.sync._signature import check_signature, count_call
 from fddp.sync.hooks import Cast, CommHook, Mean, WeightedMean
 
-__all__ = ["SyncOptions", "Sync", "make_options", "setup", "plan_of", "as_hook"]
+__all__ = ["KEYWORDS", "SyncOptions", "Sync", "make_options", "setup", "plan_of", "as_hook"]
 
 _CAST_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MEAN, _WEIGHTED_MEAN = Mean(), WeightedMean()
@@ -84,18 +84,20 @@ def stateful(hook: CommHook) -> bool:
     return hook.stateful
 
 
-def make_options(
-    what: str,
-    *,
-    group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    weight: Any = None,
-    compression: Any = None,
-    check_finite: bool = False,
-    return_info: bool = True,
-) -> SyncOptions:
-    """Check the keyword options of ``fddp.<what>`` and return them as one :class:`SyncOptions`."""
+# The keyword options every synchronising front end takes, with their defaults.
+KEYWORDS: dict[str, Any] = dict(
+    group=None, bucket_cap_mb=25.0, first_bucket_mb=1.0, weight=None, compression=None, check_finite=False, return_info=True
+)
+
+
+def make_options(what: str, **options: Any) -> SyncOptions:
+    """Check the keyword options of ``fddp.<what>`` (:data:`KEYWORDS`) and return one :class:`SyncOptions`."""
+    unknown = sorted(set(options) - set(KEYWORDS))
+    if unknown:
+        raise TypeError(f"fddp.{what}: unexpected keyword {unknown[0]!r}; the options are {', '.join(KEYWORDS)}")
+    o = {**KEYWORDS, **options}
+    group, bucket_cap_mb, first_bucket_mb, weight = o["group"], o["bucket_cap_mb"], o["first_bucket_mb"], o["weight"]
+    compression, check_finite, return_info = o["compression"], o["check_finite"], o["return_info"]
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"fddp.{what}: {name} must be a positive number of MiB, got {value!r}")

@@ -127,6 +127,10 @@ def run(args: argparse.Namespace) -> dict:
                      "--models", *args.models, "--out", str(out)]  # fmt: skip
         if args.modes:
             step_args += ["--modes", *args.modes]
+        if args.bucket_cap_mb is not None:
+            step_args += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+        if args.first_bucket_mb is not None:
+            step_args += ["--first-bucket-mb", str(args.first_bucket_mb)]
         launch("step.py", step_args)
         step = json.loads(out_json.read_text())
 
@@ -166,6 +170,8 @@ def main() -> None:
     p.add_argument(
         "--modes", nargs="+", default=None, help="only these modes of step.py (the floors and ddp always run)"
     )
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="step.py's bucket cap for the fddp modes but the _auto ones")
+    p.add_argument("--first-bucket-mb", type=float, default=None, help="step.py's first bucket cap for those modes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

@@ -282,24 +282,32 @@ def choose_auto_caps(model: nn.Module, batch: tuple) -> dict[str, Any]:
     apply_fn, params = fddp.functionalize(copy.deepcopy(model))
     loss = _loss_fn(apply_fn)
     link = fddp.scaling.measure_link()
-    out: dict[str, Any] = {"link": {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}, "choices": {}}
+    out: dict[str, Any] = {"link": {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}, "choices": {}, "timelines": {}}
     caps = {}
     for key, compression in (("none", None), ("bf16", "bf16"), ("psgd1", fddp.PowerSGD(rank=1, start_iter=0))):
-        choice = fddp.scaling.auto_bucket_cap(loss, params, *batch, compression=compression, link=link)
+        timeline = fddp.scaling.measure_timeline(loss, params, *batch, compression=compression)
+        world = dist.get_world_size()
+        choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world, compression=compression)
         caps[key] = {"bucket_cap_mb": choice.bucket_cap_mb, "first_bucket_mb": choice.first_bucket_mb}
         out["choices"][key] = {**caps[key], "explain": choice.explain()}
+        out["timelines"][key] = {"backward": timeline.backward, "ready": list(timeline.ready), "end": timeline.end}
     out["caps"] = caps
     return out
+
+
+def model_and_batch(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The model (the same initialisation on every rank) and this rank's own batch."""
+    ctor, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = ctor()
+    g = torch.Generator().manual_seed(1 + fddp.rank())
+    return model, (torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g))
 
 
 def bench_model(
     name: str, repeats: int, steps: int, warmup: int, only: list[str] | None = None, caps: dict[str, float] | None = None
 ) -> dict[str, Any]:
-    ctor, shape = MODELS[name]
-    torch.manual_seed(0)
-    model = ctor()
-    g = torch.Generator().manual_seed(1 + fddp.rank())
-    batch = (torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g))
+    model, batch = model_and_batch(name)
     caps = caps or {}
     auto = choose_auto_caps(model, batch) if only is None or any(m.endswith("_auto") for m in only) else None
     modes = make_modes(model, caps, None if auto is None else auto["caps"])

@@ -11,7 +11,11 @@ scales to more ranks and faster or slower links, and to choose the bucket size:
     timeline = fddp.scaling.measure_timeline(loss_fn, params, x, y)  # gradients ready when?
     choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world=fddp.world_size())
     print(choice.explain())
-    step = fddp.grad_and_value(loss_fn, bucket_cap_mb=choice.bucket_cap_mb)
+    step = fddp.grad_and_value(loss_fn, bucket_cap_mb=choice.bucket_cap_mb, first_bucket_mb=choice.first_bucket_mb)
+
+or all three at once, ``choice = fddp.scaling.auto_bucket_cap(loss_fn, params, x, y)``. With
+``compression=`` the timeline includes the comm hook's own work (casts, PowerSGD's products) and
+the wire carries what the hook sends (:func:`wire_rounds`).
 
 The model leaves out what a shared CPU adds (the all-reduce's own compute competing with the
 backward pass) and what a real fabric adds (congestion, stragglers); the docs' Scaling page shows
@@ -261,10 +265,10 @@ def choose_bucket_cap(
 
     Small buckets start communicating early but pay the link's latency once each; large ones pay
     it rarely but wait for their last gradient. Every candidate is predicted with the first
-    bucket capped at ``min(1, cap)`` MiB, as torch DDP does; a candidate must beat the next
-    larger one by more than 2% of a step to be chosen (fewer collectives are worth a little:
-    the model does not count a collective's CPU cost). Pure: every rank that passes the same
-    arguments gets the same answer.
+    bucket capped at ``min(1, cap)`` MiB, as torch DDP does. Walking from the largest cap down, a
+    smaller one is chosen only if its step is more than 2% shorter than the best so far: fewer
+    collectives are worth a little, since the model does not count a collective's CPU cost.
+    Pure: every rank that passes the same arguments gets the same answer.
 
     Example:
         >>> choice = choose_bucket_cap(params, timeline, Link.gbit(1), world=2)

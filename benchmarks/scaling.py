@@ -114,9 +114,10 @@ def worker(args: argparse.Namespace) -> None:
         floor = r["modes"]["floor_gav"]["median_ms"] / 1e3
         after = max(0.0, floor - timeline.end)  # the optimizer and the call's own set-up
         caps = {"grad_and_value": {}, "grad_and_value_auto": auto["caps"]["none"]}
+        per_bucket = auto["choices"]["none"]["per_bucket_s"]
         rows = {}
         for mode, cap in caps.items():
-            p = predict_step(params, timeline, link, world, after=after, **cap)
+            p = predict_step(params, timeline, link, world, after=after, per_bucket=per_bucket, **cap)
             measured = r["modes"][mode]["median_ms"] / 1e3
             rows[mode] = {
                 "bucket_cap_mb": cap.get("bucket_cap_mb", 25.0),
@@ -134,6 +135,7 @@ def worker(args: argparse.Namespace) -> None:
             "link": auto["link"],
             "timeline": t,
             "after_s": after,
+            "per_bucket_s": per_bucket,
             "floor_gav_s": floor,
             "ddp_s": r["modes"]["ddp"]["median_ms"] / 1e3,
             "choice": auto["choices"]["none"]["explain"],
@@ -221,7 +223,7 @@ def resnet_timeline(step_s: float, image: int, batch: int, repeats: int) -> tupl
 
     import fddp
     import fddp.optim as fopt
-    from fddp.scaling import measure_timeline
+    from fddp.scaling import measure_bucket_cost, measure_timeline
     from fddp.sync import Timeline
 
     torch.set_num_threads(1)
@@ -236,6 +238,7 @@ def resnet_timeline(step_s: float, image: int, batch: int, repeats: int) -> tupl
 
     x, y = torch.randn(batch, 3, image, image), torch.randint(0, 1000, (batch,))
     t = measure_timeline(loss, params, x, y, repeats=repeats)
+    cost = measure_bucket_cost(loss, params, x, y, repeats=repeats)
     opt = fopt.sgd(0.1, momentum=0.9)
     state = opt.init(params)
     grads = fddp.grad(loss)(params, x, y)
@@ -247,7 +250,8 @@ def resnet_timeline(step_s: float, image: int, batch: int, repeats: int) -> tupl
     measured_step = t.end + statistics.median(times)
     k = step_s / measured_step
     scaled = Timeline(t.backward * k, tuple(r * k for r in t.ready), (), (), (), t.end * k)
-    return params, scaled, statistics.median(times) * k, {"measured_step_s": measured_step, "image": image, "batch": batch}
+    how = {"measured_step_s": measured_step, "image": image, "batch": batch, "per_bucket_s": cost}
+    return params, scaled, statistics.median(times) * k, how
 
 
 def project(args: argparse.Namespace) -> dict:
@@ -268,6 +272,7 @@ def project(args: argparse.Namespace) -> dict:
             "params": params,
             "timeline": Timeline(t["backward"], tuple(t["ready"]), (), (), (), t["end"]),
             "after": m["after_s"],
+            "per_bucket": m["per_bucket_s"],
             "values": m["values"],
             "compute": f"measured on this CPU (1 thread per rank, {base['hosts']} test-bed hosts at {base['rate']})",
         }
@@ -276,6 +281,7 @@ def project(args: argparse.Namespace) -> dict:
         "params": params,
         "timeline": timeline,
         "after": after,
+        "per_bucket": how["per_bucket_s"],  # a CPU cost (launch, copy, collect): not stretched
         "values": sum(p.numel() for p in params.values()),
         "compute": (
             f"{args.resnet_ms:g} ms a step assumed (see docs/scaling.md); the shape of the timeline measured here on "
@@ -298,16 +304,19 @@ def project(args: argparse.Namespace) -> dict:
             for algorithm in ("ring", "tree"):
                 link = Link(args.latency_us * 1e-6, rate * 1e9 / 8 * args.link_efficiency, algorithm)
                 for world in WORLDS:
-                    choice = choose_bucket_cap(c["params"], c["timeline"], link, world, after=c["after"])
+                    choice = choose_bucket_cap(c["params"], c["timeline"], link, world, after=c["after"], per_bucket=c["per_bucket"])
                     chosen = choice.predictions[choice.bucket_cap_mb]
-                    default = predict_step(c["params"], c["timeline"], link, world, after=c["after"])
+                    default = predict_step(c["params"], c["timeline"], link, world, after=c["after"], per_bucket=c["per_bucket"])
                     rows.append({
                         "rate_gbit": rate, "algorithm": algorithm, "world": world, "bucket_cap_mb": choice.bucket_cap_mb,
                         "buckets": len(chosen.buckets), "step_s": chosen.step, "efficiency": chosen.efficiency,
                         "default_step_s": default.step, "default_efficiency": default.efficiency,
                     })  # fmt: skip
         nbytes = 4 * c["values"]
-        out["models"][name] = {"values": c["values"], "bytes": nbytes, "compute_s": compute, "compute": c["compute"], "rows": rows}
+        out["models"][name] = {
+            "values": c["values"], "bytes": nbytes, "compute_s": compute, "compute": c["compute"],
+            "per_bucket_s": c["per_bucket"], "rows": rows,
+        }  # fmt: skip
         print(f"\n{name}: {c['values'] / 1e6:.2f}M values, compute {1e3 * compute:.1f} ms a step ({c['compute']})")
         for rate in RATES_GBIT:
             effs = {a: [r for r in rows if r["rate_gbit"] == rate and r["algorithm"] == a] for a in ("ring", "tree")}

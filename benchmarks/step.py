@@ -285,11 +285,13 @@ def choose_auto_caps(model: nn.Module, batch: tuple) -> dict[str, Any]:
     out: dict[str, Any] = {"link": {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}, "choices": {}, "timelines": {}}
     caps = {}
     for key, compression in (("none", None), ("bf16", "bf16"), ("psgd1", fddp.PowerSGD(rank=1, start_iter=0))):
+        # What fddp.scaling.auto_bucket_cap does, with the parts kept for the record.
         timeline = fddp.scaling.measure_timeline(loss, params, *batch, compression=compression)
+        cost = fddp.scaling.measure_bucket_cost(loss, params, *batch, compression=compression)
         world = dist.get_world_size()
-        choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world, compression=compression)
+        choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world, compression=compression, per_bucket=cost)
         caps[key] = {"bucket_cap_mb": choice.bucket_cap_mb, "first_bucket_mb": choice.first_bucket_mb}
-        out["choices"][key] = {**caps[key], "explain": choice.explain()}
+        out["choices"][key] = {**caps[key], "explain": choice.explain(), "per_bucket_s": cost}
         out["timelines"][key] = {"backward": timeline.backward, "ready": list(timeline.ready), "end": timeline.end}
     out["caps"] = caps
     return out

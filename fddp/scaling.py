@@ -49,6 +49,7 @@ __all__ = [
     "wire_rounds",
     "measure_link",
     "measure_timeline",
+    "measure_bucket_cost",
 ]
 
 CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
@@ -169,6 +170,7 @@ def predict_step(
     after: float = 0.0,
     bytes_scale: float = 1.0,
     compression: Any = None,
+    per_bucket: float = 0.0,
 ) -> Prediction:
     """Predict one overlapped step (``fddp.grad_and_value``) of ``params`` on ``world`` ranks.
 
@@ -191,9 +193,13 @@ def predict_step(
         after: seconds of work after the synchronisation (the optimizer step).
         bytes_scale: multiplies the bytes on the wire (to project another dtype, say).
         compression: what ``grad_and_value``'s ``compression=`` is (:func:`wire_rounds`).
+        per_bucket: seconds of the computing thread each bucket costs (launching and collecting
+            it; :func:`measure_bucket_cost`): bucket ``k``'s gradients are ready ``k`` such costs
+            later, and the backward pass ends ``len(buckets)`` later.
 
     Returns:
-        The :class:`Prediction`.
+        The :class:`Prediction`; its ``compute`` is the step without communication, one bucket
+        and no per-bucket cost, so that ``efficiency`` counts that cost as a loss.
 
     Example:
         >>> p = predict_step(params, timeline, Link.gbit(10), world=64)
@@ -206,9 +212,9 @@ def predict_step(
     tail = max(0.0, timeline.end - backward_end) if timeline.end else 0.0
     prev_ready = wire_free = 0.0
     spans, seconds = [], []
-    for b in plan.buckets:
+    for k, b in enumerate(plan.buckets):
         # Buckets launch in plan order, each once its last gradient is in and its predecessor has.
-        ready = max([prev_ready, *(timeline.ready[i] for i in b.indices)])
+        ready = max([prev_ready, *(timeline.ready[i] + k * per_bucket for i in b.indices)])
         rounds = wire_rounds(compression, b)
         start = max(ready, wire_free)
         wire_free = start + link.all_reduce_time(rounds[0] * bytes_scale, world)
@@ -220,7 +226,7 @@ def predict_step(
             wire_free = max(wire_free, backward_end) + link.all_reduce_time(nbytes * bytes_scale, world)
             spans[i] = (spans[i][0], wire_free)
     compute = backward_end + tail + after
-    step = max(backward_end, wire_free) + tail + after
+    step = max(backward_end + len(plan.buckets) * per_bucket, wire_free) + tail + after
     return Prediction(step, compute, step - compute, compute / step if step > 0 else 1.0, tuple(spans))
 
 
@@ -260,6 +266,7 @@ def choose_bucket_cap(
     after: float = 0.0,
     bytes_scale: float = 1.0,
     compression: Any = None,
+    per_bucket: float = 0.0,
 ) -> BucketChoice:
     """Choose the bucket cap that the model predicts fastest for this tree, timeline and link.
 
@@ -280,7 +287,7 @@ def choose_bucket_cap(
     for cap in sorted(candidates):
         preds[cap] = predict_step(
             params, timeline, link, world, bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap), after=after,
-            bytes_scale=bytes_scale, compression=compression,
+            bytes_scale=bytes_scale, compression=compression, per_bucket=per_bucket,
         )  # fmt: skip
     best = max(preds)
     for cap in sorted(preds, reverse=True):
@@ -300,9 +307,9 @@ def auto_bucket_cap(
 ) -> BucketChoice:
     """Measure the link and ``fn``'s backward timeline, and choose the bucket cap (every rank calls it).
 
-    :func:`measure_link` (unless ``link`` is given) and :func:`measure_timeline` (agreed over the
-    ranks: the slowest rank's), then :func:`choose_bucket_cap`: every rank gets the same choice.
-    Call it once, before training, with a representative batch.
+    :func:`measure_link` (unless ``link`` is given), :func:`measure_timeline` and
+    :func:`measure_bucket_cost` (agreed over the ranks), then :func:`choose_bucket_cap`: every rank
+    gets the same choice. Call it once, before training, with a representative batch.
 
     Example:
         >>> choice = fddp.scaling.auto_bucket_cap(loss_fn, params, x, y)
@@ -311,7 +318,8 @@ def auto_bucket_cap(
     """
     link = link if link is not None else measure_link(group=group)
     timeline = measure_timeline(fn, params, *args, compression=compression, group=group, **kwargs)
-    return choose_bucket_cap(params, timeline, link, dist.get_world_size(group), compression=compression)
+    cost = measure_bucket_cost(fn, params, *args, compression=compression, group=group, **kwargs)
+    return choose_bucket_cap(params, timeline, link, dist.get_world_size(group), compression=compression, per_bucket=cost)
 
 
 def measure_link(*, group: dist.ProcessGroup | None = None, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**23), repeats: int = 5) -> Link:
@@ -390,6 +398,49 @@ def measure_timeline(
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         head, ready = t[:2].tolist(), t[2:].tolist()
     return Timeline(head[0], tuple(ready), (), (), (), head[1])
+
+
+def measure_bucket_cost(
+    fn: Callable[..., torch.Tensor],
+    params: Any,
+    *args: Any,
+    repeats: int = 9,
+    compression: Any = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> float:
+    """Seconds one more bucket costs a step of ``fn`` on this machine (every rank must call this).
+
+    Times ``fddp.grad_and_value(fn)`` over a group of this rank alone with one bucket and with one
+    bucket per leaf (medians of ``repeats``) and divides the difference by the extra buckets: the
+    hook calls, the copies into smaller buffers, launching and collecting each collective. The ranks
+    agree on the mean.
+
+    Example:
+        >>> cost = fddp.scaling.measure_bucket_cost(loss_fn, params, x, y)
+    """
+    alone = _own_group()
+    hook = as_hook(compression, False, "scaling.measure_bucket_cost")
+    stateful = type(hook).init is not CommHook.init
+    tiny = 1e-9  # every leaf closes its own bucket
+    runs = []
+    for cap in (1e9, tiny):
+        step = grad_and_value(fn, group=alone, return_info=True, bucket_cap_mb=cap, first_bucket_mb=cap, compression=compression)
+        runs.append([step, hook.init(params) if stateful else None, []])
+    for i in range(repeats + 1):
+        for run in runs if i % 2 else runs[::-1]:  # interleaved, so that both see the same noise
+            step, state, times = run
+            t0 = time.perf_counter()
+            *_, info = step(params, *args, compression_state=state, **kwargs) if stateful else step(params, *args, **kwargs)
+            times.append(time.perf_counter() - t0)
+            run[1] = info.compression_state
+    seconds = [statistics.median(times[1:]) for _, _, times in runs]
+    extra = len(plan_of(params, tiny, tiny).buckets) - 1
+    cost = torch.tensor([max(0.0, (seconds[1] - seconds[0]) / extra) if extra > 0 else 0.0], dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(cost, group=group)
+        cost /= dist.get_world_size(group)
+    return float(cost)
 
 
 _alone: "weakref.WeakKeyDictionary[Any, dist.ProcessGroup]" = weakref.WeakKeyDictionary()

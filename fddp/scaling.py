@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
-_MARGIN = 0.02
+_MARGIN = 0.005  # predictions closer than this are a tie, which the larger cap wins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,10 +272,10 @@ def choose_bucket_cap(
 
     Small buckets start communicating early but pay the link's latency once each; large ones pay
     it rarely but wait for their last gradient. Every candidate is predicted with the first
-    bucket capped at ``min(1, cap)`` MiB, as torch DDP does. Walking from the largest cap down, a
-    smaller one is chosen only if its step is more than 2% shorter than the best so far: fewer
-    collectives are worth a little, since the model does not count a collective's CPU cost.
-    Pure: every rank that passes the same arguments gets the same answer.
+    bucket capped at ``min(1, cap)`` MiB, as torch DDP does. Each bucket's CPU cost is
+    ``per_bucket`` (:func:`measure_bucket_cost`); walking from the largest cap down, a smaller one
+    is chosen only if its step is more than 0.5% shorter than the best so far (a tie goes to fewer
+    collectives). Pure: every rank that passes the same arguments gets the same answer.
 
     Example:
         >>> choice = choose_bucket_cap(params, timeline, Link.gbit(1), world=2)

@@ -73,7 +73,9 @@ def table(record: dict) -> str:
     lines = [
         f"{c['hosts']} hosts x {c['nproc_per_node']} rank(s), links {c['rate']} each way "
         f"(TCP measured {c['tcp_bps'] / 1e9:.3f} Gbit/s), {record['args']['repeats']} repeats x "
-        f"{record['args']['steps']} steps, torch {record['torch']}"
+        f"{record['args']['steps']} steps, torch {record['torch']}; load average (1, 5, 15 min) before "
+        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, after {', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} "
+        f"on {record['load_avg']['cpus']} CPUs"
     ]
     for model, r in record["results"].items():
         lines.append(f"\n{model}: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors")
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     out_json = Path(f"{out}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     world = args.hosts * args.nproc_per_node
+    load_before = os.getloadavg()
     with Cluster(args.hosts, rate=args.rate) as c:
         print(c.describe(), flush=True)
         # Other work on the machine only ever slows a transfer down: the link's rate is the best seen.
@@ -127,6 +130,10 @@ def run(args: argparse.Namespace) -> dict:
                      "--models", *args.models, "--out", str(out)]  # fmt: skip
         if args.modes:
             step_args += ["--modes", *args.modes]
+        if args.bucket_cap_mb is not None:
+            step_args += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+        if args.first_bucket_mb is not None:
+            step_args += ["--first-bucket-mb", str(args.first_bucket_mb)]
         launch("step.py", step_args)
         step = json.loads(out_json.read_text())
 
@@ -148,6 +155,7 @@ def run(args: argparse.Namespace) -> dict:
             "topology": "hosts on one bridge, tbf on both ends of each veth (tools/cluster.py)",
         },
         "gloo_allreduce_s": {str(k): v for k, v in gloo.items()},
+        "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "limits": limits(step, world, tcp, gloo),
     }  # fmt: skip
     out_json.write_text(json.dumps(record, indent=1))
@@ -166,6 +174,8 @@ def main() -> None:
     p.add_argument(
         "--modes", nargs="+", default=None, help="only these modes of step.py (the floors and ddp always run)"
     )
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="step.py's bucket cap for the fddp modes but the _auto ones")
+    p.add_argument("--first-bucket-mb", type=float, default=None, help="step.py's first bucket cap for those modes")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)

@@ -1,6 +1,8 @@
 """One data-parallel training step: torch DDP against fddp's ways of synchronising gradients.
 
-Run with ``torchrun --standalone --nproc-per-node=2 benchmarks/step.py`` (CPU, gloo). Every mode
+Run with ``torchrun --standalone --nproc-per-node=2 benchmarks/step.py`` (CPU, gloo).
+``--bucket-cap-mb`` sets the bucket cap of every fddp mode but the ``_auto`` ones (default: 25, as
+torch DDP's); ``benchmarks/cluster_step.py`` runs it across hosts joined by rate-limited links. Every mode
 trains the same model with SGD (momentum 0.9) on each rank's own batch; modes are interleaved
 within every repeat so they share the machine's noise, and each result is the median over repeats
 of the mean step time (the slowest rank's). Prints a table of ratios against torch DDP measured in
@@ -21,6 +23,11 @@ Modes:
     ddp_step_psgd4    the same, PowerSGD rank 4 (orthogonalised with QR)
     grad_and_value    fddp.grad_and_value (all-reduces overlap backward) + fddp.optim
     grad_and_value_donated  the same, params and optimizer state donated to apply_gradients
+    grad_and_value_bf16     fddp.grad_and_value, buckets sent in bfloat16 (cast as each bucket fills)
+    grad_and_value_psgd1    fddp.grad_and_value, PowerSGD rank 1 from step 0 (compressed in backward)
+    grad_and_value_auto     fddp.grad_and_value with the bucket cap fddp.scaling.auto_bucket_cap
+                      chooses from the measured link and backward timeline (the same on every rank);
+                      likewise grad_and_value_bf16_auto and grad_and_value_psgd1_auto
     compiled          torch.compile of torch.func.grad + fddp.ddp_step + fddp.optim, one graph
 """
 
@@ -135,8 +142,13 @@ def _fddp_update(opt: fopt.GradientTransformation, donate: bool = False) -> Call
     return update
 
 
-def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
-    """Build one closure per mode; each call makes one training step on its own copy of the model."""
+def make_modes(model: nn.Module, caps: dict[str, float], auto: dict[str, dict[str, float]] | None = None) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
+    """Build one closure per mode; each call makes one training step on its own copy of the model.
+
+    ``caps`` are the bucket caps of the fddp modes (``bucket_cap_mb``, ``first_bucket_mb``; empty:
+    the defaults); ``auto`` maps ``"none"``, ``"bf16"`` and ``"psgd1"`` to the caps of the ``_auto``
+    modes (None: no ``_auto`` modes).
+    """
     modes: dict[str, Callable] = {}
 
     def torch_mode(wrap: bool) -> Callable:
@@ -188,15 +200,31 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
         def sync(params, loss, x, y):
             state = box.get("state") or ps.init(params)
             grads = torch.func.grad(loss)(params, x, y)
-            grads, info = fddp.ddp_step(params, grads, compression=ps, compression_state=state, return_info=True)
+            grads, info = fddp.ddp_step(params, grads, compression=ps, compression_state=state, return_info=True, **caps)
             box["state"] = info.compression_state
             return grads
 
         return sync
 
-    def overlapped(params, loss, x, y):
-        return fddp.grad(loss)(params, x, y)
+    def overlapped(compression: Any = None, caps: dict[str, float] = caps) -> Callable:
+        # The transform is built once per mode, as a training loop would; a stateful hook's state
+        # goes in with every call and comes back in info.
+        stateful = isinstance(compression, fddp.PowerSGD)
+        box: dict[str, Any] = {}
 
+        def sync(params, loss, x, y):
+            if "step" not in box:
+                box["step"] = fddp.grad(loss, compression=compression, return_info=stateful, **caps)
+                box["state"] = compression.init(params) if stateful else None
+            if not stateful:
+                return box["step"](params, x, y)
+            grads, info = box["step"](params, x, y, compression_state=box["state"])
+            box["state"] = info.compression_state
+            return grads
+
+        return sync
+
+    psgd1 = fddp.PowerSGD(rank=1, start_iter=0)
     modes["floor_torch"] = torch_mode(wrap=False)
     modes["floor_fddp"] = fddp_mode(lambda p, loss, x, y: torch.func.grad(loss)(p, x, y))
     # Every rank must create every group; each rank then differentiates over its own one-rank group.
@@ -204,23 +232,30 @@ def make_modes(model: nn.Module) -> dict[str, Callable[[torch.Tensor, torch.Tens
     modes["floor_gav"] = fddp_mode(lambda p, loss, x, y: fddp.grad(loss, group=alone)(p, x, y))
     modes["ddp"] = torch_mode(wrap=True)
     modes["per_tensor"] = fddp_mode(per_tensor)
-    modes["ddp_step"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y)))
-    modes["ddp_step_bf16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="bf16"))
-    modes["ddp_step_fp16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="fp16"))
+    modes["ddp_step"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), **caps))
+    modes["ddp_step_bf16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="bf16", **caps))
+    modes["ddp_step_fp16"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), compression="fp16", **caps))
     modes["ddp_step_psgd1"] = fddp_mode(powersgd(1))
     modes["ddp_step_psgd4"] = fddp_mode(powersgd(4))
-    modes["grad_and_value"] = fddp_mode(overlapped)
-    modes["grad_and_value_donated"] = fddp_mode(overlapped, donate=True)
-    modes["compiled"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y)), compile_=True)
+    modes["grad_and_value"] = fddp_mode(overlapped())
+    modes["grad_and_value_donated"] = fddp_mode(overlapped(), donate=True)
+    modes["grad_and_value_bf16"] = fddp_mode(overlapped("bf16"))
+    modes["grad_and_value_psgd1"] = fddp_mode(overlapped(psgd1))
+    if auto is not None:
+        modes["grad_and_value_auto"] = fddp_mode(overlapped(None, auto["none"]))
+        modes["grad_and_value_bf16_auto"] = fddp_mode(overlapped("bf16", auto["bf16"]))
+        modes["grad_and_value_psgd1_auto"] = fddp_mode(overlapped(psgd1, auto["psgd1"]))
+    modes["compiled"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), **caps), compile_=True)
     return modes
 
 
 # ------------------------------------------------------------------------------------------- measuring
 
 
-def comm_of(mode: str, step: Callable, model: nn.Module, batch: tuple) -> tuple[int, int]:
+def comm_of(mode: str, step: Callable, model: nn.Module, batch: tuple, caps: dict[str, float]) -> tuple[int, int]:
     """Collectives and bytes one step of ``mode`` sends, from this rank."""
-    plan = plan_for(fddp.functionalize(model)[1])
+    params = fddp.functionalize(model)[1]
+    plan = plan_for(params) if mode == "ddp" else plan_for(params, **caps)
     if mode.startswith("floor"):
         return 0, 0
     if mode in ("ddp", "compiled"):
@@ -242,13 +277,43 @@ def time_steps(step: Callable, batch: tuple, n: int) -> float:
     return float(elapsed)
 
 
-def bench_model(name: str, repeats: int, steps: int, warmup: int, only: list[str] | None = None) -> dict[str, Any]:
+def choose_auto_caps(model: nn.Module, batch: tuple) -> dict[str, Any]:
+    """The ``_auto`` modes' bucket caps: one measured link and backward timeline, one choice per
+    compression (what it sends per gradient byte), the same on every rank."""
+    apply_fn, params = fddp.functionalize(copy.deepcopy(model))
+    loss = _loss_fn(apply_fn)
+    link = fddp.scaling.measure_link()
+    out: dict[str, Any] = {"link": {"latency_s": link.latency, "bandwidth_Bps": link.bandwidth}, "choices": {}, "timelines": {}}
+    caps = {}
+    for key, compression in (("none", None), ("bf16", "bf16"), ("psgd1", fddp.PowerSGD(rank=1, start_iter=0))):
+        # What fddp.scaling.auto_bucket_cap does, with the parts kept for the record.
+        timeline = fddp.scaling.measure_timeline(loss, params, *batch, compression=compression)
+        cost = fddp.scaling.measure_bucket_cost(loss, params, *batch, compression=compression)
+        world = dist.get_world_size()
+        choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world, compression=compression, per_bucket=cost)
+        caps[key] = {"bucket_cap_mb": choice.bucket_cap_mb, "first_bucket_mb": choice.first_bucket_mb}
+        out["choices"][key] = {**caps[key], "explain": choice.explain(), "per_bucket_s": cost}
+        out["timelines"][key] = {"backward": timeline.backward, "ready": list(timeline.ready), "end": timeline.end}
+    out["caps"] = caps
+    return out
+
+
+def model_and_batch(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The model (the same initialisation on every rank) and this rank's own batch."""
     ctor, shape = MODELS[name]
     torch.manual_seed(0)
     model = ctor()
     g = torch.Generator().manual_seed(1 + fddp.rank())
-    batch = (torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g))
-    modes = make_modes(model)
+    return model, (torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g))
+
+
+def bench_model(
+    name: str, repeats: int, steps: int, warmup: int, only: list[str] | None = None, caps: dict[str, float] | None = None
+) -> dict[str, Any]:
+    model, batch = model_and_batch(name)
+    caps = caps or {}
+    auto = choose_auto_caps(model, batch) if only is None or any(m.endswith("_auto") for m in only) else None
+    modes = make_modes(model, caps, None if auto is None else auto["caps"])
     if only is not None:  # the floors and DDP always run: every ratio and overhead needs them
         if unknown := set(only) - set(modes):
             raise SystemExit(f"--modes: no mode {sorted(unknown)}; the modes are {list(modes)}")
@@ -256,7 +321,7 @@ def bench_model(name: str, repeats: int, steps: int, warmup: int, only: list[str
     for step in modes.values():  # warm up (and compile) every mode before timing any
         for _ in range(warmup):
             step(*batch)
-    comm = {m: comm_of(m, s, model, batch) for m, s in modes.items()}
+    comm = {m: comm_of(m, s, model, batch, caps) for m, s in modes.items()}
     times: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(repeats):
         order = list(modes) if r % 2 == 0 else list(reversed(modes))  # interleave, alternate order
@@ -267,6 +332,8 @@ def bench_model(name: str, repeats: int, steps: int, warmup: int, only: list[str
     return {
         "values": n_params,
         "tensors": len(list(model.parameters())),
+        "caps": caps,
+        "auto": auto,
         "modes": {
             m: {
                 "median_ms": 1e3 * med[m],
@@ -396,6 +463,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=None, help="run only these modes (and the floors and ddp)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="bucket cap of the fddp modes but the _auto ones (default 25)")
+    parser.add_argument("--first-bucket-mb", type=float, default=None, help="first bucket's cap of those modes (default 1)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step"))
     parser.add_argument("--replot", action="store_true", help="redraw <out>.png from <out>.json; measure nothing")
     args = parser.parse_args()
@@ -407,7 +476,8 @@ def main() -> None:
     fddp.init()
     results = {}
     for name in args.models:
-        results[name] = bench_model(name, args.repeats, args.steps, args.warmup, args.modes)
+        caps = {k: v for k, v in (("bucket_cap_mb", args.bucket_cap_mb), ("first_bucket_mb", args.first_bucket_mb)) if v is not None}
+        results[name] = bench_model(name, args.repeats, args.steps, args.warmup, args.modes, caps)
     if fddp.is_main():
         report(results, args)
         os.makedirs(os.path.dirname(args.out), exist_ok=True)

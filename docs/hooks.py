@@ -16,6 +16,8 @@ from mkdocs.structure.files import File, Files
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 MARKER = "<!-- benchmark-results -->"
+VALIDATION_MARKER = "<!-- scaling-validation -->"
+PROJECTION_MARKER = "<!-- scaling-projection -->"
 
 # What each mode of benchmarks/step.py runs (its docstring has the same list).
 STEP_MODES = {
@@ -31,6 +33,11 @@ STEP_MODES = {
     "ddp_step_psgd4": "the same, PowerSGD rank 4",
     "grad_and_value": "`fddp.grad_and_value` (all-reduces overlap the backward pass)",
     "grad_and_value_donated": "the same, params and state donated to `apply_gradients` (updated in place)",
+    "grad_and_value_bf16": "`fddp.grad_and_value`, buckets sent in bfloat16 (cast in the copy into the bucket)",
+    "grad_and_value_psgd1": "`fddp.grad_and_value`, PowerSGD rank 1 from step 0 (compressed as each bucket fills)",
+    "grad_and_value_auto": "`fddp.grad_and_value`, bucket cap chosen by `fddp.scaling` from the measured link and timeline",
+    "grad_and_value_bf16_auto": "the same with bf16 buckets",
+    "grad_and_value_psgd1_auto": "the same with PowerSGD rank 1",
     "compiled": "`torch.compile` of `torch.func.grad` + `fddp.ddp_step` + `fddp.optim`",
 }
 
@@ -44,6 +51,8 @@ def on_files(files: Files, config: Any) -> Files:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if page.file.src_uri == "api.md":
         return markdown + _undocumented_names(markdown)
+    if VALIDATION_MARKER in markdown or PROJECTION_MARKER in markdown:
+        return markdown.replace(VALIDATION_MARKER, _scaling_validation()).replace(PROJECTION_MARKER, _scaling_projection())
     if MARKER not in markdown:
         return markdown
     sections = [_step_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section()]
@@ -182,6 +191,7 @@ def _cluster_section() -> str:
             f"### {c['hosts']} hosts × {c['nproc_per_node']} rank{'s' if c['nproc_per_node'] > 1 else ''}, {c['rate']} links\n\n"
             f"TCP measured at {c['tcp_bps'] / 1e9:.3f} Gbit/s; torch {data.get('torch')}; medians of "
             f"{args.get('repeats', '?')} repeats of {args.get('steps', '?')} steps. Command: `{data.get('command', '')}`."
+            + _load_line(data)
         )
         png = path.with_suffix(".png")
         if png.is_file():
@@ -202,6 +212,14 @@ def _cluster_section() -> str:
                 rows.append(f"| `{mode}` | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} {tail}")
             out.append("\n".join(rows))
     return "\n\n".join(out)
+
+
+def _load_line(data: dict) -> str:
+    load = data.get("load_avg")
+    if not load:
+        return ""
+    fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    return f" Load average (1, 5, 15 min) before the run {fmt(load['before'])}, after {fmt(load['after'])}, on {load['cpus']} CPUs."
 
 
 def _allreduce_section() -> str:
@@ -291,4 +309,74 @@ def _zero_section() -> str:
                 f"| `{mode}` | {t:.1f} | {t / wall['ddp']:.2f} | {t / wall['torch_zero']:.2f} | {t / wall['fddp']:.2f} | {cpu_cells} |"
             )
         out.append("\n".join(rows))
+    return "\n\n".join(out)
+
+
+def _scaling_validation() -> str:
+    command = "python benchmarks/scaling.py validate --hosts 2,4 --rates 1gbit,10gbit"
+    data = _load("scaling_validation.json")
+    if data is None:
+        return _missing(command, "the model against the test bed")
+    rows = [
+        f"Command: `{data.get('command', command)}`. Per row: the bucket cap, the step the model predicts from "
+        "what fddp measured in the same run (link, timeline, the optimizer's time), the measured step (median of "
+        "the repeats, with the range), and the error of the prediction.",
+        "",
+        "| hosts | links | model | mode | cap MiB | buckets | predicted ms | measured ms (range) | error | DDP ms | load |",
+        "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in data["runs"]:
+        load = run.get("load_avg")
+        for model, m in run["models"].items():
+            for mode, r in m["modes"].items():
+                lo, hi = 1e3 * min(r["measured_all_s"]), 1e3 * max(r["measured_all_s"])
+                rows.append(
+                    f"| {run['hosts']} | {run['rate']} | {model} | `{mode}` | {r['bucket_cap_mb']:g} | {r['buckets']} "
+                    f"| {1e3 * r['predicted_s']:.1f} | {1e3 * r['measured_s']:.1f} ({lo:.1f}-{hi:.1f}) "
+                    f"| {100 * r['error']:+.1f}% | {1e3 * m['ddp_s']:.1f} | {'' if load is None else f'{load[0]:.2f}'} |"
+                )
+    rows.append("")
+    rows.append("The links fddp measured (`fddp.scaling.measure_link`, the same fit every rank gets):")
+    rows.append("")
+    rows.append("| hosts | links | TCP Gbit/s | model | latency µs | all-reduce bandwidth Gbit/s | timeline: forward ms, last gradient ms, end ms | after ms |")
+    rows.append("| ---: | --- | ---: | --- | ---: | ---: | --- | ---: |")
+    for run in data["runs"]:
+        for model, m in run["models"].items():
+            t = m["timeline"]
+            rows.append(
+                f"| {run['hosts']} | {run['rate']} | {run['tcp_bps'] / 1e9:.3f} | {model} | {1e6 * m['link']['latency_s']:.0f} "
+                f"| {8 * m['link']['bandwidth_Bps'] / 1e9:.3f} | {1e3 * t['backward']:.1f}, {1e3 * max(t['ready']):.1f}, "
+                f"{1e3 * t['end']:.1f} | {1e3 * m['after_s']:.1f} |"
+            )
+    return "\n".join(rows)
+
+
+def _scaling_projection() -> str:
+    command = "python benchmarks/scaling.py project"
+    data = _load("scaling.json")
+    if data is None:
+        return _missing(command, "the projection to 256 ranks")
+    out = [
+        f"Command: `{data.get('command', command)}`; {data['latency_us']:g} µs per message step, links at "
+        f"{100 * data['link_efficiency']:.0f}% of their line rate (what TCP reached on the test bed).",
+        "![Predicted scaling efficiency, 2 to 256 ranks](results/scaling.png)",
+    ]
+    worlds = [w for w in data["worlds"] if w in (2, 8, 32, 64, 256)]
+    head = "| model | compute ms | link | " + " | ".join(f"N={w}" for w in worlds) + " | cap at 256 (MiB) |"
+    rows = [head, "| --- | ---: | --- |" + " ---: |" * len(worlds) + " ---: |"]
+    for name, m in data["models"].items():
+        for rate in data["rates_gbit"]:
+            for algorithm in ("ring", "tree"):
+                cells = []
+                for w in worlds:
+                    r = next(r for r in m["rows"] if r["rate_gbit"] == rate and r["algorithm"] == algorithm and r["world"] == w)
+                    cells.append(f"{r['efficiency']:.2f}")
+                last = next(r for r in m["rows"] if r["rate_gbit"] == rate and r["algorithm"] == algorithm and r["world"] == 256)
+                rows.append(
+                    f"| {name} ({m['values'] / 1e6:.1f}M) | {1e3 * m['compute_s']:.1f} | {rate} Gbit/s {algorithm} | "
+                    + " | ".join(cells) + f" | {last['bucket_cap_mb']:g} |"
+                )
+    out.append("Predicted scaling efficiency (compute ÷ step; 1 is linear scaling), bucket cap chosen per point:\n\n" + "\n".join(rows))
+    notes = [f"- **{name}**: {m['compute']}." for name, m in data["models"].items()]
+    out.append("Compute per step:\n\n" + "\n".join(notes))
     return "\n\n".join(out)

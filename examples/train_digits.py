@@ -47,6 +47,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out-dir", default="runs/digits")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke tests)")
     p.add_argument("--fresh", action="store_true", help="delete earlier checkpoints and start over")
+    p.add_argument("--compression", choices=["none", "bf16", "fp16", "powersgd"], default="none",
+                   help="how gradients travel: full precision, half-precision buckets, or PowerSGD")  # fmt: skip
+    p.add_argument("--powersgd-rank", type=int, default=1, help="PowerSGD's approximation rank")
+    p.add_argument("--powersgd-start", type=int, default=46,
+                   help="uncompressed steps before PowerSGD starts (46: two epochs of the default run)")  # fmt: skip
     return p.parse_args()
 
 
@@ -124,6 +129,18 @@ def main() -> None:
         logits = apply_fn(params, x)
         return F.cross_entropy(logits, y), logits
 
+    # The transform is built once; with PowerSGD its state goes in with every call and comes back
+    # in info. Residuals differ between ranks, so each rank checkpoints its own (a one-rank group
+    # makes it the writer of its own directory).
+    compression = {"none": None, "bf16": "bf16", "fp16": "fp16"}.get(args.compression)
+    if args.compression == "powersgd":
+        compression = fddp.PowerSGD(rank=args.powersgd_rank, start_iter=args.powersgd_start)
+    step_fn = fddp.grad_and_value(loss_fn, has_aux=True, compression=compression, return_info=True)
+    comp_state = compression.init(params) if isinstance(compression, fddp.PowerSGD) else None
+    if comp_state is not None:
+        own = dist.new_subgroups(group_size=1)[0]  # every rank makes the groups; each keeps its own
+        comp_dir = os.path.join(ckpt_dir, f"powersgd-rank{rank}")
+
     # Resume: every rank reads the same file, so every rank holds the same state afterwards. The
     # RNG state saved is rank 0's; it is every rank's, since all seed alike and draw nothing apart.
     state = {"params": params, "opt_state": opt_state, "epoch": 0, "step": 0, "rng": torch.get_rng_state()}
@@ -132,6 +149,8 @@ def main() -> None:
     if path is not None:
         state = ckpt.load(path, like=state)  # checks every leaf's shape and dtype against `like`
         torch.set_rng_state(state["rng"])
+        if comp_state is not None:  # this rank's own PowerSGD state, from the same epoch
+            comp_state = ckpt.load(ckpt.step_path(comp_dir, state["epoch"]), like=comp_state)
         with open(metrics_path) as f:
             history = [h for h in json.load(f)["history"] if h["epoch"] <= state["epoch"]]
         if fddp.is_main():
@@ -154,7 +173,11 @@ def main() -> None:
         bar = tqdm(loader, desc=f"epoch {epoch}", leave=False, disable=None if fddp.is_main() else True)
         for x, y in bar:
             # Gradients averaged over the ranks; each bucket's all-reduce starts during backward.
-            grads, (loss, logits) = fddp.grad_and_value(loss_fn, has_aux=True)(params, x, y)
+            if comp_state is None:
+                grads, (loss, logits), _ = step_fn(params, x, y)
+            else:
+                grads, (loss, logits), info = step_fn(params, x, y, compression_state=comp_state)
+                comp_state = info.compression_state
             params, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, params)
             step += 1
             totals += torch.tensor([loss.item() * len(y), (logits.argmax(1) == y).sum().item(), len(y)])
@@ -181,10 +204,14 @@ def main() -> None:
         }
         history.append(record)
         state = {"params": params, "opt_state": opt_state, "epoch": epoch, "step": step, "rng": torch.get_rng_state()}
+        if comp_state is not None:  # before the shared checkpoint, which marks the epoch as done
+            ckpt.save_step(comp_dir, epoch, comp_state, keep=2, group=own)
+            if world > 1:
+                dist.barrier()  # every rank's state is on disk before rank 0 declares the epoch saved
         ckpt.save_step(ckpt_dir, epoch, state, keep=2)  # rank 0 writes, atomically
         if fddp.is_main():
             with open(metrics_path, "w") as f:
-                json.dump({"world_size": world, "history": history}, f, indent=1)
+                json.dump({"world_size": world, "compression": args.compression, "history": history}, f, indent=1)
             print(f"epoch {epoch:3d}  loss {record['train_loss']:.4f}  train acc {record['train_acc']:.4f}  "
                   f"test loss {test_loss:.4f}  test acc {test_acc:.4f}  "
                   f"{record['samples_per_s']:,.0f} samples/s", flush=True)  # fmt: skip

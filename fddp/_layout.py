@@ -200,7 +200,13 @@ def new_flat(bucket: Bucket, dtype: torch.dtype | None = None) -> torch.Tensor:
     return new_buffer(bucket.numel, bucket.dtype if dtype is None else dtype, bucket.device)
 
 
-def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def flatten(
+    plan: BucketPlan,
+    leaves: Sequence[torch.Tensor | None],
+    dtype: torch.dtype | None = None,
+    *,
+    dtypes: Sequence[torch.dtype | None] | None = None,
+) -> list[torch.Tensor]:
     """Copy each bucket's leaves into one new flat buffer (one copy per element).
 
     ``None`` leaves become zeros. The inputs are never aliased, so the buffers can be reduced in place.
@@ -209,6 +215,7 @@ def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torc
         plan: the plan the leaves follow.
         leaves: the leaves in tree-flatten order.
         dtype: cast every buffer to this dtype in the same copy; ``None`` keeps each bucket's.
+        dtypes: per bucket, the dtype to cast to (``None``: ``dtype`` or the bucket's own).
 
     Returns:
         One 1-D tensor per bucket.
@@ -219,8 +226,8 @@ def flatten(plan: BucketPlan, leaves: Sequence[torch.Tensor | None], dtype: torc
         [tensor([0., 0., 1., 1.])]
     """
     flats = []
-    for b in plan.buckets:
-        out_dtype = b.dtype if dtype is None else dtype
+    for k, b in enumerate(plan.buckets):
+        out_dtype = dtypes[k] if dtypes is not None and dtypes[k] is not None else b.dtype if dtype is None else dtype
         parts = [
             torch.zeros(n, dtype=out_dtype, device=b.device) if leaves[i] is None else leaves[i].reshape(-1)
             for i, n in zip(b.indices, b.numels)

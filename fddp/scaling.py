@@ -11,7 +11,11 @@ scales to more ranks and faster or slower links, and to choose the bucket size:
     timeline = fddp.scaling.measure_timeline(loss_fn, params, x, y)  # gradients ready when?
     choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world=fddp.world_size())
     print(choice.explain())
-    step = fddp.grad_and_value(loss_fn, bucket_cap_mb=choice.bucket_cap_mb)
+    step = fddp.grad_and_value(loss_fn, bucket_cap_mb=choice.bucket_cap_mb, first_bucket_mb=choice.first_bucket_mb)
+
+or all three at once, ``choice = fddp.scaling.auto_bucket_cap(loss_fn, params, x, y)``. With
+``compression=`` the timeline includes the comm hook's own work (casts, PowerSGD's products) and
+the wire carries what the hook sends (:func:`wire_rounds`).
 
 The model leaves out what a shared CPU adds (the all-reduce's own compute competing with the
 backward pass) and what a real fabric adds (congestion, stragglers); the docs' Scaling page shows
@@ -30,11 +34,26 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from fddp.sync import Timeline, grad_and_value, plan_of
+from fddp._layout import Bucket
+from fddp.sync import Cast, PowerSGD, Timeline, grad_and_value, plan_of
+from fddp.sync._setup import as_hook
+from fddp.sync.hooks import CommHook
 
-__all__ = ["Link", "Prediction", "BucketChoice", "predict_step", "choose_bucket_cap", "measure_link", "measure_timeline"]
+__all__ = [
+    "Link",
+    "Prediction",
+    "BucketChoice",
+    "predict_step",
+    "choose_bucket_cap",
+    "auto_bucket_cap",
+    "wire_rounds",
+    "measure_link",
+    "measure_timeline",
+    "measure_bucket_cost",
+]
 
 CANDIDATE_CAPS_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
+_MARGIN = 0.005  # predictions closer than this are a tie, which the larger cap wins
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +129,36 @@ class Prediction(NamedTuple):
     buckets: tuple[tuple[float, float], ...]
 
 
+def wire_rounds(compression: Any, bucket: Bucket) -> tuple[int, ...]:
+    """Bytes one bucket puts on the wire per round trip, for a ``compression=`` value.
+
+    A mean (``None``) sends the bucket in one all-reduce; a cast (``"bf16"``, ``"fp16"``,
+    :class:`fddp.Cast`) sends it at two bytes per element; :class:`fddp.PowerSGD` (compressing)
+    sends its uncompressed leaves and every compressed leaf's ``P`` (``n r`` elements) in a first
+    round, and ``Q`` (``m r``) in a second. Other hooks are taken to send the bucket once.
+
+    Example:
+        >>> plan = fddp.sync.plan_of({"w": torch.zeros(512, 512)})
+        >>> wire_rounds(fddp.PowerSGD(rank=1), plan.buckets[0])
+        (2048, 2048)
+    """
+    hook = as_hook(compression, False, "scaling")
+    if isinstance(hook, Cast):
+        return (bucket.numel * torch.empty((), dtype=hook.dtype).element_size(),)
+    if isinstance(hook, PowerSGD):
+        item = bucket.nbytes // max(bucket.numel, 1)
+        first = second = 0
+        for shape, numel in zip(bucket.shapes, bucket.numels):
+            nmr = hook.compressed_shape(shape)
+            if nmr is None:
+                first += numel * item
+            else:
+                n, m, r = nmr
+                first, second = first + n * r * item, second + m * r * item
+        return (first, second) if second else (first,)
+    return (bucket.nbytes,)
+
+
 def predict_step(
     params: Any,
     timeline: Timeline,
@@ -120,22 +169,37 @@ def predict_step(
     first_bucket_mb: float = 1.0,
     after: float = 0.0,
     bytes_scale: float = 1.0,
+    compression: Any = None,
+    per_bucket: float = 0.0,
 ) -> Prediction:
     """Predict one overlapped step (``fddp.grad_and_value``) of ``params`` on ``world`` ranks.
+
+    Bucket ``b``'s first round goes on the wire once its last gradient is in, its predecessor has
+    launched, and the wire is free (one collective at a time, in plan order, as fddp launches
+    them); a second round (PowerSGD's ``Q``) follows after the backward pass, as the reducer
+    issues it. The step ends when the backward pass and every round are done, plus the work the
+    timeline shows after the backward pass (``timeline.end - last gradient``: waiting, casting
+    back, decompressing) and ``after``.
 
     Args:
         params: the parameter tree (its leaves' sizes and definition order make the buckets).
         timeline: when each gradient became ready, from a step without communication
-            (:func:`measure_timeline`); times are seconds from the start of the step.
+            (:func:`measure_timeline`, with the same ``compression``); times are seconds from
+            the start of the step.
         link: the all-reduce model.
         world: the number of ranks.
         bucket_cap_mb: the buckets' cap, in MiB.
         first_bucket_mb: the first bucket's cap, in MiB.
-        after: seconds of work after the last bucket lands (the optimizer step).
-        bytes_scale: bytes on the wire per byte of gradient (0.5 for bf16 buckets).
+        after: seconds of work after the synchronisation (the optimizer step).
+        bytes_scale: multiplies the bytes on the wire (to project another dtype, say).
+        compression: what ``grad_and_value``'s ``compression=`` is (:func:`wire_rounds`).
+        per_bucket: seconds of the computing thread each bucket costs (launching and collecting
+            it; :func:`measure_bucket_cost`): bucket ``k``'s gradients are ready ``k`` such costs
+            later, and the backward pass ends ``len(buckets)`` later.
 
     Returns:
-        The :class:`Prediction`.
+        The :class:`Prediction`; its ``compute`` is the step without communication, one bucket
+        and no per-bucket cost, so that ``efficiency`` counts that cost as a loss.
 
     Example:
         >>> p = predict_step(params, timeline, Link.gbit(10), world=64)
@@ -145,17 +209,24 @@ def predict_step(
     if len(timeline.ready) != plan.num_leaves:
         raise ValueError(f"predict_step: the timeline has {len(timeline.ready)} leaves, params have {plan.num_leaves}")
     backward_end = max(timeline.ready, default=timeline.backward)
-    prev_ready = prev_end = 0.0
-    spans = []
-    for b in plan.buckets:
+    tail = max(0.0, timeline.end - backward_end) if timeline.end else 0.0
+    prev_ready = wire_free = 0.0
+    spans, seconds = [], []
+    for k, b in enumerate(plan.buckets):
         # Buckets launch in plan order, each once its last gradient is in and its predecessor has.
-        ready = max([prev_ready, *(timeline.ready[i] for i in b.indices)])
-        start = max(ready, prev_end)
-        end = start + link.all_reduce_time(b.nbytes * bytes_scale, world)
-        spans.append((start, end))
-        prev_ready, prev_end = ready, end
-    compute = backward_end + after
-    step = max(backward_end, prev_end) + after
+        ready = max([prev_ready, *(timeline.ready[i] + k * per_bucket for i in b.indices)])
+        rounds = wire_rounds(compression, b)
+        start = max(ready, wire_free)
+        wire_free = start + link.all_reduce_time(rounds[0] * bytes_scale, world)
+        spans.append((start, wire_free))
+        seconds.append(rounds[1:])
+        prev_ready = ready
+    for i, more in enumerate(seconds):  # second rounds: issued once backward is over, in order
+        for nbytes in more:
+            wire_free = max(wire_free, backward_end) + link.all_reduce_time(nbytes * bytes_scale, world)
+            spans[i] = (spans[i][0], wire_free)
+    compute = backward_end + tail + after
+    step = max(backward_end + len(plan.buckets) * per_bucket, wire_free) + tail + after
     return Prediction(step, compute, step - compute, compute / step if step > 0 else 1.0, tuple(spans))
 
 
@@ -194,12 +265,16 @@ def choose_bucket_cap(
     candidates: Sequence[float] = CANDIDATE_CAPS_MB,
     after: float = 0.0,
     bytes_scale: float = 1.0,
+    compression: Any = None,
+    per_bucket: float = 0.0,
 ) -> BucketChoice:
     """Choose the bucket cap that the model predicts fastest for this tree, timeline and link.
 
     Small buckets start communicating early but pay the link's latency once each; large ones pay
     it rarely but wait for their last gradient. Every candidate is predicted with the first
-    bucket capped at ``min(1, cap)`` MiB, as torch DDP does; ties go to the larger cap (fewer
+    bucket capped at ``min(1, cap)`` MiB, as torch DDP does. Each bucket's CPU cost is
+    ``per_bucket`` (:func:`measure_bucket_cost`); walking from the largest cap down, a smaller one
+    is chosen only if its step is more than 0.5% shorter than the best so far (a tie goes to fewer
     collectives). Pure: every rank that passes the same arguments gets the same answer.
 
     Example:
@@ -211,10 +286,40 @@ def choose_bucket_cap(
     preds = {}
     for cap in sorted(candidates):
         preds[cap] = predict_step(
-            params, timeline, link, world, bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap), after=after, bytes_scale=bytes_scale
-        )
-    best = min(preds, key=lambda c: (round(preds[c].step, 6), -c))
+            params, timeline, link, world, bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap), after=after,
+            bytes_scale=bytes_scale, compression=compression, per_bucket=per_bucket,
+        )  # fmt: skip
+    best = max(preds)
+    for cap in sorted(preds, reverse=True):
+        if preds[cap].step < preds[best].step * (1 - _MARGIN):
+            best = cap
     return BucketChoice(best, min(1.0, best), preds)
+
+
+def auto_bucket_cap(
+    fn: Callable[..., torch.Tensor],
+    params: Any,
+    *args: Any,
+    compression: Any = None,
+    link: Link | None = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> BucketChoice:
+    """Measure the link and ``fn``'s backward timeline, and choose the bucket cap (every rank calls it).
+
+    :func:`measure_link` (unless ``link`` is given), :func:`measure_timeline` and
+    :func:`measure_bucket_cost` (agreed over the ranks), then :func:`choose_bucket_cap`: every rank
+    gets the same choice. Call it once, before training, with a representative batch.
+
+    Example:
+        >>> choice = fddp.scaling.auto_bucket_cap(loss_fn, params, x, y)
+        >>> print(choice.explain())
+        >>> step = fddp.grad_and_value(loss_fn, bucket_cap_mb=choice.bucket_cap_mb, first_bucket_mb=choice.first_bucket_mb)
+    """
+    link = link if link is not None else measure_link(group=group)
+    timeline = measure_timeline(fn, params, *args, compression=compression, group=group, **kwargs)
+    cost = measure_bucket_cost(fn, params, *args, compression=compression, group=group, **kwargs)
+    return choose_bucket_cap(params, timeline, link, dist.get_world_size(group), compression=compression, per_bucket=cost)
 
 
 def measure_link(*, group: dist.ProcessGroup | None = None, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**23), repeats: int = 5) -> Link:
@@ -252,28 +357,90 @@ def measure_link(*, group: dist.ProcessGroup | None = None, sizes: Sequence[int]
     return Link(latency=intercept / steps, bandwidth=steps / world / max(slope, 1e-15))
 
 
-def measure_timeline(fn: Callable[..., torch.Tensor], params: Any, *args: Any, repeats: int = 5, **kwargs: Any) -> Timeline:
+def measure_timeline(
+    fn: Callable[..., torch.Tensor],
+    params: Any,
+    *args: Any,
+    repeats: int = 5,
+    compression: Any = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> Timeline:
     """Time when each gradient of ``fn`` becomes ready, without communication (median of ``repeats``).
 
-    Runs ``fddp.grad_and_value(fn)`` over a group of this rank alone (every rank of the default
-    group must call this, since making the groups is collective), so the timeline is the compute
-    alone: what :func:`predict_step` overlaps the all-reduces with.
+    Runs ``fddp.grad_and_value(fn, compression=compression)`` over a group of this rank alone
+    (every rank of the default group must call this, since making the groups is collective), so
+    the timeline is the compute alone, the comm hook's own work included: what
+    :func:`predict_step` overlaps the all-reduces with. The ranks then agree on the slowest
+    rank's times (an all-reduce over ``group``), so that every rank predicts and chooses alike.
 
     Example:
         >>> timeline = fddp.scaling.measure_timeline(loss_fn, params, x, y)
     """
     alone = _own_group()
-    step = grad_and_value(fn, group=alone, return_info=True, bucket_cap_mb=1e9, first_bucket_mb=1e9)
-    step(params, *args, **kwargs)  # warm up
-    runs = [step(params, *args, **kwargs)[2].timeline for _ in range(repeats)]
-    return Timeline(
-        statistics.median(r.backward for r in runs),
-        tuple(statistics.median(r.ready[i] for r in runs) for i in range(len(runs[0].ready))),
-        (),
-        (),
-        (),
-        statistics.median(max(r.ready, default=r.backward) for r in runs),
-    )
+    hook = as_hook(compression, False, "scaling.measure_timeline")
+    stateful = type(hook).init is not CommHook.init
+    step = grad_and_value(fn, group=alone, return_info=True, bucket_cap_mb=1e9, first_bucket_mb=1e9, compression=compression)
+    state = hook.init(params) if stateful else None
+
+    def once() -> Timeline:
+        nonlocal state
+        *_, info = step(params, *args, compression_state=state, **kwargs) if stateful else step(params, *args, **kwargs)
+        state = info.compression_state
+        return info.timeline
+
+    once()  # warm up
+    runs = [once() for _ in range(repeats)]
+    ready = [statistics.median(r.ready[i] for r in runs) for i in range(len(runs[0].ready))]
+    head = [statistics.median(r.backward for r in runs), statistics.median(r.end for r in runs)]
+    if dist.get_world_size(group) > 1:
+        t = torch.tensor(head + ready, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        head, ready = t[:2].tolist(), t[2:].tolist()
+    return Timeline(head[0], tuple(ready), (), (), (), head[1])
+
+
+def measure_bucket_cost(
+    fn: Callable[..., torch.Tensor],
+    params: Any,
+    *args: Any,
+    repeats: int = 9,
+    compression: Any = None,
+    group: dist.ProcessGroup | None = None,
+    **kwargs: Any,
+) -> float:
+    """Seconds one more bucket costs a step of ``fn`` on this machine (every rank must call this).
+
+    Times ``fddp.grad_and_value(fn)`` over a group of this rank alone with one bucket and with one
+    bucket per leaf (medians of ``repeats``) and divides the difference by the extra buckets: the
+    hook calls, the copies into smaller buffers, launching and collecting each collective. The ranks
+    agree on the mean.
+
+    Example:
+        >>> cost = fddp.scaling.measure_bucket_cost(loss_fn, params, x, y)
+    """
+    alone = _own_group()
+    hook = as_hook(compression, False, "scaling.measure_bucket_cost")
+    stateful = type(hook).init is not CommHook.init
+    tiny = 1e-9  # every leaf closes its own bucket
+    runs = []
+    for cap in (1e9, tiny):
+        step = grad_and_value(fn, group=alone, return_info=True, bucket_cap_mb=cap, first_bucket_mb=cap, compression=compression)
+        runs.append([step, hook.init(params) if stateful else None, []])
+    for i in range(repeats + 1):
+        for run in runs if i % 2 else runs[::-1]:  # interleaved, so that both see the same noise
+            step, state, times = run
+            t0 = time.perf_counter()
+            *_, info = step(params, *args, compression_state=state, **kwargs) if stateful else step(params, *args, **kwargs)
+            times.append(time.perf_counter() - t0)
+            run[1] = info.compression_state
+    seconds = [statistics.median(times[1:]) for _, _, times in runs]
+    extra = len(plan_of(params, tiny, tiny).buckets) - 1
+    cost = torch.tensor([max(0.0, (seconds[1] - seconds[0]) / extra) if extra > 0 else 0.0], dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(cost, group=group)
+        cost /= dist.get_world_size(group)
+    return float(cost)
 
 
 _alone: "weakref.WeakKeyDictionary[Any, dist.ProcessGroup]" = weakref.WeakKeyDictionary()

@@ -83,6 +83,28 @@ def test_train_digits_output_is_the_quickstarts_and_a_finished_run_says_so(tmp_p
         assert any(pattern.match(line) for line in lines), f"no output line like the quick start's {pattern.pattern!r}:\n{first}{again}"
 
 
+def test_train_digits_with_powersgd_resumes_bitwise_and_reaches_the_uncompressed_accuracy(tmp_path: Path) -> None:
+    # PowerSGD's state (per-rank residuals, warm-start factors) goes through every step and into
+    # each rank's own checkpoint: a run stopped after epoch 2 and restarted ends where an
+    # uninterrupted one does, to the bit.
+    psgd = ("--compression", "powersgd", "--powersgd-rank", "1", "--powersgd-start", "10", "--epochs", "3")
+    launch("train_digits.py", *psgd, "--out-dir", "full", tmp=tmp_path)
+    launch("train_digits.py", *psgd, "--max-steps", "46", "--out-dir", "resumed", tmp=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "resumed" / "ckpt").iterdir() if p.is_dir()) == ["powersgd-rank0", "powersgd-rank1"]
+    out = launch("train_digits.py", *psgd, "--out-dir", "resumed", tmp=tmp_path)
+    assert "resumed from" in out
+    numbers = lambda m: [{k: v for k, v in h.items() if k != "samples_per_s"} for h in m["history"]]  # noqa: E731
+    assert numbers(read_outputs(tmp_path / "resumed")) == numbers(read_outputs(tmp_path / "full"))
+
+    # The default run (20 epochs), uncompressed and with rank-1 PowerSGD after two epochs: the
+    # test accuracies (360 digits) agree within one point.
+    launch("train_digits.py", "--out-dir", "none", tmp=tmp_path)
+    launch("train_digits.py", "--compression", "powersgd", "--out-dir", "powersgd", tmp=tmp_path)
+    none, powersgd = (read_outputs(tmp_path / d) for d in ("none", "powersgd"))
+    assert powersgd["compression"] == "powersgd" and len(powersgd["history"]) == 20
+    assert powersgd["history"][-1]["test_acc"] >= none["history"][-1]["test_acc"] - 0.01, (none["history"][-1], powersgd["history"][-1])
+
+
 def test_train_digits_runs_under_plain_python(tmp_path: Path) -> None:
     out = launch("train_digits.py", "--epochs", "2", "--max-steps", "30", "--out-dir", "one", nproc=None, tmp=tmp_path)
     assert "training on 1 process(es)" in out

@@ -67,3 +67,53 @@ def test_grad_and_value_records_when_gradients_arrive():
     # backward reaches the last layer first
     assert ready[order[-1]] <= ready[order[0]]
     assert all(launched >= 0 for launched in t.launched) and sum(t.nbytes) == sum(4 * p.numel() for p in params.values())
+
+
+def test_wire_rounds_follow_each_hook():
+    from fddp.scaling import wire_rounds
+    from fddp.sync import plan_of
+
+    params = {"w": torch.zeros(512, 256), "b": torch.zeros(512)}
+    (bucket,) = plan_of(params).buckets
+    assert wire_rounds(None, bucket) == (bucket.nbytes,) == (4 * (512 * 256 + 512),)
+    assert wire_rounds("bf16", bucket) == wire_rounds(fddp.Cast(torch.float16), bucket) == (2 * (512 * 256 + 512),)
+    # PowerSGD rank 2: the bias and P (512 x 2) in the first round, Q (256 x 2) in the second
+    assert wire_rounds(fddp.PowerSGD(rank=2), bucket) == (4 * (512 + 512 * 2), 4 * 256 * 2)
+    assert wire_rounds(fddp.PowerSGD(rank=2), plan_of({"b": torch.zeros(512)}).buckets[0]) == (4 * 512,)
+
+
+def test_prediction_sends_second_rounds_after_backward():
+    # One 1 MiB matrix per bucket; PowerSGD's Q goes out once backward is over, in bucket order.
+    params = {k: torch.zeros(512, 512) for k in "abcd"}
+    timeline = Timeline(0.0, (4e-3, 3e-3, 2e-3, 1e-3), (), (), (), 4.5e-3)  # 0.5 ms of finishing after backward
+    link = Link(latency=1e-4, bandwidth=MB / 1e-3)
+    psgd = fddp.PowerSGD(rank=1)
+    p = predict_step(params, timeline, link, 2, bucket_cap_mb=1, first_bucket_mb=1, compression=psgd)
+    # P of each bucket (2 KiB: 2 us on the wire + 0.2 ms latency) right after its gradient ...
+    firsts = [s for s, _ in p.buckets]
+    assert firsts == pytest.approx([1e-3, 2e-3, 3e-3, 4e-3])
+    # ... and the four Q round trips (as long as a P) back to back after the last P, then the tail
+    rtt = 2 * 1e-4 + 2048 / (MB / 1e-3)
+    assert p.buckets[-1][1] == pytest.approx(4e-3 + rtt + 4 * rtt)
+    assert p.step == pytest.approx(p.buckets[-1][1] + 0.5e-3)
+    plain = predict_step(params, timeline, link, 2, bucket_cap_mb=1, first_bucket_mb=1)
+    assert plain.step > p.step  # 4 MiB on the wire against 16 KiB
+
+
+def _auto_worker() -> tuple:
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    apply_fn, params = fddp.functionalize(model)
+    g = torch.Generator().manual_seed(fddp.rank())
+    x = torch.randn(32, 64, generator=g)
+    loss = lambda p, x: apply_fn(p, x).pow(2).mean()  # noqa: E731
+    timeline = fddp.scaling.measure_timeline(loss, params, x, repeats=3)
+    choice = fddp.scaling.auto_bucket_cap(loss, params, x, compression="bf16", link=Link(1e-4, 1e8))
+    return timeline, choice.bucket_cap_mb, choice.first_bucket_mb
+
+
+def test_timelines_and_choices_agree_across_ranks():
+    from dist import run
+
+    (t0, cap0, first0), (t1, cap1, first1) = run(_auto_worker, 2)
+    assert t0 == t1 and len(t0.ready) == 12 and t0.end >= max(t0.ready) > t0.backward > 0
+    assert (cap0, first0) == (cap1, first1)

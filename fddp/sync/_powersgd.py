@@ -30,7 +30,8 @@ import numpy as np
 import optree
 import torch
 
-from fddp._layout import BucketPlan
+from fddp import _layout, _pool
+from fddp._layout import Bucket, BucketPlan
 from fddp._tree import paths
 from fddp.sync._comm import Comm
 from fddp.sync.hooks import LOW_PRECISION, CommHook, GradBucket
@@ -243,13 +244,15 @@ class _Bucket:
     """One bucket's tensors between launch and finish."""
 
     def __init__(self, flat: torch.Tensor) -> None:
-        self.flat = flat
-        self.before: torch.Tensor | None = None  # the error-fed input, for the next residual
+        self.flat = flat  # the error-fed input (with error feedback, the next residual)
+        self.out = flat  # where the result goes
         self.uncompressed: list[torch.Tensor] = []  # views into flat
+        self.u_pos: list[int] = []  # their positions in the bucket
         self.u_buf: torch.Tensor | None = None
         self.u_work: Any = None
         self.matrices: list[torch.Tensor] = []  # (1, n, m) views into flat
         self.leaf_ids: list[int] = []  # the leaf index of each matrix
+        self.m_pos: list[int] = []  # its position in the bucket
         self.ps: list[torch.Tensor] = []
         self.qs: list[torch.Tensor] = []
         self.p_buf: torch.Tensor | None = None
@@ -257,6 +260,20 @@ class _Bucket:
         self.p_work: Any = None
         self.q_work: Any = None
         self.round = 0  # finish calls so far: P's round trip, then Q's
+
+    def uncompressed_out(self, layout: Bucket) -> list[torch.Tensor]:
+        """The uncompressed leaves' places in ``out``, in the order of ``uncompressed``."""
+        if self.out is self.flat:
+            return self.uncompressed
+        outs = self.out.split(layout.numels)
+        return [outs[k] for k in self.u_pos]
+
+    def matrices_out(self, layout: Bucket) -> list[torch.Tensor]:
+        """The compressed leaves' places in ``out``, as ``(1, n, m)`` matrices in the order of ``matrices``."""
+        if self.out is self.flat:
+            return self.matrices
+        outs = self.out.split(layout.numels)
+        return [outs[k].view(m.shape) for k, m in zip(self.m_pos, self.matrices)]
 
 
 class _Call:
@@ -293,26 +310,30 @@ class _Call:
         cfg, b, s = self.config, bucket.layout, _Bucket(bucket.buffer)
         flat = s.flat
         views = flat.split(b.numels)
-        if self.error is not None:
-            if not self.first:
+        if self.error is not None and not self.first:
+            residual = _layout.tiled(self.error, b)  # last step's residuals: one buffer, usually
+            if residual is not None:
+                flat.add_(residual)
+            else:
                 for v, leaf in zip(views, b.indices):
                     v.add_(self.error[leaf].reshape(-1))
-            s.before = flat.clone()
         # Group compressed matrices by shape, in first-seen order: torch's order, which fixes
         # which random numbers each fresh Q receives.
-        groups: dict[tuple[int, int, int], list[tuple[int, torch.Tensor]]] = {}
-        for v, leaf, shape in zip(views, b.indices, b.shapes):
+        groups: dict[tuple[int, int, int], list[tuple[int, int, torch.Tensor]]] = {}
+        for k, (v, leaf, shape) in enumerate(zip(views, b.indices, b.shapes)):
             nmr = cfg.compressed_shape(shape)
             if nmr is None:
                 s.uncompressed.append(v)
+                s.u_pos.append(k)
             else:
-                groups.setdefault(nmr, []).append((leaf, v.view(1, nmr[0], nmr[1])))
+                groups.setdefault(nmr, []).append((k, leaf, v.view(1, nmr[0], nmr[1])))
         sizes = [(n, m, r) for (n, m, r), members in groups.items() for _ in members]
         s.p_buf = torch.empty(sum(n * r for n, _, r in sizes), dtype=flat.dtype, device=flat.device)
         s.q_buf = torch.empty(sum(m * r for _, m, r in sizes), dtype=flat.dtype, device=flat.device)
         p_at = q_at = 0
         for (n, m, r), members in groups.items():
-            for leaf, matrix in members:
+            for k, leaf, matrix in members:
+                s.m_pos.append(k)
                 s.leaf_ids.append(leaf)
                 s.matrices.append(matrix)
                 s.ps.append(s.p_buf[p_at : p_at + n * r].view(1, n, r))
@@ -332,7 +353,8 @@ class _Call:
         for matrix, q, p in zip(s.matrices, s.qs, s.ps):
             torch.bmm(matrix, q, out=p)
         if s.uncompressed:
-            s.u_buf = torch.cat([v.reshape(-1) for v in s.uncompressed])
+            s.u_buf = _pool.new_buffer(sum(v.numel() for v in s.uncompressed), flat.dtype, flat.device)
+            torch.cat([v.reshape(-1) for v in s.uncompressed], out=s.u_buf)
             s.u_work = self.comm.all_reduce(s.u_buf)
         if s.matrices:
             # P is orthogonalised after the sum, so it needs no division by the world size.
@@ -347,11 +369,14 @@ class _Call:
             return bucket.buffer if bucket.buffer.dtype in LOW_PRECISION else bucket.buffer.div_(world)
         if s.round == 0:
             s.round = 1
+            # With error feedback the input stays in s.flat (it becomes the residual, in place);
+            # the result goes to a new buffer. Without, the result overwrites the input.
+            s.out = _layout.new_flat(bucket.layout) if self.new_error is not None else s.flat
             if s.u_work is not None:
                 comm.wait(s.u_work, f"the uncompressed all-reduce of bucket {i}")
                 at = 0
                 u = s.u_buf.div_(world)
-                for v in s.uncompressed:
+                for v in s.uncompressed_out(bucket.layout):
                     v.copy_(u[at : at + v.numel()])
                     at += v.numel()
             if s.p_work is not None:
@@ -365,16 +390,17 @@ class _Call:
         if s.q_work is not None:
             comm.wait(s.q_work, f"the Q all-reduce of bucket {i}")
             s.q_buf.div_(world)
-            for p, q, matrix in zip(s.ps, s.qs, s.matrices):
+            for p, q, matrix in zip(s.ps, s.qs, s.matrices_out(bucket.layout)):
                 torch.bmm(p, q.transpose(1, 2), out=matrix)
         b = bucket.layout
         if self.new_error is not None:
-            for leaf, e, shape in zip(b.indices, (s.before - s.flat).split(b.numels), b.shapes):
-                self.new_error[leaf] = e.view(shape)
+            # The residual: this step's input minus what came back, written over the input.
+            for leaf, e in zip(b.indices, _layout.views(s.flat.sub_(s.out), b)):
+                self.new_error[leaf] = e
         if self.new_q is not None:
             for leaf, q in zip(s.leaf_ids, s.qs):
                 self.new_q[leaf] = q.view(q.shape[1:])
-        return s.flat
+        return s.out
 
     def new_state(self) -> PowerSGDState:
         step = torch.tensor(self.step + 1, dtype=torch.int64)

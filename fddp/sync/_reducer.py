@@ -100,6 +100,8 @@ class Reducer:
         # Scaling factors the hook wants applied while values are copied in (1/n for a mean over a
         # power-of-two group): one pass fewer than scaling the bucket afterwards.
         self.scales = [_no_unit(hook.scale_in(comm, b)) for b in plan.buckets]
+        # The dtype each bucket is filled in, where the hook casts first (Cast): the copy casts.
+        self.fill = [_no_same(hook.fill_dtype(comm, b), b.dtype) for b in plan.buckets]
         self.working = hook.begin(state, comm)
         self.buckets: list[GradBucket | None] = [None] * len(plan.buckets)
         self.pending: list[Any] = [None] * len(plan.buckets)
@@ -125,7 +127,7 @@ class Reducer:
         """Copy every leaf (``None``: zeros) into its bucket and launch all buckets in order."""
         self.t_backward = now = _now() - self.t0
         self.ready = [now] * self.plan.num_leaves
-        for i, flat in enumerate(_layout.flatten(self.plan, leaves)):
+        for i, flat in enumerate(_layout.flatten(self.plan, leaves, dtypes=self.fill)):
             if self.scales[i] is not None:
                 flat.mul_(self.scales[i])
             self.launch(i, flat)
@@ -156,7 +158,7 @@ class Reducer:
     def _leaf_views(self, b: int) -> Sequence[torch.Tensor]:
         views = self.views[b]
         if views is None:
-            self.flats[b] = flat = _layout.new_flat(self.plan.buckets[b])
+            self.flats[b] = flat = _layout.new_flat(self.plan.buckets[b], self.fill[b])
             self.views[b] = views = _layout.views(flat, self.plan.buckets[b])
         return views
 
@@ -208,6 +210,10 @@ def _now() -> float:
 
 def _no_unit(scale: float | None) -> float | None:
     return None if scale == 1.0 else scale
+
+
+def _no_same(dtype: torch.dtype | None, own: torch.dtype) -> torch.dtype | None:
+    return None if dtype == own else dtype
 
 
 def _checked(result: torch.Tensor, bucket: _layout.Bucket, numel: int, hook: CommHook, i: int) -> torch.Tensor:

@@ -16,7 +16,9 @@ The protocol, per synchronisation of a tree whose buckets are ``b_0 .. b_k``::
     new_state = hook.end(ws)                    # -> SyncInfo.compression_state
 
 Optionally, ``scale_in(comm, layout)`` returns a factor for the reducer to apply while it copies
-values into a bucket (the mean's ``1/n`` for a power-of-two group), which saves a pass.
+values into a bucket (the mean's ``1/n`` for a power-of-two group), which saves a pass, and
+``fill_dtype(comm, layout)`` a dtype for the reducer to fill the bucket in, casting as it copies
+(:class:`Cast`'s half precision): ``bucket.buffer`` then has that dtype, not ``layout.dtype``.
 ``finish`` may return something that is not a tensor: a further pending value, and the reducer
 calls ``finish`` again with it after every other bucket has had its turn (PowerSGD's second round
 trip). The buffer it finally returns must have the bucket's dtype and number of elements; it may be
@@ -53,7 +55,7 @@ from typing import Any, ClassVar
 import torch
 
 from fddp import _shard
-from fddp._layout import Bucket
+from fddp._layout import Bucket, new_flat
 from fddp._pool import new_buffer
 from fddp.sync._comm import Comm
 
@@ -114,6 +116,11 @@ class CommHook:
 
     def scale_in(self, comm: Comm, layout: Bucket) -> float | None:
         """A factor for the reducer to apply while it copies values into this bucket, or ``None``."""
+        return None
+
+    def fill_dtype(self, comm: Comm, layout: Bucket) -> torch.dtype | None:
+        """A dtype for the reducer to fill this bucket in (casting in the copy), or ``None`` for
+        ``layout.dtype``. The buffer ``finish`` returns still has ``layout.dtype``."""
         return None
 
     def begin(self, state: Any, comm: Comm) -> Any:
@@ -310,11 +317,18 @@ class Cast(CommHook):
     def begin(self, state: Any, comm: Comm) -> Any:
         return _WeightSum(comm) if comm.weight is not None else None
 
+    def fill_dtype(self, comm: Comm, layout: Bucket) -> torch.dtype | None:
+        # Unweighted, the cast is the first thing done to the values: the reducer's copy into the
+        # bucket makes it, and the full-precision bucket is never written (a weighted bucket is
+        # scaled by w_r / W first, in full precision).
+        return self.dtype if comm.weight is None and layout.dtype != self.dtype else None
+
     def launch(self, sums: Any, bucket: GradBucket) -> tuple[Any, Any]:
         flat, comm = bucket.buffer, bucket.comm
         if sums is not None:
             _normalise(flat, sums)
-        flat = flat.to(self.dtype)
+        if flat.dtype != self.dtype:
+            flat = flat.to(self.dtype)
         if sums is None:
             flat.div_(comm.world_size)
         else:
@@ -324,7 +338,10 @@ class Cast(CommHook):
     def finish(self, sums: Any, bucket: GradBucket, pending: Any) -> tuple[Any, Any]:
         sent, work = pending
         bucket.comm.wait(work, _nth("all-reduce", bucket))
-        return sent.to(bucket.buffer.dtype), sums
+        if sent.dtype == bucket.layout.dtype:
+            return sent, sums
+        out = new_flat(bucket.layout)  # from the host pool: fresh memory faults on first touch
+        return out.copy_(sent), sums
 
     def end(self, sums: Any) -> Any:
         if sums is not None and sums.comm.weight_sum is None:

@@ -33,6 +33,7 @@ STEP_MODES = {
     "ddp_step_psgd4": "the same, PowerSGD rank 4",
     "grad_and_value": "`fddp.grad_and_value` (all-reduces overlap the backward pass)",
     "grad_and_value_donated": "the same, params and state donated to `apply_gradients` (updated in place)",
+    "grad_and_value_optax": "the same, the optax split: `opt.update` + `fddp.optim.apply_updates`",
     "grad_and_value_bf16": "`fddp.grad_and_value`, buckets sent in bfloat16 (cast in the copy into the bucket)",
     "grad_and_value_psgd1": "`fddp.grad_and_value`, PowerSGD rank 1 from step 0 (compressed as each bucket fills)",
     "grad_and_value_auto": "`fddp.grad_and_value`, bucket cap chosen by `fddp.scaling` from the measured link and timeline",
@@ -116,20 +117,24 @@ def _step_section() -> str:
     out.append(
         f"{data.get('world_size')} gloo processes on CPU, torch {data.get('torch')}; each cell is the median over "
         f"{args.get('repeats', '?')} repeats of the mean time of {args.get('steps', '?')} steps (the slowest "
-        "rank's). **× DDP** is the ratio to torch DDP measured in the same run: below 1 is faster."
+        "rank's). **× DDP** is the ratio to torch DDP measured in the same run: below 1 is faster; its range is "
+        "the lowest and highest ratio of a mode's repeat to DDP's repeat of the same round."
+        + _load_line(data)
     )
     if (RESULTS / "step.png").is_file():
         out.append("![Step time relative to torch DDP](results/step.png)")
     for model, r in data["results"].items():
         rows = [
             f"### {model}: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors",
-            "| mode | what runs | median ms | × DDP | collectives | MB sent |",
-            "| --- | --- | ---: | ---: | ---: | ---: |",
+            "| mode | what runs | median ms | × DDP | range | collectives | MB sent |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
+        ddp = r["modes"]["ddp"]["all_ms"]
         for mode, d in r["modes"].items():
+            paired = [t / ref for t, ref in zip(d["all_ms"], ddp)]
             rows.append(
                 f"| `{mode}` | {STEP_MODES.get(mode, '')} | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} "
-                f"| {d['collectives']} | {d['bytes'] / 2**20:.2f} |"
+                f"| {min(paired):.2f}–{max(paired):.2f} | {d['collectives']} | {d['bytes'] / 2**20:.2f} |"
             )
         out.append("\n".join(rows))
     return "\n\n".join(out)

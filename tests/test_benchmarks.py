@@ -1,0 +1,42 @@
+"""The step benchmark runs as its docs say, and what it records is what it ran.
+
+One short launch (2 processes, 1 repeat of 1 step): the numbers are not timed here (no test
+asserts a time), only that every requested mode ran on the model the benchmark was not tuned on
+and that the bytes it says each mode sent are the ones its buckets hold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_benchmark_runs_the_lm_and_the_optax_split(tmp_path: Path) -> None:
+    out = tmp_path / "step"
+    modes = ["grad_and_value", "grad_and_value_optax", "ddp_step"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(BENCHMARKS / "step.py")]
+    cmd += ["--models", "lm", "--modes", *modes, "--repeats", "1", "--steps", "1", "--warmup", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    lm = data["results"]["lm"]
+    assert (lm["values"], lm["tensors"]) == (2580608, 54)
+    # The floors and DDP always run: every ratio needs them.
+    assert set(lm["modes"]) == {*modes, "floor_torch", "floor_fddp", "floor_gav", "ddp"}
+    for mode, r in lm["modes"].items():
+        assert len(r["all_ms"]) == 1 and math.isfinite(r["median_ms"]) and r["median_ms"] > 0, (mode, r)
+    assert lm["modes"]["ddp"]["ratio_to_ddp"] == 1.0
+    # fp32 gradients, every value sent once per step, in DDP's buckets (1 MiB first, then 25 MiB).
+    for mode in ("ddp", *modes):
+        assert lm["modes"][mode]["bytes"] == 4 * lm["values"], mode
+        assert lm["modes"][mode]["collectives"] == 2, mode
+    assert len(data["load_avg"]["before"]) == 3

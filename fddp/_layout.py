@@ -65,7 +65,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * _itemsize(self.dtype)
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,6 @@ class BucketPlan:
         return sum(b.nbytes for b in self.buckets)
 
 
-@functools.lru_cache(maxsize=None)
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _plan(
     specs: tuple[LeafSpec, ...], bucket_cap_mb: float, first_bucket_mb: float, order: tuple[int, ...] | None, reverse: bool
 ) -> BucketPlan:
@@ -115,7 +110,7 @@ def _plan(
     for i in walk:
         key = (specs[i].dtype, specs[i].device)
         open_buckets.setdefault(key, []).append(i)
-        open_bytes[key] = open_bytes.get(key, 0) + specs[i].numel * _itemsize(specs[i].dtype)
+        open_bytes[key] = open_bytes.get(key, 0) + specs[i].numel * specs[i].dtype.itemsize
         cap = first_bucket_mb if closed_count.get(key, 0) == 0 else bucket_cap_mb
         if open_bytes[key] >= cap * MB:
             closed.append(open_buckets.pop(key))

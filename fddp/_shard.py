@@ -242,12 +242,18 @@ def sharded_roots(tree: Any) -> list[Sharded]:
     return found
 
 
-@functools.lru_cache(maxsize=256)
 def spec_has_sharded(spec: optree.PyTreeSpec) -> bool:
     """Whether a tree of this structure holds a :class:`Sharded` node."""
-    if spec.type is Sharded:
-        return True
-    return any(spec_has_sharded(c) for c in spec.children())
+    # torch.compile traces this (every sync checks it) and warns about lru_cache wrappers: the
+    # plain function there, the cached one in eager mode.
+    return _has_sharded(spec) if torch.compiler.is_compiling() else _has_sharded_cached(spec)
+
+
+def _has_sharded(spec: optree.PyTreeSpec) -> bool:
+    return spec.type is Sharded or any(_has_sharded(c) for c in spec.children())
+
+
+_has_sharded_cached = functools.lru_cache(maxsize=256)(_has_sharded)
 
 
 def explain(want: optree.PyTreeSpec, got: optree.PyTreeSpec, want_name: str = "the reference", got_name: str = "this tree") -> str | None:
@@ -400,4 +406,4 @@ def clear() -> None:
     layout.cache_clear()
     leaf_pieces.cache_clear()
     _kernel_items.cache_clear()
-    spec_has_sharded.cache_clear()
+    _has_sharded_cached.cache_clear()

@@ -327,9 +327,9 @@ def measure_link(*, group: dist.ProcessGroup | None = None, sizes: Sequence[int]
     """Fit a ring :class:`Link` to timed all-reduces on ``group`` (every rank must call this).
 
     Each size is all-reduced ``repeats`` times; the fastest time per size (the least disturbed) is
-    taken over all ranks (the slowest rank's), and ``t = a + c * bytes`` is fitted by least
-    squares in relative error (:func:`fit_alpha_beta`), so the small sizes, which set the latency,
-    count as much as the large ones, which set the bandwidth. Every rank gets the same link.
+    taken over all ranks (the slowest rank's), and ``t = a + c * bytes`` is fitted by
+    :func:`fit_alpha_beta`: the bandwidth from the largest sizes, the latency from the smallest.
+    Every rank gets the same link.
 
     Example:
         >>> link = fddp.scaling.measure_link()
@@ -356,32 +356,29 @@ def measure_link(*, group: dist.ProcessGroup | None = None, sizes: Sequence[int]
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Fit ``seconds = a + c * sizes`` minimising the squared *relative* error; return ``(a, c)``.
+    """Fit ``seconds = a + c * sizes`` to timed all-reduces; return ``(a, c)``.
 
-    A plain least-squares fit lets the largest messages decide: on the 1 Gbit/s test bed their
-    few-percent jitter outweighed a 4 KiB all-reduce's whole time and the fitted latency came out
-    0, so 25 buckets looked as cheap as 2 and the automatic cap chose buckets too small. Weighting
-    each point by ``1 / seconds**2`` fits the small sizes (the latency) and the large ones (the
-    bandwidth) alike. ``a`` is clamped at 0.
+    Each parameter comes from the sizes that show it: the bandwidth ``c`` from the two largest
+    (the slope between them, where the latency cancels and a rate limiter's burst allowance is
+    negligible), the latency ``a`` from the smallest (its time less its bytes at that rate).
+    Least squares over all sizes went wrong both ways on the 1 Gbit/s test bed: a plain fit let
+    the largest points' jitter set ``a`` to 0 (25 buckets looked as cheap as 2), a fit in relative
+    error let the burst-shortened middle sizes lower ``c`` (8 MiB looked 25% faster than it was).
+    ``a`` is clamped at 0; a non-positive slope falls back to the largest size's time per byte.
 
     Example:
-        >>> a, c = fit_alpha_beta([1e3, 1e6], [1e-4 + 1e-6, 1e-4 + 1e-3])
+        >>> a, c = fit_alpha_beta([1e3, 1e5, 1e6], [1e-4 + 1e-6, 1e-4 + 1e-4, 1e-4 + 1e-3])
         >>> round(a * 1e6), round(c * 1e9)
         (100, 1)
     """
-    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+    points = sorted(zip(sizes, seconds))
+    if len(points) != len(seconds) or len(sizes) != len(seconds) or len({x for x, _ in points}) < 2:
         raise ValueError(f"fit_alpha_beta needs times of at least 2 different sizes; got sizes {list(sizes)}")
-    w = [1.0 / max(y, 1e-12) ** 2 for y in seconds]
-    sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, sizes))
-    sy = sum(wi * y for wi, y in zip(w, seconds))
-    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, seconds))
-    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
-    intercept = (sy - slope * sx) / sw
-    if intercept < 0:  # refit through the origin
-        intercept, slope = 0.0, sxy / sxx
-    return intercept, slope
+    (x0, y0), (x1, y1), (x2, y2) = points[0], points[-2], points[-1]
+    slope = (y2 - y1) / (x2 - x1) if x2 > x1 else 0.0
+    if slope <= 0:  # jitter larger than the difference: the largest size's average rate
+        slope = y2 / x2
+    return max(0.0, y0 - slope * x0), slope
 
 
 def measure_timeline(

@@ -27,7 +27,8 @@ Modes:
     grad_and_value_bf16     fddp.grad_and_value, buckets sent in bfloat16 (cast as each bucket fills)
     grad_and_value_psgd1    fddp.grad_and_value, PowerSGD rank 1 from step 0 (compressed in backward)
     grad_and_value_auto     fddp.grad_and_value with the bucket cap fddp.scaling.auto_bucket_cap
-                      chooses from the measured link and backward timeline (the same on every rank);
+                      chooses from the measured link and backward timeline, checked against the
+                      default by a few timed steps (the same on every rank);
                       likewise grad_and_value_bf16_auto and grad_and_value_psgd1_auto
     compiled          torch.compile of torch.func.grad + fddp.ddp_step + fddp.optim, one graph
 """
@@ -323,8 +324,9 @@ def choose_auto_caps(model: nn.Module, batch: tuple) -> dict[str, Any]:
         cost = fddp.scaling.measure_bucket_cost(loss, params, *batch, compression=compression)
         world = dist.get_world_size()
         choice = fddp.scaling.choose_bucket_cap(params, timeline, link, world, compression=compression, per_bucket=cost)
+        choice = fddp.scaling.verify_bucket_cap(choice, loss, params, *batch, compression=compression)
         caps[key] = {"bucket_cap_mb": choice.bucket_cap_mb, "first_bucket_mb": choice.first_bucket_mb}
-        out["choices"][key] = {**caps[key], "explain": choice.explain(), "per_bucket_s": cost}
+        out["choices"][key] = {**caps[key], "explain": choice.explain(), "per_bucket_s": cost, "measured_s": choice.measured}
         out["timelines"][key] = {"backward": timeline.backward, "ready": list(timeline.ready), "end": timeline.end}
     out["caps"] = caps
     return out

@@ -146,3 +146,29 @@ def test_link_fit_takes_bandwidth_from_large_sizes_and_latency_from_small():
         fit_alpha_beta([1.0, 1.0], [1.0, 2.0])
     assert fit_alpha_beta([1.0, 2.0, 4.0], [1.0, 3.0, 2.0]) == pytest.approx((0.5, 0.5))
     assert fit_alpha_beta([1.0, 2.0], [1.0, 3.0]) == (0.0, 2.0)
+
+
+def _verify_worker() -> tuple:
+    # 200 small leaves and almost no compute: a collective per leaf costs far more than the
+    # backward pass it could overlap, whatever the machine.
+    params = {f"w{i:03d}": torch.full((8,), 0.1 * i) for i in range(200)}
+    x = torch.randn(8, generator=torch.Generator().manual_seed(fddp.rank()))
+    loss = lambda p, x: sum(((w * x) ** 2).sum() for w in p.values())  # noqa: E731
+    timeline = fddp.scaling.measure_timeline(loss, params, x)
+    # A link without latency makes the model choose one bucket per leaf; the timed check finds the
+    # default faster, on every rank alike.
+    choice = choose_bucket_cap(params, timeline, Link(latency=0.0, bandwidth=1e12), world=2, candidates=(1e-6,))
+    checked = fddp.scaling.verify_bucket_cap(choice, loss, params, x, steps=3)
+    same = fddp.scaling.verify_bucket_cap(choice._replace(bucket_cap_mb=25.0, first_bucket_mb=1.0), loss, params, x)
+    return choice.bucket_cap_mb, checked.bucket_cap_mb, checked.first_bucket_mb, checked.measured, same.measured
+
+
+def test_verify_keeps_the_default_when_the_models_choice_is_slower():
+    from dist import run
+
+    results = run(_verify_worker, 2)
+    for chosen, kept, first, measured, untimed in results:
+        assert chosen == 1e-6 and (kept, first) == (25.0, 1.0), measured
+        assert measured[1e-6] > measured[25.0] > 0
+        assert untimed is None  # the default needs no check
+    assert results[0][3] == results[1][3]  # the slowest rank's times, agreed

@@ -361,28 +361,20 @@ def verify_bucket_cap(
     chosen = (choice.bucket_cap_mb, choice.first_bucket_mb)
     if chosen == default:
         return choice
-    hook = as_hook(compression, False, "scaling.verify_bucket_cap")
-    stateful = type(hook).init is not CommHook.init
-    runs = []
-    for cap, first in (chosen, default):
-        step = grad_and_value(fn, group=group, return_info=True, bucket_cap_mb=cap, first_bucket_mb=first, compression=compression)
-        runs.append([step, hook.init(params) if stateful else None, []])
-
-    def call(run: list) -> None:
-        step, state, _ = run
-        *_, info = step(params, *args, compression_state=state, **kwargs) if stateful else step(params, *args, **kwargs)
-        run[1] = info.compression_state
-
-    for run in runs:
-        call(run)  # warm up: the first call checks signatures and plans
+    runs = [
+        (_stepper("verify_bucket_cap", fn, params, args, kwargs, compression, group, cap, first), [])
+        for cap, first in (chosen, default)
+    ]
+    for once, _ in runs:
+        once()  # warm up: the first call checks signatures and plans
     for r in range(rounds):
-        for run in runs if r % 2 == 0 else runs[::-1]:
+        for once, times in runs if r % 2 == 0 else runs[::-1]:
             dist.barrier(group=group)
             t0 = time.perf_counter()
             for _ in range(steps):
-                call(run)
-            run[2].append((time.perf_counter() - t0) / steps)
-    times = torch.tensor([t for _, _, ts in runs for t in ts], dtype=torch.float64)
+                once()
+            times.append((time.perf_counter() - t0) / steps)
+    times = torch.tensor([t for _, ts in runs for t in ts], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's, the same everywhere
     fast, slow = statistics.median(times[:rounds].tolist()), statistics.median(times[rounds:].tolist())
     keep = chosen if fast < slow else default
@@ -438,7 +430,7 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[fl
         (100, 1)
     """
     points = sorted(zip(sizes, seconds))
-    if len(points) != len(seconds) or len(sizes) != len(seconds) or len({x for x, _ in points}) < 2:
+    if len(sizes) != len(seconds) or len({x for x, _ in points}) < 2:
         raise ValueError(f"fit_alpha_beta needs times of at least 2 different sizes; got sizes {list(sizes)}")
     (x0, y0), (x1, y1), (x2, y2) = points[0], points[-2], points[-1]
     slope = (y2 - y1) / (x2 - x1) if x2 > x1 else 0.0
@@ -467,20 +459,9 @@ def measure_timeline(
     Example:
         >>> timeline = fddp.scaling.measure_timeline(loss_fn, params, x, y)
     """
-    alone = _own_group()
-    hook = as_hook(compression, False, "scaling.measure_timeline")
-    stateful = type(hook).init is not CommHook.init
-    step = grad_and_value(fn, group=alone, return_info=True, bucket_cap_mb=1e9, first_bucket_mb=1e9, compression=compression)
-    state = hook.init(params) if stateful else None
-
-    def once() -> Timeline:
-        nonlocal state
-        *_, info = step(params, *args, compression_state=state, **kwargs) if stateful else step(params, *args, **kwargs)
-        state = info.compression_state
-        return info.timeline
-
+    once = _stepper("measure_timeline", fn, params, args, kwargs, compression, _own_group(), 1e9, 1e9)
     once()  # warm up
-    runs = [once() for _ in range(repeats)]
+    runs = [once().timeline for _ in range(repeats)]
     ready = [statistics.median(r.ready[i] for r in runs) for i in range(len(runs[0].ready))]
     head = [statistics.median(r.backward for r in runs), statistics.median(r.end for r in runs)]
     if dist.get_world_size(group) > 1:
@@ -510,27 +491,49 @@ def measure_bucket_cost(
         >>> cost = fddp.scaling.measure_bucket_cost(loss_fn, params, x, y)
     """
     alone = _own_group()
-    hook = as_hook(compression, False, "scaling.measure_bucket_cost")
-    stateful = type(hook).init is not CommHook.init
     tiny = 1e-9  # every leaf closes its own bucket
-    runs = []
-    for cap in (1e9, tiny):
-        step = grad_and_value(fn, group=alone, return_info=True, bucket_cap_mb=cap, first_bucket_mb=cap, compression=compression)
-        runs.append([step, hook.init(params) if stateful else None, []])
+    runs = [(_stepper("measure_bucket_cost", fn, params, args, kwargs, compression, alone, cap, cap), []) for cap in (1e9, tiny)]
     for i in range(repeats + 1):
-        for run in runs if i % 2 else runs[::-1]:  # interleaved, so that both see the same noise
-            step, state, times = run
+        for once, times in runs if i % 2 else runs[::-1]:  # interleaved, so that both see the same noise
             t0 = time.perf_counter()
-            *_, info = step(params, *args, compression_state=state, **kwargs) if stateful else step(params, *args, **kwargs)
+            once()
             times.append(time.perf_counter() - t0)
-            run[1] = info.compression_state
-    seconds = [statistics.median(times[1:]) for _, _, times in runs]
+    seconds = [statistics.median(times[1:]) for _, times in runs]
     extra = len(plan_of(params, tiny, tiny).buckets) - 1
     cost = torch.tensor([max(0.0, (seconds[1] - seconds[0]) / extra) if extra > 0 else 0.0], dtype=torch.float64)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(cost, group=group)
         cost /= dist.get_world_size(group)
     return float(cost)
+
+
+def _stepper(
+    what: str,
+    fn: Callable[..., torch.Tensor],
+    params: Any,
+    args: tuple,
+    kwargs: dict,
+    compression: Any,
+    group: dist.ProcessGroup | None,
+    bucket_cap_mb: float,
+    first_bucket_mb: float,
+) -> Callable[[], Any]:
+    """A function making one ``fddp.grad_and_value(fn)`` step per call and returning its
+    :class:`SyncInfo`; a stateful comm hook's state (PowerSGD's) goes from each call to the next."""
+    hook = as_hook(compression, False, f"scaling.{what}")
+    stateful = type(hook).init is not CommHook.init
+    step = grad_and_value(
+        fn, group=group, return_info=True, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=compression
+    )
+    state = hook.init(params) if stateful else None
+
+    def once() -> Any:
+        nonlocal state
+        *_, info = step(params, *args, compression_state=state, **kwargs) if stateful else step(params, *args, **kwargs)
+        state = info.compression_state
+        return info
+
+    return once
 
 
 _alone: "weakref.WeakKeyDictionary[Any, dist.ProcessGroup]" = weakref.WeakKeyDictionary()

@@ -56,7 +56,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return markdown.replace(VALIDATION_MARKER, _scaling_validation()).replace(PROJECTION_MARKER, _scaling_projection())
     if MARKER not in markdown:
         return markdown
-    sections = [_step_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section()]
+    sections = [_step_section(), _floor_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section()]
     return markdown.replace(MARKER, "\n\n".join(sections))
 
 
@@ -137,6 +137,38 @@ def _step_section() -> str:
                 f"| {min(paired):.2f}–{max(paired):.2f} | {d['collectives']} | {d['bytes'] / 2**20:.2f} |"
             )
         out.append("\n".join(rows))
+    return "\n\n".join(out)
+
+
+def _floor_section() -> str:
+    out = ["## Where the no-communication floor goes"]
+    floor = _load("floor.json")
+    command = "python benchmarks/floor.py --models mlp transformer"
+    out.append(f"Command: `{command}`. One process, one thread; each piece of a step timed alone (median ms).")
+    if floor is None:
+        out.append(_missing(command, "the pieces of the floor"))
+    else:
+        res = floor["results_ms"]
+        models = list(res)
+        rows = ["| piece | " + " | ".join(models) + " |", "| --- |" + " ---: |" * len(models)]
+        for piece in res[models[0]]:
+            rows.append(f"| {piece} | " + " | ".join(f"{res[m][piece]:.2f}" for m in models) + " |")
+        out.append("\n".join(rows) + "\n\n" + _load_line(floor).strip())
+    over = _load("overhead.json")
+    command = "python benchmarks/overhead.py --leaves 34 100"
+    out.append(
+        f"fddp's own per-call work, from `{command}`: tensors of 4 values, so that what is timed is bookkeeping "
+        "(setup, signature check, hooks, views), not arithmetic; median µs of interleaved calls, one thread."
+    )
+    if over is None:
+        out.append(_missing(command, "fddp's per-call overhead"))
+    else:
+        res = over["results_us"]
+        ns = list(res)
+        rows = ["| call | " + " | ".join(f"{n} leaves" for n in ns) + " |", "| --- |" + " ---: |" * len(ns)]
+        for row in res[ns[0]]:
+            rows.append(f"| {row} | " + " | ".join(f"{res[n][row]:.0f}" for n in ns) + " |")
+        out.append("\n".join(rows) + "\n\n" + _load_line(over).strip())
     return "\n\n".join(out)
 
 

@@ -249,8 +249,12 @@ def _templates(bucket: Bucket) -> list[torch.Tensor]:
     return [torch.empty(shape, device="meta") for shape in bucket.shapes]
 
 
-def unflatten(plan: BucketPlan, flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def unflatten(
+    plan: BucketPlan, flats: Sequence[torch.Tensor], made: Sequence[Sequence[torch.Tensor] | None] | None = None
+) -> list[torch.Tensor]:
     """Return the leaves as views into the bucket buffers (no copy), in tree-flatten order.
+
+    ``made[b]``, where given, are bucket ``b``'s views already made (by :func:`views` of ``flats[b]``).
 
     Example:
         >>> specs = (LeafSpec((2,), torch.float32, torch.device("cpu")),) * 2
@@ -258,8 +262,9 @@ def unflatten(plan: BucketPlan, flats: Sequence[torch.Tensor]) -> list[torch.Ten
         [tensor([2., 3.]), tensor([0., 1.])]
     """
     leaves: list[torch.Tensor | None] = [None] * plan.num_leaves
-    for b, flat in zip(plan.buckets, flats):
-        for i, view in zip(b.indices, views(flat, b)):
+    for k, (b, flat) in enumerate(zip(plan.buckets, flats)):
+        known = made[k] if made is not None else None
+        for i, view in zip(b.indices, known if known is not None else views(flat, b)):
             leaves[i] = view
     return leaves  # type: ignore[return-value]
 

@@ -9,8 +9,7 @@ signature needs them, and cached per tree structure.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import optree
 import torch
@@ -64,9 +63,13 @@ def tensor_leaves(tree: Any, what: str, *, none_ok: bool = False) -> tuple[list[
     return leaves, spec
 
 
-@dataclass(frozen=True)
-class LeafSpec:
-    """What a bucket plan needs to know of a leaf: its shape, dtype and device."""
+class LeafSpec(NamedTuple):
+    """What a bucket plan needs to know of a leaf: its shape, dtype and device.
+
+    A named tuple rather than a dataclass: every synchronising call builds one per leaf and hashes
+    and compares the tuple of them (the signature and plan caches), and a tuple does that in C
+    (about 60 us a call less on a 100-tensor model).
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -107,6 +110,20 @@ def definition_order(tree: Any) -> tuple[int, ...] | None:
         >>> definition_order({"b": torch.zeros(1), "a": torch.zeros(1)})
         (1, 0)
     """
+    if type(tree) is dict and not torch.compiler.is_compiling() and all(isinstance(v, torch.Tensor) for v in tree.values()):
+        # The usual tree, a flat dict of tensors (fddp.functionalize's): its order depends on the
+        # keys alone, cached per key tuple instead of walking the tree on every call. (Dynamo
+        # would trace the cache with a warning; a compiled step computes the order once anyway.)
+        return _flat_dict_order(tuple(tree))
+    return _definition_order(tree)
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_dict_order(keys: tuple) -> tuple[int, ...] | None:
+    return _definition_order(dict.fromkeys(keys))  # None values are leaves, as tensors are
+
+
+def _definition_order(tree: Any) -> tuple[int, ...] | None:
     ins = _insertion_paths(tree)
     index = {p: i for i, p in enumerate(optree.tree_paths(tree, none_is_leaf=True))}
     if len(index) != len(ins) or any(p not in index for p in ins):

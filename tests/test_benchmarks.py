@@ -40,3 +40,14 @@ def test_step_benchmark_runs_the_lm_and_the_optax_split(tmp_path: Path) -> None:
         assert lm["modes"][mode]["bytes"] == 4 * lm["values"], mode
         assert lm["modes"][mode]["collectives"] == 2, mode
     assert len(data["load_avg"]["before"]) == 3
+
+
+def test_overhead_benchmark_records_every_row(tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    cmd = [sys.executable, str(BENCHMARKS / "overhead.py"), "--leaves", "3", "--repeats", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    rows = json.loads(out.read_text())["results_us"]["3"]
+    assert rows["grad overhead"] == rows["fddp.grad"] - rows["autograd.grad + no-op hooks"]
+    assert rows["optimizer overhead"] == rows["fddp.optim.apply_gradients"] - rows["torch.optim.SGD.step()"]
+    assert all(math.isfinite(v) for v in rows.values()) and rows["ddp_step"] > 0

@@ -369,3 +369,18 @@ def test_buckets_follow_definition_order_not_sorted_keys():
     assert first == ["11.bias", "11.weight"], first
     last = [paths[i] for i in plan.buckets[-1].indices]
     assert last[-1] == "0.weight", last
+
+
+def test_definition_order_of_a_flat_dict_is_cached_per_key_order():
+    # A flat dict of tensors takes a cached path keyed by its keys; it must agree with the walk
+    # over the tree, and two dicts with the same keys in other orders must not share an entry.
+    from fddp._tree import _definition_order, definition_order
+
+    t = torch.zeros(1)
+    for keys in (["b", "a", "c"], ["a", "b", "c"], ["c", "a", "b"], ["layers.10", "layers.2"], []):
+        tree = {k: t for k in keys}
+        assert definition_order(tree) == _definition_order(tree), keys
+    assert definition_order({"b": t, "a": t}) == (1, 0)
+    assert definition_order({"a": t, "b": t}) is None
+    nested = {"b": {"y": t, "x": t}, "a": t}  # not flat: walked, not cached
+    assert definition_order(nested) == _definition_order(nested) == (2, 1, 0)

@@ -154,8 +154,9 @@ def sgd(
         lr_t = _lr_at(lr, state.count)
         donated = [ps] + ([bufs] if momentum else [])
         # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
-        in_place = flat.disjoint(gs, *donated) and not _module_aliases(ps)
-        if donate and _FUSED_SGD is not None and _fused_kernels_take(groups) and in_place and flat.kernels_take(params, treedef):
+        # Checked only when donating: the overlap check sorts every leaf's span.
+        in_place = donate and flat.disjoint(gs, *donated) and not _module_aliases(ps)
+        if in_place and _FUSED_SGD is not None and _fused_kernels_take(groups) and flat.kernels_take(params, treedef):
             for group in groups:
                 leaves = [[ps[i] for i in group.indices], [gs[i] for i in group.indices]]
                 if momentum:

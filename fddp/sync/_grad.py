@@ -176,9 +176,9 @@ class _Transform:
                 raise ValueError(f"fddp.{what}: argnums {self.argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments")
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         sync = setup(tree, options, what, state)
-        for i, t in enumerate(sync.leaves):
-            if not (t.is_floating_point() or t.is_complex()):
-                raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(sync.spec)[i]!r} is {t.dtype}")
+        if not all(b.dtype.is_floating_point or b.dtype.is_complex for b in sync.plan.buckets):  # per bucket, not per leaf
+            i = next(i for i, t in enumerate(sync.leaves) if not (t.is_floating_point() or t.is_complex()))
+            raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(sync.spec)[i]!r} is {sync.leaves[i].dtype}")
         if torch.is_grad_enabled():
             for i, t in enumerate(sync.leaves):
                 if t.grad_fn is not None:
@@ -191,10 +191,11 @@ class _Transform:
                     )
         inputs = [t.detach().requires_grad_() for t in sync.leaves]
         reducer = sync.reducer(state)
+        arrive = reducer.arrive
         for i, x in enumerate(inputs):
             # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
             # tensor's hooks run.
-            x.register_hook(functools.partial(reducer.arrive, i))
+            x.register_hook(functools.partial(arrive, i))
         views = optree.tree_unflatten(sync.spec, inputs)
         call_args = list(args)
         if isinstance(self.argnums, int):
@@ -210,7 +211,7 @@ class _Transform:
                 torch.autograd.grad(loss, inputs, allow_unused=True)
         reducer.flush()
         flats, info = reducer.finish()
-        return sync.unflatten(flats), _detached(out), info
+        return sync.unflatten(flats, reducer.made_views(flats)), _detached(out), info
 
 
 def _detached(out: Any) -> Any:

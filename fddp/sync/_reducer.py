@@ -92,7 +92,9 @@ class Reducer:
 
     def __init__(self, plan: BucketPlan, hook: CommHook, state: Any, comm: Comm, check_finite: bool = False) -> None:
         self.plan, self.hook, self.comm, self.check_finite = plan, hook, comm, check_finite
-        self.t0 = _now()
+        # Dynamo cannot trace the clock: a compiled step reads zeros and reports no timeline.
+        self.clock = _zero if torch.compiler.is_compiling() else time.perf_counter
+        self.t0 = self.clock()
         self.t_backward = 0.0
         self.ready = [0.0] * plan.num_leaves
         self.launched = [0.0] * len(plan.buckets)
@@ -111,21 +113,22 @@ class Reducer:
         self.missing = [set(b.indices) for b in plan.buckets]
         self.where = _slots(plan)  # leaf -> (bucket, position): looked up once, not per leaf
         self.next = 0
+        self.sent: list[tuple[torch.Tensor, Sequence[torch.Tensor]] | None] = [None] * len(plan.buckets)
 
     def launch(self, i: int, flat: torch.Tensor) -> None:
         """Hand bucket ``i`` (``flat``, already scaled by ``scales[i]``) to the hook."""
         bucket = GradBucket(i, flat, self.plan.buckets[i], self.comm)
-        self.launched[i] = _now() - self.t0
+        self.launched[i] = self.clock() - self.t0
         self.pending[i], self.working = self.hook.launch(self.working, bucket)
         self.buckets[i] = bucket
 
     def mark_backward(self) -> None:
         """Note that backward starts now (for :class:`Timeline`)."""
-        self.t_backward = _now() - self.t0
+        self.t_backward = self.clock() - self.t0
 
     def push(self, leaves: Sequence[torch.Tensor | None]) -> None:
         """Copy every leaf (``None``: zeros) into its bucket and launch all buckets in order."""
-        self.t_backward = now = _now() - self.t0
+        self.t_backward = now = self.clock() - self.t0
         self.ready = [now] * self.plan.num_leaves
         for i, flat in enumerate(_layout.flatten(self.plan, leaves, dtypes=self.fill)):
             if self.scales[i] is not None:
@@ -134,14 +137,17 @@ class Reducer:
 
     def arrive(self, leaf: int, g: torch.Tensor) -> None:
         """Copy one leaf's value into its bucket; launch every bucket that is now complete, in order."""
+        # Called once per leaf per step from a backward hook: kept to a few attribute lookups.
         b, k = self.where[leaf]
-        view = self._leaf_views(b)[k]
+        views = self.views[b]
+        if views is None:
+            views = self._leaf_views(b)
         scale = self.scales[b]
         if scale is None:
-            view.copy_(g)
+            views[k].copy_(g)
         else:
-            torch.mul(g, scale, out=view)  # the copy, scaled on the way
-        self.ready[leaf] = _now() - self.t0
+            torch.mul(g, scale, out=views[k])  # the copy, scaled on the way
+        self.ready[leaf] = self.clock() - self.t0
         missing = self.missing[b]
         missing.discard(leaf)
         if not missing and b == self.next:
@@ -165,8 +171,14 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self.next < len(self.flats) and not self.missing[self.next]:
             self.launch(self.next, self.flats[self.next])
+            self.sent[self.next] = (self.flats[self.next], self.views[self.next])
             self.flats[self.next] = self.views[self.next] = None  # the hook holds the buffer now
             self.next += 1
+
+    def made_views(self, flats: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor] | None]:
+        """Per reduced buffer, the leaf views :meth:`arrive` made of it, where the hook reduced in
+        place (the buffer came back as it went out): the caller's views need not be made again."""
+        return [s[1] if s is not None and s[0] is f else None for s, f in zip(self.sent, flats)]
 
     def finish(self) -> tuple[list[torch.Tensor], SyncInfo]:
         """Wait for every bucket, in rounds (a hook may need several round trips); return the
@@ -183,7 +195,7 @@ class Reducer:
                 if isinstance(result, torch.Tensor):
                     numel = self.comm.cut(i).size if self.hook.shards else self.plan.buckets[i].numel
                     out[i] = _checked(result, self.plan.buckets[i], numel, self.hook, i)
-                    self.done[i] = _now() - self.t0
+                    self.done[i] = self.clock() - self.t0
                 else:
                     self.pending[i] = result
                     again.append(i)
@@ -198,14 +210,13 @@ class Reducer:
             finite = (bad[0] == 0).to(finite.device)
         timeline = None if torch.compiler.is_compiling() else Timeline(
             self.t_backward, tuple(self.ready), tuple(self.launched), tuple(self.done),
-            tuple(b.nbytes for b in self.plan.buckets), _now() - self.t0,
+            tuple(b.nbytes for b in self.plan.buckets), self.clock() - self.t0,
         )  # fmt: skip
         return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state, timeline)
 
 
-def _now() -> float:
-    # Dynamo cannot trace the clock; a compiled step reports no timeline.
-    return 0.0 if torch.compiler.is_compiling() else time.perf_counter()
+def _zero() -> float:
+    return 0.0
 
 
 def _no_unit(scale: float | None) -> float | None:

@@ -155,14 +155,15 @@ class Sync(NamedTuple):
         o = self.options
         return Reducer(self.plan, o.hook, state, Comm(o.group, self.what, self.plan, o.weight), o.check_finite)
 
-    def unflatten(self, flats: list[torch.Tensor]) -> Any:
+    def unflatten(self, flats: list[torch.Tensor], made: list[Any] | None = None) -> Any:
         """The tree rebuilt from reduced buffers (its leaves are views into them); a sharding
-        hook's shards as a :class:`fddp.zero.Sharded` of the tree instead."""
+        hook's shards as a :class:`fddp.zero.Sharded` of the tree instead. ``made``: views of
+        some buffers already made (:meth:`fddp.sync._reducer.Reducer.made_views`)."""
         o = self.options
         if o.hook.shards:
             world, rank = dist.get_world_size(o.group), dist.get_rank(o.group)
             return _shard.Sharded(flats, _shard.layout(self.plan, self.spec, world, rank, o.group))
-        return optree.tree_unflatten(self.spec, _layout.unflatten(self.plan, flats))
+        return optree.tree_unflatten(self.spec, _layout.unflatten(self.plan, flats, made))
 
 
 def setup(tree: Any, options: SyncOptions, what: str, state: Any = None, *, members: tuple[LeafSpec, ...] | None = None) -> Sync:

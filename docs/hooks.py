@@ -255,6 +255,8 @@ def _load_line(data: dict) -> str:
     load = data.get("load_avg")
     if not load:
         return ""
+    if isinstance(load, list):  # one reading, os.getloadavg() at the end (floor.py, overhead.py)
+        return " Load average (1, 5, 15 min) after the run " + ", ".join(f"{x:.2f}" for x in load) + "."
     fmt = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
     return f" Load average (1, 5, 15 min) before the run {fmt(load['before'])}, after {fmt(load['after'])}, on {load['cpus']} CPUs."
 

@@ -261,7 +261,15 @@ def make_modes(model: nn.Module, caps: dict[str, float], auto: dict[str, dict[st
     modes["floor_fddp"] = fddp_mode(lambda p, loss, x, y: torch.func.grad(loss)(p, x, y))
     # Every rank must create every group; each rank then differentiates over its own one-rank group.
     alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-    modes["floor_gav"] = fddp_mode(lambda p, loss, x, y: fddp.grad(loss, group=alone)(p, x, y))
+    alone_box: dict[str, Callable] = {}
+
+    def floor_gav(params, loss, x, y):
+        # Built once, as the overlapped modes and a training loop build theirs.
+        if "grad" not in alone_box:
+            alone_box["grad"] = fddp.grad(loss, group=alone)
+        return alone_box["grad"](params, x, y)
+
+    modes["floor_gav"] = fddp_mode(floor_gav)
     modes["ddp"] = torch_mode(wrap=True)
     modes["per_tensor"] = fddp_mode(per_tensor)
     modes["ddp_step"] = fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), **caps))

@@ -215,6 +215,34 @@ def test_single_leaf_bucket_gradient_is_not_aliased():
     assert torch.equal(grads["w"], torch.full((3,), 2.0)) and torch.equal(w, torch.ones(3))
 
 
+def test_last_calls_raw_gradients_are_kept_until_the_next_call_starts():
+    # On the CPU the transform keeps a step's raw gradients until its next call, as a module keeps
+    # .grad, and frees them before fn runs again (as zero_grad(set_to_none=True) would): the
+    # allocator then reuses that memory instead of returning it to the OS every step.
+    import weakref
+
+    raw: list[list[weakref.ref]] = []
+    freed_before_fn: list[bool] = []
+
+    def loss(p):
+        freed_before_fn.append(all(r() is None for r in raw[-1]) if raw else True)
+        refs: list[weakref.ref] = []
+        raw.append(refs)
+        # Runs after fddp's own hook on the same leaf, with the same gradient tensor.
+        p["w"].register_hook(lambda g: refs.append(weakref.ref(g)))
+        return (p["w"] * p["w"]).sum()
+
+    step = fddp.grad(loss)
+    params = {"w": torch.arange(4.0)}
+    grads = step(params)
+    assert len(raw[0]) == 1 and raw[0][0]() is not None  # held after the call
+    assert torch.equal(grads["w"], 2 * params["w"])
+    del grads
+    step(params)
+    assert freed_before_fn == [True, True]
+    assert raw[0][0]() is None and raw[1][0]() is not None
+
+
 def test_loss_not_depending_on_params_gives_zeros():
     grads, value = fddp.grad_and_value(lambda p, c: c * 2)({"a": torch.ones(2)}, torch.tensor(3.0))
     assert torch.equal(grads["a"], torch.zeros(2)) and value.item() == 6.0

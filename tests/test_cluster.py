@@ -106,8 +106,14 @@ def test_teardown_on_error_and_timeout_kills_what_runs():
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_teardown_when_the_creator_is_signalled(sig, tmp_path):
     ready = tmp_path / "ready"
+    # The child starts with Python's usual signal handling even where the test runner was started
+    # as a background job or under nohup (which ignore SIGINT or SIGHUP, and their children inherit
+    # that: this test then timed out in a CI run launched with `&`).
     script = f"""
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+for s in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_DFL)
 sys.path.insert(0, {str(ROOT)!r})
 from tools.cluster import Cluster
 with Cluster(2, rate="1gbit") as c:
@@ -127,6 +133,8 @@ with Cluster(2, rate="1gbit") as c:
     finally:
         proc.kill()
         proc.wait()
+        if proc.returncode == -signal.SIGKILL:
+            cluster.cleanup_stale()  # it did not tear down: leave no namespaces behind
     assert proc.returncode != 0
     assert [ns for ns in cluster._netns_list() if ns.startswith(run_id)] == []
 

@@ -86,13 +86,19 @@ def main() -> None:
     fddp.init()  # one process: fddp.grad's group has one rank
     results = {name: {piece: timed(fn, args.repeats) for piece, fn in pieces(name).items()} for name in args.models}
     fddp.shutdown()
-    width = max(len(p) for r in results.values() for p in r)
-    print(f"{'median ms, 1 thread':<{width}}" + "".join(f"{m:>14}" for m in results))
-    for piece in next(iter(results.values())):
-        print(f"{piece:<{width}}" + "".join(f"{results[m][piece]:14.2f}" for m in results))
+    report(results, "median ms, 1 thread", {m: m for m in results}, ".2f", args, "results_ms")
+
+
+def report(results: dict, corner: str, columns: dict, fmt: str, args: argparse.Namespace, key: str) -> None:
+    """Print ``results[column][row]`` as a table (``columns`` maps each column to its heading) and
+    write them, with the torch version, the arguments and the load average, to ``args.out``."""
+    width = max(len(corner), *(len(r) for rows in results.values() for r in rows))
+    print(f"{corner:<{width}}" + "".join(f"{h:>14}" for h in columns.values()))
+    for row in next(iter(results.values())):
+        print(f"{row:<{width}}" + "".join(f"{results[c][row]:14{fmt}}" for c in columns))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "args": vars(args), "load_avg": os.getloadavg(), "results_ms": results}, f, indent=1)
+        json.dump({"torch": torch.__version__, "args": vars(args), "load_avg": os.getloadavg(), key: results}, f, indent=1)
     print(f"wrote {args.out}")
 
 

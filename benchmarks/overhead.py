@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import time
@@ -32,6 +31,7 @@ import torch
 
 import fddp
 import fddp.optim as fopt
+from floor import report
 
 
 def calls(n: int) -> dict[str, Callable[[], object]]:
@@ -96,15 +96,7 @@ def main() -> None:
     fddp.init()  # one process: a one-rank group
     results = {n: measure(n, args.repeats) for n in args.leaves}
     fddp.shutdown()
-    rows = next(iter(results.values()))
-    width = max(len(r) for r in rows)
-    print(f"{'median us, 1 thread':<{width}}" + "".join(f"{f'{n} leaves':>12}" for n in results))
-    for row in rows:
-        print(f"{row:<{width}}" + "".join(f"{results[n][row]:12.0f}" for n in results))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "args": vars(args), "load_avg": os.getloadavg(), "results_us": results}, f, indent=1)
-    print(f"wrote {args.out}")
+    report(results, "median us, 1 thread", {n: f"{n} leaves" for n in results}, ".0f", args, "results_us")
 
 
 if __name__ == "__main__":

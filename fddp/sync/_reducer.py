@@ -113,7 +113,6 @@ class Reducer:
         self.missing = [set(b.indices) for b in plan.buckets]
         self.where = _slots(plan)  # leaf -> (bucket, position): looked up once, not per leaf
         self.next = 0
-        self.sent: list[tuple[torch.Tensor, Sequence[torch.Tensor]] | None] = [None] * len(plan.buckets)
 
     def launch(self, i: int, flat: torch.Tensor) -> None:
         """Hand bucket ``i`` (``flat``, already scaled by ``scales[i]``) to the hook."""
@@ -171,14 +170,14 @@ class Reducer:
     def _launch_ready(self) -> None:
         while self.next < len(self.flats) and not self.missing[self.next]:
             self.launch(self.next, self.flats[self.next])
-            self.sent[self.next] = (self.flats[self.next], self.views[self.next])
-            self.flats[self.next] = self.views[self.next] = None  # the hook holds the buffer now
+            # The hook holds the buffer now; its leaf views stay, for made_views.
+            self.flats[self.next] = None
             self.next += 1
 
     def made_views(self, flats: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor] | None]:
         """Per reduced buffer, the leaf views :meth:`arrive` made of it, where the hook reduced in
         place (the buffer came back as it went out): the caller's views need not be made again."""
-        return [s[1] if s is not None and s[0] is f else None for s, f in zip(self.sent, flats)]
+        return [v if b is not None and b.buffer is f else None for v, b, f in zip(self.views, self.buckets, flats)]
 
     def finish(self) -> tuple[list[torch.Tensor], SyncInfo]:
         """Wait for every bucket, in rounds (a hook may need several round trips); return the

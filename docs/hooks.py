@@ -148,12 +148,7 @@ def _floor_section() -> str:
     if floor is None:
         out.append(_missing(command, "the pieces of the floor"))
     else:
-        res = floor["results_ms"]
-        models = list(res)
-        rows = ["| piece | " + " | ".join(models) + " |", "| --- |" + " ---: |" * len(models)]
-        for piece in res[models[0]]:
-            rows.append(f"| {piece} | " + " | ".join(f"{res[m][piece]:.2f}" for m in models) + " |")
-        out.append("\n".join(rows) + "\n\n" + _load_line(floor).strip())
+        out.append(_columns_table(floor["results_ms"], "piece", "{}", ".2f") + "\n\n" + _load_line(floor).strip())
     over = _load("overhead.json")
     command = "python benchmarks/overhead.py --leaves 34 100"
     out.append(
@@ -163,13 +158,17 @@ def _floor_section() -> str:
     if over is None:
         out.append(_missing(command, "fddp's per-call overhead"))
     else:
-        res = over["results_us"]
-        ns = list(res)
-        rows = ["| call | " + " | ".join(f"{n} leaves" for n in ns) + " |", "| --- |" + " ---: |" * len(ns)]
-        for row in res[ns[0]]:
-            rows.append(f"| {row} | " + " | ".join(f"{res[n][row]:.0f}" for n in ns) + " |")
-        out.append("\n".join(rows) + "\n\n" + _load_line(over).strip())
+        out.append(_columns_table(over["results_us"], "call", "{} leaves", ".0f") + "\n\n" + _load_line(over).strip())
     return "\n\n".join(out)
+
+
+def _columns_table(res: dict, corner: str, heading: str, fmt: str) -> str:
+    """A Markdown table of ``res[column][row]``, one column per key (``heading`` formats its name)."""
+    cols = list(res)
+    rows = [f"| {corner} | " + " | ".join(heading.format(c) for c in cols) + " |", "| --- |" + " ---: |" * len(cols)]
+    for row in res[cols[0]]:
+        rows.append(f"| {row} | " + " | ".join(format(res[c][row], fmt) for c in cols) + " |")
+    return "\n".join(rows)
 
 
 def _optim_section() -> str:

@@ -1,6 +1,7 @@
 """fddp's own per-call work: the time a step spends in fddp's Python, with the arithmetic made negligible.
 
-    python benchmarks/overhead.py --leaves 34 100
+    python benchmarks/overhead.py --leaves 34 100                 # wall time
+    python benchmarks/overhead.py --leaves 34 100 --instructions  # also instructions, under callgrind
 
 One process, one thread, a tree of ``--leaves`` tensors of 4 values each (34 and 100 are the
 benchmark MLP's and transformer's tensor counts), so what is timed is per-leaf and per-call
@@ -14,16 +15,32 @@ as the median of ``--repeats`` calls:
     fddp.optim.apply_gradients    the pure step
 
 The overheads are ``fddp.grad`` minus the hooked ``autograd.grad``, and ``apply_gradients`` minus
-torch's step. Prints a table and writes ``benchmarks/results/overhead.json``. Timings are this
-machine's; compare rows within a run.
+torch's step. ``--large N`` adds one call of ``fddp.grad`` on an N-leaf tree against plain
+``torch.autograd.grad`` (medians of a few calls).
+
+``--instructions`` runs the same rows again under valgrind's callgrind, which counts the
+instructions each call executes: the count does not move with the machine's load, where the times
+do by up to 60%. A small C helper (compiled with the system's C compiler against
+``valgrind/callgrind.h``) zeroes the counters before a row's calls and dumps them after; the
+per-call count is the dump's total over ``--instruction-calls`` calls.
+
+Prints a table and writes ``benchmarks/results/overhead.json``. Timings are this machine's;
+compare rows within a run.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import glob
+import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -32,6 +49,12 @@ import torch
 import fddp
 import fddp.optim as fopt
 from floor import report
+
+_CG_SOURCE = """
+#include <valgrind/callgrind.h>
+void cg_zero(void) { CALLGRIND_ZERO_STATS; }
+void cg_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
+"""
 
 
 def calls(n: int) -> dict[str, Callable[[], object]]:
@@ -69,6 +92,12 @@ def calls(n: int) -> dict[str, Callable[[], object]]:
     }
 
 
+def with_overheads(rows: dict[str, float]) -> dict[str, float]:
+    rows["grad overhead"] = rows["fddp.grad"] - rows["autograd.grad + no-op hooks"]
+    rows["optimizer overhead"] = rows["fddp.optim.apply_gradients"] - rows["torch.optim.SGD.step()"]
+    return rows
+
+
 def measure(n: int, repeats: int) -> dict[str, float]:
     fns = calls(n)
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -80,23 +109,133 @@ def measure(n: int, repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    us = {k: 1e6 * statistics.median(v) for k, v in times.items()}
-    us["grad overhead"] = us["fddp.grad"] - us["autograd.grad + no-op hooks"]
-    us["optimizer overhead"] = us["fddp.optim.apply_gradients"] - us["torch.optim.SGD.step()"]
-    return us
+    return with_overheads({k: 1e6 * statistics.median(v) for k, v in times.items()})
+
+
+def measure_large(n: int, repeats: int = 5) -> dict[str, float]:
+    """``fddp.grad`` on an ``n``-leaf tree against plain ``torch.autograd.grad``, in ms."""
+    params = {f"layers.{i}.weight": torch.randn(4) for i in range(n)}
+    x = torch.randn(4)
+
+    def loss(p, x):
+        return sum((v * x).sum() for v in p.values())
+
+    def plain():
+        leaves = [v.detach().requires_grad_() for v in params.values()]
+        return torch.autograd.grad(loss(dict(zip(params, leaves)), x), leaves)
+
+    grad = fddp.grad(loss)
+    fns = {"torch.autograd.grad": plain, "fddp.grad": lambda: grad(params, x)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    out = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    out["ratio"] = out["fddp.grad"] / out["torch.autograd.grad"]
+    return out
+
+
+def count_instructions(n: int, k: int) -> None:
+    """In the child under callgrind: each row's ``k`` calls between a zero and a dump of the counters."""
+    lib = ctypes.CDLL(os.environ["FDDP_CG_LIB"])
+    fns = calls(n)
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    lib.cg_zero()
+    lib.cg_dump(b"warm-up")  # the first dump after start carries one-off costs: not a row
+    for name, fn in fns.items():
+        lib.cg_zero()
+        for _ in range(k):
+            fn()
+        lib.cg_dump(name.encode())
+
+
+def instructions(leaves: list[int], k: int) -> dict[int, dict[str, float]] | str:
+    """Instructions per call of every row, or a sentence saying why they cannot be counted here."""
+    if shutil.which("valgrind") is None or shutil.which("cc") is None:
+        return "valgrind or a C compiler is missing"
+    if not os.path.exists("/usr/include/valgrind/callgrind.h"):
+        return "valgrind/callgrind.h is missing"
+    tmp = tempfile.mkdtemp(prefix="fddp-cg-")
+    try:
+        src, lib = os.path.join(tmp, "cg.c"), os.path.join(tmp, "libcg.so")
+        with open(src, "w") as f:
+            f.write(_CG_SOURCE)
+        subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", lib, src], check=True)
+        out: dict[int, dict[str, float]] = {}
+        for n in leaves:
+            prefix = os.path.join(tmp, f"cg-{n}")
+            cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={prefix}.%p", sys.executable, __file__]
+            cmd += ["--child", str(n), "--instruction-calls", str(k)]
+            env = {**os.environ, "FDDP_CG_LIB": lib, "OMP_NUM_THREADS": "1"}
+            subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            rows: dict[str, float] = {}
+            for path in glob.glob(prefix + ".*"):
+                with open(path) as f:
+                    text = f.read()
+                lines = text.splitlines()
+                tag = "desc: Trigger: Client Request:"
+                name = next((line[len(tag):].strip() for line in lines if line.startswith(tag)), "")
+                total = next((int(line.split()[1]) for line in lines if line.startswith("summary:")), None)
+                if name and total is not None and name in calls_names():
+                    rows[name] = total / k
+            out[n] = with_overheads({name: rows[name] for name in calls_names()})
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def calls_names() -> tuple[str, ...]:
+    return ("autograd.grad + no-op hooks", "fddp.grad", "ddp_step", "torch.optim.SGD.step()", "fddp.optim.apply_gradients")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--leaves", type=int, nargs="+", default=[34, 100])
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--large", type=int, default=0, help="also time fddp.grad on a tree of this many leaves")
+    parser.add_argument("--instructions", action="store_true", help="also count instructions per call under callgrind")
+    parser.add_argument("--instruction-calls", type=int, default=20)
+    parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     fddp.init()  # one process: a one-rank group
+    if args.child:
+        count_instructions(args.child, args.instruction_calls)
+        fddp.shutdown()
+        return
     results = {n: measure(n, args.repeats) for n in args.leaves}
+    large = measure_large(args.large) if args.large else None
     fddp.shutdown()
     report(results, "median us, 1 thread", {n: f"{n} leaves" for n in results}, ".0f", args, "results_us")
+    extra: dict = {}
+    if large is not None:
+        print(f"{args.large} leaves: fddp.grad {large['fddp.grad']:.1f} ms, torch.autograd.grad "
+              f"{large['torch.autograd.grad']:.1f} ms, ratio {large['ratio']:.2f}")
+        extra["large"] = {"leaves": args.large, "ms": large}
+    if args.instructions:
+        counted = instructions(args.leaves, args.instruction_calls)
+        if isinstance(counted, str):
+            print(f"instructions not counted: {counted}")
+            extra["instructions"] = counted
+        else:
+            width = max(len(r) for r in next(iter(counted.values())))
+            print(f"{'instructions per call':<{width}}" + "".join(f"{f'{n} leaves':>14}" for n in counted))
+            for row in next(iter(counted.values())):
+                print(f"{row:<{width}}" + "".join(f"{counted[n][row]:14.0f}" for n in counted))
+            extra["instructions"] = counted
+    if extra:
+        with open(args.out) as f:
+            data = json.load(f)
+        data.update(extra)
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ Example:
     >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
 """
 
-from fddp import checkpoint, optim, scaling
-from fddp.accumulation import GradAccumulator, accumulate_grads
-from fddp.guard import DynamicLossScale, LossScaleState, apply_if_finite
+from fddp import checkpoint, optim, scaling, zero
+from fddp._dist import agreement_enabled, set_agreement
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
+from fddp.no_sync import GradAccumulator, accumulate_grads
+from fddp.nonfinite import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.runtime import clear_caches, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from fddp.sync import (
     Cast,
@@ -33,7 +34,6 @@ from fddp.sync import (
     sync_buffers,
     verify_replicas,
 )
-from fddp import zero  # after fddp.sync, which it builds on
 
 __all__ = [
     "Cast",
@@ -46,6 +46,7 @@ __all__ = [
     "PowerSGDState",
     "SyncInfo",
     "accumulate_grads",
+    "agreement_enabled",
     "apply_if_finite",
     "broadcast",
     "checkpoint",
@@ -65,6 +66,7 @@ __all__ = [
     "optim",
     "rank",
     "scaling",
+    "set_agreement",
     "shutdown",
     "sync_buffers",
     "verify_replicas",

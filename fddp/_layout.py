@@ -1,28 +1,63 @@
-"""Flat layouts: which leaves share one flat buffer, and the copies in and out of it.
+"""Flat layouts: which leaves share one flat buffer, the copies in and out of it, and the record
+that lets a tree of views say which buffers it is.
 
-One planner serves both the gradient buckets of the sync path and the flat buffers of
-``fddp.optim``. A plan is plain, deterministic data computed from the leaves' shapes, dtypes and
-devices only, so every rank that holds the same tree computes the same plan without talking to
-the others.
+One planner serves the gradient buckets of the sync path, the flat buffers of ``fddp.optim`` and
+the shards of ``fddp.zero``. A plan (:class:`BucketPlan`) is plain, deterministic data computed
+from the leaves' shapes, dtypes and devices only, so every rank that holds the same tree computes
+the same plan without talking to the others.
 
-The contract between the two users: :func:`views` hands a buffer out as leaf-shaped views, and
-:func:`tiled` recognises leaves that are exactly those views (same base, right offsets), so a
-buffer that comes back as an input is read in place instead of copied.
+**The layout travels with the values.** Whoever hands out a tree of views into flat buffers (the
+sync's reduced buckets, the optimizer's new parameters and state, ZeRO's shards) makes them with
+:func:`lay_out`, which registers the plan and tags each view with its place. The next consumer
+asks :func:`flat_of` for the buffers and their plan and reads them in place: the plan is looked
+up, not rebuilt from storage offsets. The user sees a plain tree of tensors; a tree rebuilt from
+other tensors (a ``tree_map``, a copy) is not recognised and is read leaf by leaf, and
+:func:`why_not_flat` says which leaf broke it.
+
+**Split trees.** A :class:`SplitTree` node holds this rank's part of a larger tree (``fddp.zero``'s
+shards): its :class:`Split` says over which ranks the whole is spread and where each of its tensors
+sits in the whole's leaves, which is all the optimizer needs (global norms, fused kernels cut as on
+whole leaves) without depending on ``fddp.zero``.
 """
 
 from __future__ import annotations
 
-import functools
+import collections
+import itertools
 import math
+import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
+import optree
 import torch
 
+from fddp import _caches
 from fddp._pool import new_buffer
 from fddp._tree import LeafSpec
 
-__all__ = ["MB", "Bucket", "BucketPlan", "plan", "flatten", "unflatten", "views", "tiled", "tiling", "new_flat"]
+__all__ = [
+    "MB",
+    "Bucket",
+    "BucketPlan",
+    "plan",
+    "respec",
+    "optim_plan",
+    "new_flat",
+    "flatten",
+    "views",
+    "unflatten",
+    "Flat",
+    "lay_out",
+    "flat_of",
+    "why_not_flat",
+    "Piece",
+    "Split",
+    "SplitTree",
+    "has_split",
+    "split_nodes",
+    "explain_split",
+]
 
 MB = 1024 * 1024  # caps are in MiB, as torch DDP's bucket_cap_mb
 
@@ -98,6 +133,9 @@ def _plan(
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a positive number of MiB, got {value!r}")
+    # Callers may key the cache with plain (shape, dtype, device) tuples, which hash and compare
+    # as LeafSpecs do; the planner reads LeafSpecs.
+    specs = tuple(s if isinstance(s, LeafSpec) else LeafSpec(tuple(s[0]), s[1], s[2]) for s in specs)
     if order is not None and sorted(order) != list(range(len(specs))):
         raise ValueError(f"order must be a permutation of range({len(specs)}), got {order!r}")
     walk = list(range(len(specs)) if order is None else order)
@@ -127,7 +165,7 @@ def _plan(
     return BucketPlan(tuple(buckets), len(specs))
 
 
-_plan_cached = functools.lru_cache(maxsize=256)(_plan)
+_plan_cached = _caches.cached(maxsize=256)(_plan)
 
 
 def plan(
@@ -163,10 +201,6 @@ def plan(
         >>> [b.indices for b in plan(specs, bucket_cap_mb=0.005, first_bucket_mb=0.001).buckets]
         [(2,), (1, 0)]
     """
-    # torch.compile traces the planner (its result is a constant of the graph), and dynamo ignores
-    # lru_cache wrappers with a warning: call the plain function there.
-    if torch.compiler.is_compiling():
-        return _plan(specs, bucket_cap_mb, first_bucket_mb, order, reverse)
     return _plan_cached(specs, bucket_cap_mb, first_bucket_mb, order, reverse)
 
 
@@ -243,7 +277,7 @@ def views(flat: torch.Tensor, bucket: Bucket) -> list[torch.Tensor]:
     return torch._C._nn.unflatten_dense_tensors(flat, _templates(bucket))
 
 
-@functools.lru_cache(maxsize=512)
+@_caches.cached(maxsize=512)
 def _templates(bucket: Bucket) -> list[torch.Tensor]:
     """Storage-less tensors of the bucket's leaf shapes, for ``unflatten_dense_tensors``."""
     return [torch.empty(shape, device="meta") for shape in bucket.shapes]
@@ -269,56 +303,240 @@ def unflatten(
     return leaves  # type: ignore[return-value]
 
 
-def tiling(leaves: Sequence[torch.Tensor]) -> tuple[Bucket, ...] | None:
-    """The buckets these leaves already tile, if every leaf is a view that :func:`views` made.
+# ---------------------------------------------------------------------------------------------
+# The record a tree of views carries: which buffers it is, and their plan.
 
-    Gradients from ``ddp_step`` and ``grad_and_value`` are views of their bucket buffers; an
-    optimizer that adopts that layout for its own buffers reads the gradients in place, one flat
-    operation per bucket instead of one per leaf, and its results (parameters, state) come out in
-    the same layout, so the next step recognises them too. ``None`` unless every base is a 1-D
-    contiguous buffer exactly tiled by its leaves, back to back.
+_TAG = "_fddp_flat"  # on each view: serial * _SPAN + its leaf index (an int: pickles as plain data)
+_SPAN = 1 << 32
+_KEPT = 4096  # plans of recently laid-out trees; an older tree is simply read leaf by leaf
+_laid: "collections.OrderedDict[int, BucketPlan]" = collections.OrderedDict()
+_serials = itertools.count(1)
+_caches.register("fddp._layout._laid", _laid.clear)
+_functorch = torch._C._functorch
+_base_of = operator.attrgetter("_base")
+
+
+class Flat(NamedTuple):
+    """A tree's leaves as views of flat buffers: the plan (which leaves each buffer holds, where)
+    and the buffers, one per bucket of the plan.
+
+    Example:
+        >>> flat = flat_of(optree.tree_leaves(grads))
+        >>> [b.numel() for b in flat.buffers]  # the sync's buckets, read in place
     """
-    groups: dict[int, tuple[torch.Tensor, list[int]]] = {}
-    for i, t in enumerate(leaves):
-        base = t._base
-        if base is None:
-            return None
-        entry = groups.get(id(base))
-        if entry is None:
-            groups[id(base)] = entry = (base, [])
-        entry[1].append(i)
-    buckets = []
-    for base, idx in groups.values():
-        if base.dim() != 1 or not base.is_contiguous():
-            return None
-        start = base.storage_offset()
-        idx.sort(key=lambda i: leaves[i].storage_offset())
-        shapes, numels, offsets, at = [], [], [], 0
-        for i in idx:
-            t = leaves[i]
-            if t.storage_offset() - start != at or t.dtype != base.dtype or not t.is_contiguous():
-                return None
-            shapes.append(tuple(t.shape))
-            numels.append(t.numel())
-            offsets.append(at)
-            at += t.numel()
-        if at != base.numel():
-            return None
-        buckets.append(Bucket(tuple(idx), tuple(shapes), tuple(numels), tuple(offsets), base.dtype, base.device))
-    return tuple(buckets)
+
+    plan: BucketPlan
+    buffers: tuple[torch.Tensor, ...]
 
 
-def tiled(leaves: Sequence[torch.Tensor], bucket: Bucket) -> torch.Tensor | None:
-    """The 1-D buffer the bucket's leaves tile, back to back at the bucket's offsets, if there is one.
+def _taggable(t: torch.Tensor) -> bool:
+    return not torch.compiler.is_compiling() and not _functorch.is_functorch_wrapped_tensor(t)
 
-    That is how :func:`views` hands results out; reading the buffer is then reading the leaves.
+
+def lay_out(
+    plan: BucketPlan, flats: Sequence[torch.Tensor], made: Sequence[Sequence[torch.Tensor] | None] | None = None
+) -> list[torch.Tensor]:
+    """Return the leaves as views of ``flats`` (tree-flatten order), recorded for :func:`flat_of`.
+
+    Args:
+        plan: which leaves each buffer holds.
+        flats: one 1-D buffer per bucket of ``plan``.
+        made: per buffer, its views already made (by :func:`views`), or ``None``.
+
+    Example:
+        >>> leaves = lay_out(p, [torch.zeros(p.buckets[0].numel)])
+        >>> flat_of(leaves).plan is p
+        True
     """
-    base = leaves[bucket.indices[0]]._base
-    if base is None or base.dim() != 1 or base.numel() != bucket.numel or base.dtype != bucket.dtype or not base.is_contiguous():
+    leaves = unflatten(plan, flats, made)
+    if leaves and _taggable(flats[0]):
+        serial = next(_serials)
+        base = serial * _SPAN
+        for i, t in enumerate(leaves):
+            setattr(t, _TAG, base + i)
+        _laid[serial] = plan
+        if len(_laid) > _KEPT:
+            _laid.popitem(last=False)
+    return leaves
+
+
+def _tag(t: Any) -> int | None:
+    return getattr(t, _TAG, None) if isinstance(t, torch.Tensor) else None
+
+
+def flat_of(leaves: Sequence[Any]) -> Flat | None:
+    """The buffers ``leaves`` are views of, with their plan, if :func:`lay_out` made exactly these
+    leaves (every one, in this order, untouched in shape); else ``None``.
+
+    The check costs a few attribute reads per leaf, in C where it can: no storage offsets.
+    """
+    if not leaves:
         return None
-    start = base.storage_offset()
-    for i, off in zip(bucket.indices, bucket.offsets):
-        leaf = leaves[i]
-        if leaf._base is not base or leaf.storage_offset() - start != off:
+    first = _tag(leaves[0])
+    if first is None or first % _SPAN:
+        return None
+    p = _laid.get(first // _SPAN)
+    if p is None or p.num_leaves != len(leaves):
+        return None
+    if list(map(_tag, leaves)) != list(range(first, first + len(leaves))):
+        return None
+    bases = list(map(_base_of, leaves))
+    buffers = []
+    for b in p.buckets:
+        base = bases[b.indices[0]]
+        if base is None or base.dim() != 1 or base.numel() != b.numel or base.dtype != b.dtype:
             return None
-    return base
+        if not all(bases[i] is base for i in b.indices):
+            return None
+        buffers.append(base)
+    if not all(map(torch.Tensor.is_contiguous, leaves)):
+        return None  # a view reshaped in place (t_(), as_strided_()) no longer lies where the plan says
+    return Flat(p, tuple(buffers))
+
+
+def why_not_flat(leaves: Sequence[Any], names: Sequence[str]) -> str | None:
+    """Why :func:`flat_of` does not recognise ``leaves`` (naming the first leaf at fault), or ``None``.
+
+    Example:
+        >>> why_not_flat(optree.tree_leaves(optree.tree_map(torch.clone, grads)), paths)
+        "leaf 'w' is not a view fddp handed out (a tree_map or a copy makes new tensors) ..."
+    """
+    if flat_of(leaves) is not None:
+        return None
+    if not leaves:
+        return "the tree has no leaves"
+    tags = list(map(_tag, leaves))
+    first = tags[0]
+    for i, t in enumerate(tags):
+        if t is None or first is None or t != first + i:
+            return (
+                f"leaf {names[i]!r} is not a view fddp handed out in this place (a tree_map, a copy or a tree "
+                "put together from several results makes other tensors): its values are copied into flat "
+                "buffers first"
+            )
+    if first % _SPAN or _laid.get(first // _SPAN) is None:
+        return "the tree was laid out too long ago (fddp remembers the most recent layouts): it is copied once"
+    return (
+        "the leaves no longer lie in their buffers as laid out (a view reshaped or re-strided in place, or "
+        "a leaf replaced by a copy of itself): their values are copied into flat buffers first"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Split trees: this rank's part of a larger tree.
+
+
+class Piece(NamedTuple):
+    """A slice of a whole leaf held inside one tensor of a split tree.
+
+    Attributes:
+        at: where the slice starts in the split tree's tensor (elements).
+        start: where it starts in the whole leaf (flattened).
+        stop: one past where it ends in the whole leaf.
+        numel: the whole leaf's number of elements.
+    """
+
+    at: int
+    start: int
+    stop: int
+    numel: int
+
+
+class Split(NamedTuple):
+    """How a split tree's tensors relate to the whole tree.
+
+    Attributes:
+        group: the process group the whole is spread over (``None``: the default group).
+        world: the number of ranks it is spread over.
+        rank: this rank, within ``group``.
+        pieces: per tensor of the split tree (flatten order), the :class:`Piece` s of whole leaves
+            it holds, in order; elements outside every piece are padding (zero).
+    """
+
+    group: Any
+    world: int
+    rank: int
+    pieces: tuple[tuple[Piece, ...], ...]
+
+
+class SplitTree:
+    """Base class of pytree nodes that hold one rank's part of a larger tree (see :class:`Split`).
+
+    Subclasses provide :attr:`split` and :meth:`check_group`; the sync refuses them, and the
+    optimizer reads them through this interface only.
+    """
+
+    __slots__ = ()
+
+    @property
+    def split(self) -> Split:
+        raise NotImplementedError
+
+    def check_group(self, what: str) -> None:
+        """Raise unless this process holds the part the tree was made for."""
+        raise NotImplementedError
+
+
+def has_split(spec: optree.PyTreeSpec) -> bool:
+    """Whether a tree of this structure holds a :class:`SplitTree` node."""
+    return _has_split(spec)
+
+
+@_caches.cached(maxsize=256)
+def _has_split(spec: optree.PyTreeSpec) -> bool:
+    t = spec.type
+    return (t is not None and issubclass(t, SplitTree)) or any(_has_split(c) for c in spec.children())
+
+
+def split_nodes(tree: Any) -> list[SplitTree]:
+    """The :class:`SplitTree` nodes of ``tree`` (outermost first; one holds none), or of a tree
+    structure (a ``PyTreeSpec``: its nodes rebuilt with ``None`` leaves)."""
+    if isinstance(tree, optree.PyTreeSpec):
+        if not has_split(tree):
+            return []
+        tree = optree.tree_unflatten(tree, [None] * tree.num_leaves)
+    found: list[SplitTree] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, SplitTree):
+            found.append(node)
+            return
+        if isinstance(node, torch.Tensor) or node is None:
+            return
+        if optree.treespec_is_leaf(optree.tree_structure(node, none_is_leaf=True)):
+            return
+        for child in optree.tree_flatten_one_level(node, none_is_leaf=True).children:
+            walk(child)
+
+    walk(tree)
+    return found
+
+
+def explain_split(
+    want: optree.PyTreeSpec, got: optree.PyTreeSpec, want_name: str = "the reference", got_name: str = "this tree"
+) -> str | None:
+    """Words for two tree structures that differ because of split trees, or ``None`` if that is not why."""
+    a, b = has_split(want), has_split(got)
+    if not (a or b):
+        return None
+    if a != b:
+        which, other = (want_name, got_name) if a else (got_name, want_name)
+        return (
+            f"{which} is sharded (fddp.zero: one rank's slices of the buckets) but {other} is a replicated "
+            "tree: the sharded and replicated paths do not mix. Give a sharded optimizer state sharded "
+            "gradients (compression=fddp.zero.ReduceScatter() in fddp.grad_and_value or fddp.ddp_step) "
+            "and sharded parameters (fddp.zero.shard(params)), or keep everything replicated"
+        )
+    for x, y in zip(split_nodes(want), split_nodes(got)):
+        sx, sy = x.split, y.split
+        if (sx.world, sx.rank) != (sy.world, sy.rank):
+            return (
+                f"the trees are sharded for different world sizes or ranks ({x!r} and {y!r}); shards move "
+                "between world sizes only through fddp.checkpoint.save_sharded / load_sharded, which reshard"
+            )
+        if sx != sy or x != y:
+            return (
+                f"the trees are sharded with different layouts ({x!r} and {y!r}): make the parameter shards "
+                "and the gradients with the same bucket_cap_mb, first_bucket_mb and group, and for the same tree"
+            )
+    return None

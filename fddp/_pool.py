@@ -17,6 +17,8 @@ import threading
 
 import torch
 
+from fddp import _caches
+
 __all__ = ["new_buffer", "release"]
 
 _functorch = torch._C._functorch
@@ -61,6 +63,7 @@ class _HostBuffers:
 
 
 _host_buffers = _HostBuffers()
+_caches.register("fddp._pool._host_buffers", _host_buffers.clear)
 
 
 def new_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fddp.runtime import collective_device
+from fddp._dist import collective_device
 
 __all__ = ["CheckpointError", "save", "load", "save_step", "latest", "steps", "step_path", "save_sharded", "load_sharded"]
 

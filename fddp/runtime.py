@@ -14,7 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device", "clear_caches"]
+from fddp import _caches
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device", "clear_caches", "require_initialized"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -226,14 +228,6 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where small tensors for collectives on ``group`` must live (NCCL-only groups cannot reduce
-    CPU tensors; gloo and mixed ``"cpu:gloo,cuda:nccl"`` groups can)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def require_initialized(what: str) -> None:
     """Raise a RuntimeError that tells the user how to start the runtime."""
     if not is_initialized():
@@ -298,25 +292,18 @@ def device() -> torch.device:
 
 
 def clear_caches() -> None:
-    """Forget everything fddp remembers between calls: the tree signatures already checked across
-    ranks, the call counts named in timeout errors, bucket plans, and the host buffer pool.
+    """Forget everything fddp remembers between calls: the signatures the ranks agreed on, the
+    call counts named in timeout errors, bucket plans, tree structures, layouts, and the host
+    buffer pool (every cache in fddp's registry, ``fddp._caches``).
 
     fddp keeps the host buffers it makes (gradient buckets, ``fddp.optim``'s flat parameters and
     state) and reuses the ones nothing refers to any more: like torch's CUDA caching allocator, it
     holds on to a step's peak working set. Buffers still in use stay valid; they are simply not
-    reused. Call this after training, or between phases that use different models; the next call
-    on every tree checks its signature again (every rank must then call it too).
+    reused. Call this after training, or between phases that use different models; every rank
+    must then call it too (the next call on every tree is checked as a new one).
     :func:`init` calls it when it creates a process group.
 
     Example:
         >>> fddp.clear_caches()
     """
-    from fddp import _layout, _pool, _shard, _tree
-    from fddp.sync import _signature
-
-    _signature.forget()
-    _shard.clear()
-    _layout._plan_cached.cache_clear()
-    _layout._templates.cache_clear()
-    _tree.paths.cache_clear()
-    _pool.release()
+    _caches.clear_all()

@@ -155,23 +155,40 @@ def count_all_reduces():
     """Count the all-reduces issued through ``torch.distributed.all_reduce`` while the block runs.
 
     Yields a list that gets one ``(numel, in_backward)`` pair per call; ``in_backward`` says whether
-    the call was made from inside an autograd backward pass.
+    the call was made from inside an autograd backward pass. fddp's per-call agreement header
+    (``fddp._dist``) is not a data collective: it is counted apart, in ``calls.headers``.
     """
     import torch
     import torch.distributed as tdist
 
-    calls: list[tuple[int, bool]] = []
-    original = tdist.all_reduce
+    import fddp._dist
+
+    calls = _Calls()
+    original, exchange = tdist.all_reduce, fddp._dist._exchange
+    in_header = [False]
 
     def counting(tensor, *args, **kwargs):
-        calls.append((tensor.numel(), torch._C._current_graph_task_id() != -1))
+        if not in_header[0]:
+            calls.append((tensor.numel(), torch._C._current_graph_task_id() != -1))
         return original(tensor, *args, **kwargs)
 
-    tdist.all_reduce = counting
+    def header(*args, **kwargs):
+        calls.headers += 1
+        in_header[0] = True
+        try:
+            return exchange(*args, **kwargs)
+        finally:
+            in_header[0] = False
+
+    tdist.all_reduce, fddp._dist._exchange = counting, header
     try:
         yield calls
     finally:
-        tdist.all_reduce = original
+        tdist.all_reduce, fddp._dist._exchange = original, exchange
+
+
+class _Calls(list):
+    headers = 0
 
 
 @atexit.register

@@ -199,9 +199,10 @@ def test_flat_results_tile_one_buffer_and_are_read_without_a_copy(monkeypatch):
     opt = optim.adamw(1e-2)
     updates, state = opt.update(grads, opt.init(params), params)
     params = optim.apply_updates(params, updates)
-    (group,) = flat.groups_for(optree.tree_leaves(params))
+    step = flat.step_plan(optree.tree_leaves(params))
+    assert len(step.groups) == 1
     for tree in (params, state.exp_avg, state.exp_avg_sq, updates):
-        assert flat.tiled(optree.tree_leaves(tree), group) is not None
+        assert step.lies_in(optree.tree_leaves(tree))
     # The next step copies the fresh gradients in, and nothing else.
     copies = []
     real_copy = flat.copy

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch.func import grad, vmap
 
 import fddp
-import fddp.sync._signature
+import fddp._dist
 import fddp.optim
-from dist import run
+from dist import count_all_reduces, run
 from fddp.sync import checksum
 from models import make_batch, make_model
 
@@ -310,22 +310,18 @@ def _verify_worker(case: str):
         tree["a"][1, 1] = 5.0
     if case == "shape" and rank == 1:
         tree["b"][1] = torch.arange(4)
-    calls: list[int] = []
-    original = tdist.all_reduce
-    tdist.all_reduce = lambda t, *a, **k: calls.append(t.numel()) or original(t, *a, **k)
-    try:
-        fddp.verify_replicas(tree)
-        fddp.verify_replicas(tree)  # the signature is known now: one all-reduce
-    except fddp.MismatchError as e:
-        return str(e)
-    finally:
-        tdist.all_reduce = original
-    return calls
+    with count_all_reduces() as calls:
+        try:
+            fddp.verify_replicas(tree)
+            fddp.verify_replicas(tree)
+        except fddp.MismatchError as e:
+            return str(e)
+    return [n for n, _ in calls], calls.headers
 
 
 def test_verify_replicas_passes_with_one_small_all_reduce():
-    for calls in run(_verify_worker, 2, "equal"):
-        assert calls == [2, 6, 6]  # signature check, then [checksums, -checksums] of 3 leaves, twice
+    for calls, headers in run(_verify_worker, 2, "equal"):
+        assert calls == [6, 6] and headers == 2  # each call: its agreement, then [checksums, -checksums] of 3 leaves
 
 
 @pytest.mark.parametrize(
@@ -351,7 +347,7 @@ def _skip_worker(what: str):
     p = {"w": torch.zeros(3)}
     call = {"ddp_step": lambda: fddp.ddp_step(p, p, group=group), "verify_replicas": lambda: fddp.verify_replicas(p, group=group)}[what]
     call()  # both ranks: the signature is checked and remembered
-    n = fddp.sync._signature.call_count(group, what) + 1
+    n = fddp._dist.call_count(group, what) + 1
     message = None
     if fddp.rank() == 0:
         try:
@@ -365,7 +361,7 @@ def _skip_worker(what: str):
 
 
 @pytest.mark.parametrize(
-    "what, doing", [("ddp_step", "all-reduce 1 of 1"), ("verify_replicas", "the checksum all-reduce")]
+    "what, doing", [("ddp_step", "the agreement on this call"), ("verify_replicas", "the agreement on this call")]
 )
 def test_a_skipped_collective_times_out_with_a_clear_error(what, doing):
     (message, n), (other, _) = run(_skip_worker, 2, what, timeout=60)
@@ -417,7 +413,7 @@ def test_init_timeout_bounds_the_wait_for_a_missing_peer(fault, parts):
             p.kill()
     assert procs[1].returncode == 0, outs[1]
     assert procs[0].returncode == 3, outs[0]
-    for part in ["fddp.ddp_step: rank 0 of 2", "during all-reduce 1 of 1 (call 3 to fddp.ddp_step in this process)", *parts]:
+    for part in ["fddp.ddp_step: rank 0 of 2", "during the agreement on this call (call 3 to fddp.ddp_step in this process)", *parts]:
         assert part in outs[0], (part, outs[0])
 
 

@@ -20,8 +20,7 @@ from torch.func import grad
 
 import fddp
 from dist import run
-from fddp import _shard
-from fddp.optim._base import _FUSED
+from fddp.zero import _layout as _shard
 from fddp.sync import plan_of
 from models import make_batch, make_model
 
@@ -71,7 +70,9 @@ def _step(opt, grads, state, params, how):
         updates, state = opt.update(grads, state, params)
         return fddp.optim.apply_updates(params, updates), state
     # The fused path, called directly: apply_gradients would check the world size of these shards.
-    return _FUSED[opt.update](grads, state, params, how == "donated")
+    out, state = opt.update(grads, state, params, apply=fddp.optim.Apply(how == "donated"))
+    assert isinstance(out, fddp.optim.Applied), "the fused path did not run"
+    return out.params, state
 
 
 OPTIMIZERS = {
@@ -431,9 +432,12 @@ def test_bad_input_is_refused_with_errors_that_say_what_to_do():
 
 
 class _HalfShard(fddp.hooks.CommHook):
-    """A broken sharding hook: returns the whole bucket where a shard is expected."""
+    """A broken sharding hook: returns the whole bucket where it says a shard comes back."""
 
     shards = True
+
+    def result_numel(self, comm, index):
+        return _shard.cut(comm.plan.buckets[index].numel, comm.world_size, comm.rank).size
 
     def launch(self, state, bucket):
         return None, state

@@ -18,15 +18,29 @@ Gradients must be tensors of their parameter's dtype, as torch requires of ``par
 dtypes, a float64 gradient for a float32 parameter.
 """
 
-from ._accumulate import AccumulateState, accumulate
 from ._adam import AdamState, adam, adamw
-from ._base import EmptyState, GradientTransformation, apply_gradients, apply_updates, chain
+from ._base import (
+    Applied,
+    Apply,
+    EmptyState,
+    GradientTransformation,
+    GradientTransformationExtraArgs,
+    apply_gradients,
+    apply_updates,
+    chain,
+    fast_path,
+)
 from ._clip import clip_by_global_norm
+from ._multi_steps import AccumulateState, accumulate
 from ._schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
 from ._sgd import SGDState, sgd
 
 __all__ = [
     "GradientTransformation",
+    "GradientTransformationExtraArgs",
+    "Apply",
+    "Applied",
+    "fast_path",
     "EmptyState",
     "apply_updates",
     "apply_gradients",

@@ -2,34 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 
-from ._base import (
-    GradientTransformation,
+from . import _flat as flat
+from . import _kernels
+from ._base import Applied, Apply, GradientTransformationExtraArgs
+from ._checks import (
     Params,
     ScalarOrSchedule,
     Updates,
-    _check_dtypes,
-    _check_grads,
-    _check_lr,
-    _check_nonneg,
-    _check_state,
-    _flatten,
-    _fused_kernels_take,
-    _lr_at,
-    _module_aliases,
-    _paths,
-    _register_fused,
-    _params_leaves,
-    _zeros_count,
+    check_dtypes,
+    check_grads,
+    check_lr,
+    check_nonneg,
+    check_state,
+    flatten,
+    lr_at,
+    module_aliases,
+    params_leaves,
+    paths_of,
+    zeros_count,
 )
-import optree
 
-from . import _flat as flat
+__all__ = ["AdamState", "adam", "adamw"]
 
 
 class AdamState(NamedTuple):
@@ -55,7 +56,7 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     amsgrad: bool = False,
-) -> GradientTransformation:
+) -> GradientTransformationExtraArgs:
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
 
     Args:
@@ -66,14 +67,15 @@ def adam(
         amsgrad: use the running maximum of the second moment (AMSGrad).
 
     Returns:
-        A ``GradientTransformation`` whose state is an ``AdamState``.
+        A ``GradientTransformationExtraArgs`` whose state is an ``AdamState``; ``apply_gradients``
+        runs torch's fused kernel.
 
     Example:
         >>> opt = fddp.optim.adam(lr=1e-3)
         >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)
     """
-    return _adam("adam", lr, betas, eps, weight_decay, amsgrad, decoupled=False)
+    return _make("adam", lr, betas, eps, weight_decay, amsgrad, decoupled=False)
 
 
 def adamw(
@@ -82,7 +84,7 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
-) -> GradientTransformation:
+) -> GradientTransformationExtraArgs:
     """Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
     Args:
@@ -93,7 +95,8 @@ def adamw(
         amsgrad: use the running maximum of the second moment (AMSGrad).
 
     Returns:
-        A ``GradientTransformation`` whose state is an ``AdamState``.
+        A ``GradientTransformationExtraArgs`` whose state is an ``AdamState``; ``apply_gradients``
+        runs torch's fused kernel.
 
     Example:
         >>> opt = fddp.optim.adamw(lr=1e-3, weight_decay=1e-2)
@@ -101,135 +104,162 @@ def adamw(
         >>> updates, state = opt.update(grads, state, params)
         >>> params = fddp.optim.apply_updates(params, updates)
     """
-    return _adam("adamw", lr, betas, eps, weight_decay, amsgrad, decoupled=True)
+    return _make("adamw", lr, betas, eps, weight_decay, amsgrad, decoupled=True)
 
 
-def _adam(
-    name: str,
-    lr: ScalarOrSchedule,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    amsgrad: bool,
-    *,
-    decoupled: bool,
-) -> GradientTransformation:
-    _check_lr(lr, name)
-    _check_nonneg(eps, "eps", name)
-    _check_nonneg(weight_decay, "weight_decay", name)
+@dataclasses.dataclass(frozen=True)
+class _Adam:
+    name: str
+    lr: ScalarOrSchedule
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    amsgrad: bool
+    decoupled: bool
+    # A constant lr makes the decay factor a constant too: rounded to each dtype once, in eager
+    # Python, rather than in update (a float() of a tensor there is a graph break under compile).
+    const_decay: dict | None = dataclasses.field(compare=False, hash=False)
+    # torch's fused kernel (a private op, present since torch 2.4); without it apply_gradients is
+    # update + apply_updates.
+    kernel: Any = dataclasses.field(compare=False, hash=False)
+
+    @property
+    def where(self) -> str:
+        return f"{self.name}.update"
+
+
+def _make(
+    name: str, lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float, amsgrad: bool, *, decoupled: bool
+) -> GradientTransformationExtraArgs:
+    check_lr(lr, name)
+    check_nonneg(eps, "eps", name)
+    check_nonneg(weight_decay, "weight_decay", name)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{name}: invalid betas={betas!r}; expected a pair (beta1, beta2)")
     for i, b in enumerate(betas):
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
             raise ValueError(f"{name}: invalid betas[{i}]={b!r}; expected a float in [0, 1)")
-    b1, b2 = float(betas[0]), float(betas[1])
-    where = f"{name}.update"
-    # A constant lr makes the decay factor a constant too: round it to each dtype now, in eager
-    # Python, rather than in update (a float() of a tensor there is a graph break under compile).
     const_decay = _rounded_decays(1.0 - float(lr) * weight_decay) if decoupled and weight_decay and not callable(lr) else None
-
-    def init(params: Params) -> AdamState:
-        leaves, treedef = _flatten(params)
-        zeros = lambda: optree.tree_unflatten(  # noqa: E731
-            treedef, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves]
-        )
-        return AdamState(_zeros_count(leaves), zeros(), zeros(), zeros() if amsgrad else ())
-
-    def leaves_of(grads: Updates, state: AdamState, params: Params | None, need_params: bool):
-        _check_state(state, AdamState, where)
-        if amsgrad != (not _is_empty(state.max_exp_avg_sq)):
-            raise TypeError(
-                f"{where}: the state was created with amsgrad={not amsgrad}, this optimizer has amsgrad={amsgrad}"
-            )
-        ms, treedef = _flatten(state.exp_avg)
-        gs, _ = _check_grads(grads, treedef, where)
-        vs = _flatten(state.exp_avg_sq)[0]
-        vmaxs = _flatten(state.max_exp_avg_sq)[0] if amsgrad else None
-        ps = _params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
-        if ps is not None:
-            _check_dtypes(gs, ps, treedef, where, "params")
-        else:
-            _check_dtypes(gs, ms, treedef, where, "state.exp_avg")
-        return treedef, gs, ms, vs, vmaxs, ps
-
-    def update(grads: Updates, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
-        treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, bool(weight_decay))
-
-        count = state.count
-        lr_t = _lr_at(lr, count)
-        # Bias corrections in float64 from the tensor step, as torch does in Python floats.
-        t = (count + 1).to(torch.float64)
-        bc1 = 1.0 - torch.pow(b1, t)
-        bc2_sqrt = torch.sqrt(1.0 - torch.pow(b2, t))
-        # torch: -lr/bc1 * m / (sqrt(v)/bc2_sqrt + eps). Multiplying through by bc2_sqrt saves one
-        # full pass over the parameters: m * (-lr*bc2_sqrt/bc1) / (sqrt(v) + eps*bc2_sqrt).
-        step = -lr_t * bc2_sqrt / bc1
-        eps_hat = eps * bc2_sqrt
-        l2 = weight_decay if (weight_decay and not decoupled) else 0.0
-        decay = _decay(lr_t, weight_decay, count.device) if (decoupled and weight_decay) else None
-
-        leaves = [ms, gs, vs] + ([vmaxs] if amsgrad else []) + ([ps] if ps is not None else [])
-        labels = ["exp_avg", "grads", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else []) + ["params"]
-        groups = flat.groups_for(*leaves, names=lambda: _paths(treedef), labels=labels)
-        scalars = _Scalars(step=step, eps_hat=eps_hat, decay=decay, rounded=const_decay)
-        unit = functools.partial(_adam_unit, b1=b1, b2=b2, l2=l2, scalars=scalars)
-        m, v, vmax, u = flat.run(unit, groups, [gs, ms, vs, vmaxs, ps], ms, 4)
-        new_state = AdamState(
-            count + 1,
-            optree.tree_unflatten(treedef, m),
-            optree.tree_unflatten(treedef, v),
-            optree.tree_unflatten(treedef, vmax) if amsgrad else (),
-        )
-        return optree.tree_unflatten(treedef, u), new_state
-
-    # Private torch ops (present since torch 2.4); without them apply_gradients is update + apply_updates.
     kernel = getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
-
-    def fused(grads: Updates, state: AdamState, params: Params, donate: bool) -> tuple[Params, AdamState] | None:
-        """``apply_gradients`` with torch's fused kernel, in place on copies of params and state
-        or, donated, on params and state themselves."""
-        if kernel is None:
-            return None
-        treedef, gs, ms, vs, vmaxs, ps = leaves_of(grads, state, params, True)
-        groups = flat.groups_for(
-            ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: _paths(treedef),
-            labels=("params", "grads", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-        )
-        if not _fused_kernels_take(groups):
-            return None
-        lr_t = _lr_at(lr, state.count)
-        # The kernel reads the step count from a float tensor, as torch.optim keeps it (no sync).
-        step = (state.count + 1).to(torch.float32)
-        trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
-        # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
-        in_place = donate and flat.disjoint(gs, *trees) and not _module_aliases(ps)
-        if not flat.kernels_take(params, treedef):
-            return None  # shards below the root: the pure path
-        outs = [[None] * len(ps) for _ in trees]
-        for group in groups:
-            if in_place:
-                new = [[leaves[i] for i in group.indices] for leaves in trees]
-            else:
-                # Copies of params and state, updated in place by the kernel: the inputs stay as they were.
-                new = [flat.copy_with_views(leaves, group)[1] for leaves in trees]
-            # One tensor per leaf, or a sharded tree's leaf-aligned pieces (copied back after).
-            lists, after = flat.kernel_lists(params, group, [new[0], [gs[i] for i in group.indices], *new[1:]], (1,))
-            p_, g_, m_, v_, *vmax_ = lists
-            if p_:  # a rank may hold nothing of a sharded group; the kernel refuses empty lists
-                kernel(
-                    p_, g_, m_, v_, vmax_[0] if amsgrad else [], [step] * len(p_),
-                    lr=lr_t, beta1=b1, beta2=b2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=False,
-                )
-            after()
-            for out, group_views in zip(outs, new):
-                flat.scatter(out, group_views, group)
-        p, m, v, *vmax = [optree.tree_unflatten(treedef, out) for out in outs]
-        return p, AdamState(state.count + 1, m, v, vmax[0] if amsgrad else ())
-
-    return _register_fused(GradientTransformation(init, update), fused)
+    cfg = _Adam(name, lr, float(betas[0]), float(betas[1]), eps, weight_decay, bool(amsgrad), decoupled, const_decay, kernel)
+    return GradientTransformationExtraArgs(functools.partial(_init, cfg), functools.partial(_update, cfg))
 
 
-def _is_empty(x) -> bool:
+def _init(cfg: _Adam, params: Params) -> AdamState:
+    leaves, treedef = flatten(params)
+
+    def zeros() -> Any:
+        return optree.tree_unflatten(treedef, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves])
+
+    return AdamState(zeros_count(leaves), zeros(), zeros(), zeros() if cfg.amsgrad else ())
+
+
+def _leaves(cfg: _Adam, grads: Updates, state: AdamState, params: Params | None, need_params: bool):
+    """The inputs' leaves, checked: (treedef, grads, moments, max moments or None, params or None)."""
+    where = cfg.where
+    check_state(state, AdamState, where)
+    if cfg.amsgrad != (not _is_empty(state.max_exp_avg_sq)):
+        raise TypeError(f"{where}: the state was created with amsgrad={not cfg.amsgrad}, this optimizer has amsgrad={cfg.amsgrad}")
+    ms, treedef = flatten(state.exp_avg)
+    gs, _ = check_grads(grads, treedef, where)
+    vs = flatten(state.exp_avg_sq)[0]
+    vmaxs = flatten(state.max_exp_avg_sq)[0] if cfg.amsgrad else None
+    ps = params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
+    if ps is not None:
+        check_dtypes(gs, ps, treedef, where, "params")
+    else:
+        check_dtypes(gs, ms, treedef, where, "state.exp_avg")
+    return treedef, gs, ms, vs, vmaxs, ps
+
+
+def _update(
+    cfg: _Adam, grads: Updates, state: AdamState, params: Params | None = None, *, apply: Apply | None = None, **_: Any
+) -> tuple[Any, AdamState]:
+    if apply is not None:
+        out = _applied(cfg, grads, state, params, apply)
+        if out is not None:
+            return out
+    wd = cfg.weight_decay
+    treedef, gs, ms, vs, vmaxs, ps = _leaves(cfg, grads, state, params, bool(wd))
+    count = state.count
+    lr_t = lr_at(cfg.lr, count)
+    # Bias corrections in float64 from the tensor step, as torch does in Python floats.
+    t = (count + 1).to(torch.float64)
+    bc1 = 1.0 - torch.pow(cfg.b1, t)
+    bc2_sqrt = torch.sqrt(1.0 - torch.pow(cfg.b2, t))
+    # torch: -lr/bc1 * m / (sqrt(v)/bc2_sqrt + eps). Multiplying through by bc2_sqrt saves one
+    # full pass over the parameters: m * (-lr*bc2_sqrt/bc1) / (sqrt(v) + eps*bc2_sqrt).
+    step_size = -lr_t * bc2_sqrt / bc1
+    eps_hat = cfg.eps * bc2_sqrt
+    l2 = wd if (wd and not cfg.decoupled) else 0.0
+    decay = _decay(lr_t, wd, count.device) if (cfg.decoupled and wd) else None
+    leaves = [ms, gs, vs] + ([vmaxs] if cfg.amsgrad else []) + ([ps] if ps is not None else [])
+    labels = ["exp_avg", "grads", "exp_avg_sq"] + (["max_exp_avg_sq"] if cfg.amsgrad else []) + ["params"]
+    step = flat.step_plan(*leaves, names=lambda: paths_of(treedef), labels=labels)
+    scalars = _Scalars(step=step_size, eps_hat=eps_hat, decay=decay, rounded=cfg.const_decay)
+    unit = functools.partial(_unit, b1=cfg.b1, b2=cfg.b2, l2=l2, scalars=scalars)
+    m, v, vmax, u = flat.run(unit, step, [gs, ms, vs, vmaxs, ps], ms, 4)
+    new_state = AdamState(
+        count + 1,
+        optree.tree_unflatten(treedef, m),
+        optree.tree_unflatten(treedef, v),
+        optree.tree_unflatten(treedef, vmax) if cfg.amsgrad else (),
+    )
+    return optree.tree_unflatten(treedef, u), new_state
+
+
+def _applied(cfg: _Adam, grads: Updates, state: AdamState, params: Params, request: Apply) -> tuple[Applied, AdamState] | None:
+    """``apply_gradients`` with torch's fused kernel, in place on copies of params and state
+    or, donated, on params and state themselves."""
+    why = request.why
+    if cfg.kernel is None:
+        return flat.note(why, f"{cfg.name}: update + apply_updates (this torch has no fused kernel)")
+    treedef, gs, ms, vs, vmaxs, ps = _leaves(cfg, grads, state, params, True)
+    amsgrad = cfg.amsgrad
+    step = flat.step_plan(
+        ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: paths_of(treedef),
+        labels=("params", "grads", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), why=why,
+    )  # fmt: skip
+    if not _kernels.kernels_take(step, params, treedef):
+        return flat.note(why, f"{cfg.name}: update + apply_updates (the fused kernel does not take these leaves)")
+    lr_t = lr_at(cfg.lr, state.count)
+    # The kernel reads the step count from a float tensor, as torch.optim keeps it (no sync).
+    count = (state.count + 1).to(torch.float32)
+    trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
+    # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
+    in_place = request.donate and flat.disjoint(gs, *trees) and not module_aliases(ps)
+    flat.note(why, f"{cfg.name}: torch's fused kernel, " + ("in place on the donated params and state" if in_place else "on copies of params and state"))
+    bufs: list[list[Tensor]] = [[] for _ in trees]
+    made: list[list[list[Tensor]]] = [[] for _ in trees]
+    for group in step.groups:
+        if in_place:
+            new = [[leaves[i] for i in group.indices] for leaves in trees]
+        else:
+            # Copies of params and state, updated in place by the kernel: the inputs stay as they were.
+            copies = [flat.copy_with_views(leaves, group) for leaves in trees]
+            new = [v for _, v in copies]
+            for j, (b, v) in enumerate(copies):
+                bufs[j].append(b)
+                made[j].append(v)
+        # One tensor per leaf, or a split tree's leaf-aligned pieces (copied back after).
+        lists, after = _kernels.kernel_lists(params, group, [new[0], [gs[i] for i in group.indices], *new[1:]], (1,))
+        p_, g_, m_, v_, *vmax_ = lists
+        if p_:  # a rank may hold nothing of a sharded group; the kernel refuses empty lists
+            cfg.kernel(
+                p_, g_, m_, v_, vmax_[0] if amsgrad else [], [count] * len(p_),
+                lr=lr_t, beta1=cfg.b1, beta2=cfg.b2, weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=amsgrad, maximize=False,
+            )  # fmt: skip
+        after()
+    if in_place:
+        outs = trees
+    else:
+        outs = [step.out(b, m) for b, m in zip(bufs, made)]
+    p, m, v, *vmax = [optree.tree_unflatten(treedef, out) for out in outs]
+    return Applied(p), AdamState(state.count + 1, m, v, vmax[0] if amsgrad else ())
+
+
+def _is_empty(x: Any) -> bool:
     return isinstance(x, tuple) and len(x) == 0
 
 
@@ -278,7 +308,7 @@ class _Scalars:
         return self.cache[dtype]
 
 
-def _adam_unit(g, m, v, vmax, p, new, *, b1, b2, l2, scalars):
+def _unit(g, m, v, vmax, p, new, *, b1, b2, l2, scalars):
     """One Adam update of one tensor: a flat buffer of many leaves, or a single leaf.
 
     Out of place throughout (``out=`` is a fresh pooled buffer, or ``None`` leaf by leaf): under

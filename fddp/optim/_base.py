@@ -1,34 +1,45 @@
-"""Core of ``fddp.optim``: ``GradientTransformation``, ``chain``, ``apply_updates`` and shared checks.
+"""Core of ``fddp.optim``: ``GradientTransformation``, ``chain``, ``apply_updates`` and ``apply_gradients``.
 
 An optimizer is a pair of pure functions over pytrees of tensors (optax's design):
 ``init(params) -> state`` and ``update(grads, state, params) -> (updates, new_state)``. Updates are
 added to parameters (``params + updates``), so a descent step has negative updates.
+
+The fused step is part of the optimizer's value, not a table beside it (optax's
+``GradientTransformationExtraArgs`` is the model): a :class:`GradientTransformationExtraArgs`'s
+``update`` takes keyword arguments it may use, and :func:`apply_gradients` passes one,
+``apply=Apply(donate)``, asking the transformation to apply its step to the parameters itself.
+One that can (``sgd``, ``adam``, ``adamw``: torch's fused kernels, or the step written straight
+into new buffers) returns ``(Applied(new_params), new_state)``; any other returns its updates as
+usual, and ``apply_gradients`` adds them. ``chain`` forwards the request to its last
+transformation, and a wrapper keeps the fast path by forwarding ``**extra_args`` the same way.
 """
 
 from __future__ import annotations
 
-import math
-import weakref
-from typing import Any, Callable, NamedTuple, Sequence, Union
+import copy
+import itertools
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
 from torch import Tensor
 
-from fddp._layout import MODULE_ALIAS
-from fddp._tree import paths
-from fddp import _shard
+from fddp._layout import SplitTree
 
 from . import _flat as flat
+from ._checks import OptState, Params, PyTree, Updates, describe, flatten, leaves_like, paths_of
 
-PyTree = Any
-Params = PyTree
-Updates = PyTree
-OptState = Any
-Schedule = Callable[[Tensor], Tensor]
-ScalarOrSchedule = Union[float, Schedule]
-
-_functorch = torch._C._functorch
+__all__ = [
+    "GradientTransformation",
+    "GradientTransformationExtraArgs",
+    "EmptyState",
+    "Apply",
+    "Applied",
+    "apply_updates",
+    "apply_gradients",
+    "chain",
+    "fast_path",
+]
 
 
 class GradientTransformation(NamedTuple):
@@ -49,8 +60,65 @@ class GradientTransformation(NamedTuple):
     update: Callable[..., tuple[Updates, OptState]]
 
 
+class GradientTransformationExtraArgs(GradientTransformation):
+    """A :class:`GradientTransformation` whose ``update`` takes extra keyword arguments.
+
+    ``update(grads, state, params=None, **extra_args)``: each argument is used by the
+    transformations that know it and ignored by the others (optax's class of the same name).
+    fddp passes one, ``apply=Apply(donate)`` (see :class:`Apply`), from :func:`apply_gradients`.
+    Every transformation ``fddp.optim`` makes is one; a wrapper that forwards ``**extra_args`` to
+    the transformation it wraps keeps that transformation's fused step.
+
+    Example:
+        >>> def logged(opt):
+        ...     def update(grads, state, params=None, **extra_args):
+        ...         print("step")
+        ...         return opt.update(grads, state, params, **extra_args)
+        ...     return fddp.optim.GradientTransformationExtraArgs(opt.init, update)
+        >>> params, state = fddp.optim.apply_gradients(logged(fddp.optim.adamw(1e-3)), grads, state, params)
+    """
+
+    __slots__ = ()
+
+
 class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
+
+
+class Apply(NamedTuple):
+    """``update``'s ``apply=`` argument: apply the step to ``params`` in the same call, if you can.
+
+    A transformation that can returns ``(Applied(new_params), new_state)``, equal to its updates
+    added to ``params`` up to rounding; one that cannot returns its updates as usual. Only
+    :func:`apply_gradients` asks, and only the last transformation of a ``chain`` is asked.
+
+    Attributes:
+        donate: ``params`` and the state may be updated in place (see :func:`apply_gradients`).
+        why: where given, a list the transformation appends notes to on the path it took
+            (:func:`fast_path` reads them).
+
+    Example:
+        >>> out, state = opt.update(grads, state, params, apply=fddp.optim.Apply(donate=False))
+        >>> params = out.params if isinstance(out, fddp.optim.Applied) else fddp.optim.apply_updates(params, out)
+    """
+
+    donate: bool = False
+    why: list | None = None
+
+
+class Applied(NamedTuple):
+    """Returned by ``update`` in place of the updates when it applied the step (see :class:`Apply`).
+
+    Attributes:
+        params: the new parameters.
+
+    Example:
+        >>> out, state = opt.update(grads, state, params, apply=fddp.optim.Apply())
+        >>> if isinstance(out, fddp.optim.Applied):
+        ...     params = out.params
+    """
+
+    params: Params
 
 
 def apply_updates(params: Params, updates: Updates, /) -> Params:
@@ -69,20 +137,14 @@ def apply_updates(params: Params, updates: Updates, /) -> Params:
         >>> updates, state = opt.update(grads, state, params)
         >>> params = fddp.optim.apply_updates(params, updates)
     """
-    p_leaves, treedef = _flatten(params)
-    u_leaves = _leaves_like(updates, treedef, "updates", "params")
-    groups = None
-    if all(isinstance(x, Tensor) for x in p_leaves) and all(isinstance(x, Tensor) for x in u_leaves):
-        groups = flat.groups_for(p_leaves, u_leaves, names=lambda: _paths(treedef), labels=("params", "updates"))
-    tiles = [(flat.tiled(p_leaves, g), flat.tiled(u_leaves, g)) for g in groups or ()]
-    if any(t is not None for pair in tiles for t in pair):
-        # Updates from fddp.optim are views of flat buffers: one add per buffer, into a pooled one.
-        out = list(p_leaves)
-        for g, (P, U) in zip(groups, tiles):
-            P = P if P is not None else flat.copy(p_leaves, g)
-            U = U if U is not None else flat.copy(u_leaves, g)
-            flat.scatter(out, flat.views(torch.add(P, U, out=flat.new(g)), g), g)
-        return optree.tree_unflatten(treedef, out)
+    p_leaves, treedef = flatten(params)
+    u_leaves = leaves_like(updates, treedef, "updates", "params")
+    if all(map(isinstance, itertools.chain(p_leaves, u_leaves), itertools.repeat(Tensor))):
+        step = flat.step_plan(p_leaves, u_leaves, names=lambda: paths_of(treedef), labels=("params", "updates"))
+        if step is not None and (step.lies_in(p_leaves) or step.lies_in(u_leaves)):
+            # Updates from fddp.optim are views of flat buffers: one add per buffer, into a pooled one.
+            out = [torch.add(step.read(p_leaves, k), step.read(u_leaves, k), out=flat.new(g)) for k, g in enumerate(step.groups)]
+            return optree.tree_unflatten(treedef, step.out(out))
     idx = [i for i, u in enumerate(u_leaves) if u is not None and p_leaves[i] is not None]
     ps = [p_leaves[i] for i in idx]
     us = [u_leaves[i] for i in idx]
@@ -150,40 +212,86 @@ def apply_gradients(
         >>> params, state = fddp.optim.apply_gradients(opt, grads, state, params)
         >>> params, state = fddp.optim.apply_gradients(opt, grads, state, params, donate=True)
     """
+    _check_arguments(opt, state, params)
+    if isinstance(params, SplitTree):
+        params.check_group("optim.apply_gradients")
+    return _apply(opt, grads, state, params, Apply(bool(donate)))
+
+
+def _apply(opt: GradientTransformation, grads: Updates, state: OptState, params: Params, request: Apply) -> tuple[Params, OptState]:
+    if isinstance(opt, GradientTransformationExtraArgs):
+        out, new_state = opt.update(grads, state, params, apply=request)
+        if isinstance(out, Applied):
+            return out.params, new_state
+    else:
+        if request.why is not None:
+            request.why.append(
+                "update + apply_updates: the optimizer is a plain GradientTransformation, whose update takes no "
+                "extra arguments; make it a GradientTransformationExtraArgs whose update forwards **extra_args "
+                "to the transformation it wraps to keep that one's fused step"
+            )
+        out, new_state = opt.update(grads, state, params)
+    return apply_updates(params, out), new_state
+
+
+def _check_arguments(opt: Any, state: Any, params: Any) -> None:
+    """Name the mistake when ``apply_gradients`` gets its arguments in another order."""
     if not isinstance(opt, GradientTransformation):
-        raise TypeError(f"apply_gradients: opt must be a GradientTransformation, got {type(opt).__name__}")
-    if isinstance(params, _shard.Sharded):
-        params.layout.check_group("optim.apply_gradients")
-    fused = _FUSED.get(opt.update)
-    if fused is not None:
-        out = fused(grads, state, params, bool(donate))
-        if out is not None:
-            return out
-    updates, state = opt.update(grads, state, params)
-    return apply_updates(params, updates), state
+        raise TypeError(
+            f"fddp.optim.apply_gradients: opt must be a GradientTransformation (fddp.optim.sgd(...), adamw(...)), "
+            f"got {type(opt).__name__}; the arguments are (opt, grads, state, params)"
+        )
+    if _is_state(params) and not _is_state(state):
+        raise TypeError(
+            f"fddp.optim.apply_gradients: the 4th argument is {_article(type(params).__name__)} (an optimizer "
+            "state) where the parameters go: the arguments are apply_gradients(opt, grads, state, params)"
+        )
 
 
-# update function -> fused ``(grads, state, params, donate) -> (new_params, new_state) | None`` (None:
-# not applicable to these inputs; use update + apply_updates). Keyed weakly by the update closure so
-# that optimizers can be created freely; GradientTransformation itself stays a plain pair.
-_FUSED: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
+def _is_state(x: Any) -> bool:
+    """Whether ``x`` looks like an optimizer state: a NamedTuple whose type is a ...State, or a chain's tuple of them."""
+    if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+        return type(x).__name__.endswith("State")
+    return type(x) is tuple and len(x) > 0 and all(_is_state(s) for s in x)
 
 
-def _register_fused(opt: GradientTransformation, fused: Callable) -> GradientTransformation:
-    _FUSED[opt.update] = fused
-    return opt
+def _article(name: str) -> str:
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
-def chain(*transforms: GradientTransformation) -> GradientTransformation:
+def fast_path(opt: GradientTransformation, grads: Updates, state: OptState, params: Params, /, *, donate: bool = False) -> str:
+    """Say which path :func:`apply_gradients` takes on these inputs, and why: fused or not, flat
+    buffers or leaf by leaf, which inputs are read in place and which are copied (and the leaf that
+    made them copied: a ``tree_map`` over the gradients, say).
+
+    It runs the step once (on copies of ``params`` and ``state`` when ``donate``), so call it while
+    tuning, not in the loop.
+
+    Example:
+        >>> print(fddp.optim.fast_path(opt, grads, state, params))
+        adamw: torch's fused kernel on copies of params and state
+        flat: 3 buffer(s) in the layout the inputs came in
+    """
+    why = flat.Why()
+    if donate:
+        state, params = copy.deepcopy(state), copy.deepcopy(params)
+    _check_arguments(opt, state, params)
+    _apply(opt, grads, state, params, Apply(bool(donate), why))
+    return "\n".join(why) if why else "update + apply_updates"
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformationExtraArgs:
     """Compose transformations: each one's updates are the next one's gradients.
 
-    The state is a tuple holding one state per transformation.
+    The state is a tuple holding one state per transformation. Extra arguments to ``update``
+    (``apply=`` from :func:`apply_gradients`) go to the last transformation, so a chain that ends
+    in ``sgd`` or ``adamw`` keeps its fused step.
 
     Args:
         *transforms: the transformations, applied left to right.
 
     Returns:
-        A ``GradientTransformation``.
+        A ``GradientTransformationExtraArgs``.
 
     Example:
         >>> opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(1e-3))
@@ -191,172 +299,33 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     for i, t in enumerate(transforms):
         if not isinstance(t, GradientTransformation):
             raise TypeError(f"chain: argument {i} must be a GradientTransformation, got {type(t).__name__}")
+    init = _ChainInit(transforms)
+    return GradientTransformationExtraArgs(init, _ChainUpdate(transforms))
 
-    def init(params: Params) -> tuple:
-        return tuple(t.init(params) for t in transforms)
 
-    def update(grads: Updates, state: tuple, params: Params | None = None) -> tuple[Updates, tuple]:
+class _ChainInit(NamedTuple):
+    transforms: tuple[GradientTransformation, ...]
+
+    def __call__(self, params: Params) -> tuple:
+        return tuple(t.init(params) for t in self.transforms)
+
+
+class _ChainUpdate(NamedTuple):
+    transforms: tuple[GradientTransformation, ...]
+
+    def __call__(self, grads: Updates, state: tuple, params: Params | None = None, **extra_args: Any) -> tuple[Any, tuple]:
+        transforms = self.transforms
         if type(state) is not tuple or len(state) != len(transforms):
             raise TypeError(
-                f"chain.update expected a tuple of {len(transforms)} states (from this chain's init), "
-                f"got {_describe(state)}"
+                f"chain.update expected a tuple of {len(transforms)} states (from this chain's init), got {describe(state)}"
             )
         new_states = []
-        for t, s in zip(transforms, state):
-            grads, s = t.update(grads, s, params)
+        for i, (t, s) in enumerate(zip(transforms, state)):
+            last = i == len(transforms) - 1
+            if last and extra_args and isinstance(t, GradientTransformationExtraArgs):
+                grads, s = t.update(grads, s, params, **extra_args)
+            else:
+                grads, s = t.update(grads, s, params)
             new_states.append(s)
         return grads, tuple(new_states)
 
-    opt = GradientTransformation(init, update)
-    last = _FUSED.get(transforms[-1].update) if transforms else None
-    if last is None:
-        return opt
-
-    def fused(grads: Updates, state: tuple, params: Params, donate: bool) -> tuple[Params, tuple] | None:
-        # Every transform but the last as usual, then the last one fused into the step.
-        if type(state) is not tuple or len(state) != len(transforms):
-            return None  # let update raise its error
-        new_states = []
-        for t, s in zip(transforms[:-1], state[:-1]):
-            grads, s = t.update(grads, s, params)
-            new_states.append(s)
-        out = last(grads, state[-1], params, donate)
-        if out is None:
-            updates, s = transforms[-1].update(grads, state[-1], params)
-            out = apply_updates(params, updates), s
-        return out[0], tuple(new_states) + (out[1],)
-
-    return _register_fused(opt, fused)
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared helpers (private).
-
-
-def _flatten(tree: PyTree) -> tuple[list, optree.PyTreeSpec]:
-    # None leaves are kept so that "missing" gradients are reported rather than silently dropped.
-    return optree.tree_flatten(tree, none_is_leaf=True)
-
-
-def _paths(treedef: optree.PyTreeSpec) -> list[str]:
-    return list(paths(treedef))  # fddp's one path format: "exp_avg/0.weight"
-
-
-def _leaves_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, ref: str) -> list:
-    """Flatten ``tree``, raising a ValueError naming the leaf paths if it does not match ``treedef``."""
-    leaves, got = _flatten(tree)
-    if got != treedef:
-        why = _shard.explain(treedef, got, ref, name)
-        if why is not None:
-            raise ValueError(f"{name} must have the same tree structure as {ref}: {why}")
-        want_paths, got_paths = _paths(treedef), _paths(got)
-        missing = [p for p in want_paths if p not in set(got_paths)]
-        extra = [p for p in got_paths if p not in set(want_paths)]
-        detail = ""
-        if missing:
-            detail += f"; missing {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''}"
-        if extra:
-            detail += f"; unexpected {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''}"
-        if not detail:  # the same leaves in other containers: show the structures, cut short
-            detail = f": expected {str(treedef)[:200]}, got {str(got)[:200]}"
-        raise ValueError(f"{name} must have the same tree structure as {ref}{detail}")
-    return leaves
-
-
-def _check_grads(grads: Updates, treedef: optree.PyTreeSpec | None, where: str) -> tuple[list, optree.PyTreeSpec]:
-    """Flatten grads, checking structure against ``treedef`` (if given) and rejecting ``None`` leaves."""
-    if treedef is None:
-        leaves, treedef = _flatten(grads)
-    else:
-        leaves = _leaves_like(grads, treedef, "grads", "the optimizer state (params at init)")
-    if not all(isinstance(g, Tensor) for g in leaves):
-        for path, g in zip(_paths(treedef), leaves):
-            if not isinstance(g, Tensor):
-                raise TypeError(
-                    f"{where}: grad {path!r} must be a tensor, got {_describe(g)}; "
-                    "pass zeros for frozen parameters or drop them from both params and grads"
-                )
-    return leaves, treedef
-
-
-def _check_dtypes(gs: Sequence[Tensor], like: Sequence[Tensor], treedef: optree.PyTreeSpec, where: str, like_name: str) -> None:
-    """Raise a TypeError naming the leaf unless every gradient has its parameter's dtype.
-
-    torch's rule: ``param.grad`` must have the parameter's dtype (``param.grad = g`` raises
-    otherwise), so torch.optim's kernels never see a float64 gradient for a float32 parameter
-    (its SGD would accept one, its Adam would not). Here every optimizer refuses, on every path.
-    ``like`` is the parameters or a state tree shaped from them (a momentum buffer, a moment).
-    """
-    for i, (g, p) in enumerate(zip(gs, like)):
-        if g.dtype != p.dtype:
-            raise TypeError(
-                f"{where}: grad {_paths(treedef)[i]!r} has dtype {g.dtype}, but its parameter has dtype "
-                f"{p.dtype} (as {like_name} says); a gradient must have its parameter's "
-                "dtype, as torch requires of param.grad. Cast it first: "
-                "optree.tree_map(lambda g, p: g.to(p.dtype), grads, params)"
-            )
-
-
-def _module_aliases(leaves: Sequence[Tensor]) -> bool:
-    """Whether any leaf is an alias of a module's own parameter, as ``fddp.functionalize`` hands them out.
-
-    Donating those would update the module in place; the fused steps copy them instead (once: the
-    parameters they return are the caller's own).
-    """
-    return any(getattr(t, MODULE_ALIAS, False) for t in leaves)
-
-
-def _params_leaves(params: Params | None, treedef: optree.PyTreeSpec, where: str, why: str) -> list:
-    if params is None:
-        raise ValueError(f"{where}: params are required ({why}); call update(grads, state, params)")
-    return _leaves_like(params, treedef, "params", "grads")
-
-
-def _check_state(state: Any, cls: type, where: str) -> None:
-    if type(state) is not cls:
-        raise TypeError(
-            f"{where} expected a {cls.__name__} (from this optimizer's init), got {_describe(state)}; "
-            "was the state created by a different optimizer?"
-        )
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, Tensor):
-        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
-    return type(x).__name__
-
-
-def _check_lr(lr: ScalarOrSchedule, where: str) -> None:
-    if callable(lr):
-        return
-    if isinstance(lr, Tensor):
-        raise TypeError(f"{where}: lr must be a float or a schedule (a function of the step count), got a Tensor")
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"{where}: invalid lr={lr!r}; expected a finite float >= 0 or a schedule")
-
-
-def _check_nonneg(value: float, name: str, where: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{where}: invalid {name}={value!r}; expected a finite float >= 0")
-
-
-def _lr_at(lr: ScalarOrSchedule, count: Tensor) -> float | Tensor:
-    """The learning rate for the update at ``count`` (0 for the first update)."""
-    return lr(count) if callable(lr) else float(lr)
-
-
-def _fused_kernels_take(groups: tuple | None) -> bool:
-    """Whether torch's fused optimizer kernels take every flat group (a float dtype, CPU or CUDA)."""
-    return groups is not None and all(
-        g.dtype in _FUSED_DTYPES and g.device.type in ("cpu", "cuda") for g in groups
-    )
-
-
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def _zeros_count(leaves: Sequence[Tensor]) -> Tensor:
-    # The count lives with the parameters so that scalar tensors derived from it (lr, bias
-    # corrections) can be mixed with parameter tensors in foreach ops and under vmap.
-    device = next((t.device for t in leaves if isinstance(t, Tensor)), torch.device("cpu"))
-    return torch.zeros((), dtype=torch.int64, device=device)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from fddp import _shard
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp import _dist
+from fddp._layout import SplitTree, has_split
 
 from . import _flat as flat
-from ._base import EmptyState, GradientTransformation, Params, Updates, _check_grads, _check_state
-import optree
+from ._base import EmptyState, GradientTransformationExtraArgs
+from ._checks import Params, Updates, check_grads, check_state
+
+__all__ = ["clip_by_global_norm"]
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
     """Scale gradients so that their global L2 norm is at most ``max_norm``.
 
     Same arithmetic as ``torch.nn.utils.clip_grad_norm_``: the scale is
@@ -26,7 +33,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         max_norm: the largest allowed global norm, > 0.
 
     Returns:
-        A stateless ``GradientTransformation`` (state ``EmptyState``).
+        A stateless ``GradientTransformationExtraArgs`` (state ``EmptyState``).
 
     Example:
         >>> opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.sgd(0.1))
@@ -38,14 +45,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
-    def update(grads: Updates, state: EmptyState, params: Params | None = None) -> tuple[Updates, EmptyState]:
-        _check_state(state, EmptyState, where)
-        gs, treedef = _check_grads(grads, None, where)
+    def update(grads: Updates, state: EmptyState, params: Params | None = None, **extra_args: Any) -> tuple[Updates, EmptyState]:
+        check_state(state, EmptyState, where)
+        gs, treedef = check_grads(grads, None, where)
         if not gs:
             return grads, state
-        if isinstance(grads, _shard.Sharded):
-            total = _sharded_norm(grads, gs)
-        elif _shard.spec_has_sharded(treedef):
+        if isinstance(grads, SplitTree):
+            total = _split_norm(grads, gs)
+        elif has_split(treedef):
             raise TypeError(
                 f"{where}: the gradients hold a fddp.zero.Sharded below their root; clip a sharded tree "
                 "on its own (the Sharded itself), so that its norm is summed over the ranks once"
@@ -65,20 +72,27 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
                 scales[g.dtype] = scale.to(device=g.device, dtype=g.dtype)
             return (torch.mul(g, scales[g.dtype], out=new()),)
 
-        (out,) = flat.run(unit, flat.groups_for(gs), [gs], gs, 1)
+        (out,) = flat.run(unit, flat.step_plan(gs), [gs], gs, 1)
         return optree.tree_unflatten(treedef, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformationExtraArgs(init, update)
 
 
-def _sharded_norm(grads: _shard.Sharded, gs: list) -> torch.Tensor:
+def _split_norm(grads: SplitTree, gs: list) -> torch.Tensor:
     """The global L2 norm of sharded gradients: local float64 sums of squares, one all-reduce.
 
     Padding is zero and adds nothing; the result is identical on every rank.
     """
+    what = "optim.clip_by_global_norm"
+    grads.check_group(what)
     device = gs[0].device
-    local = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for g in gs:
-        local = local + torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
-    total = _shard.all_reduce_sum(grads.layout, local, "optim.clip_by_global_norm")
+        total = total + torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
+    split = grads.split
+    if split.world > 1:
+        moved = total.to(_dist.collective_device(split.group))
+        with _dist.exclusive(split.group, what):
+            _dist.wait(dist.all_reduce(moved, group=split.group, async_op=True), split.group, what, "the all-reduce of a sharded sum")
+        total = moved.to(device)
     return total.sqrt().to(gs[0].dtype)

@@ -7,16 +7,17 @@ compares one checksum per leaf in one small all-reduce.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from fddp import _dist
+from fddp._dist import MismatchError, collective_device, wait
 from fddp._tree import paths
 from fddp.sync import _differentiable
 from fddp.sync._setup import SyncOptions, make_options, setup
-from fddp.runtime import collective_device
-from fddp.sync._signature import MismatchError, wait
 from fddp.sync.hooks import Broadcast, BufferMean
 
 __all__ = ["broadcast", "sync_buffers", "verify_replicas", "checksum"]
@@ -25,11 +26,12 @@ _MODES = ("broadcast", "mean")
 
 
 def _run(tree: Any, options: SyncOptions, what: str) -> Any:
-    sync = setup(tree, options, what)
-    reducer = sync.reducer()
-    reducer.push([t.detach() for t in sync.leaves])
-    flats, _ = reducer.finish()
-    return sync.unflatten(flats)
+    with _dist.exclusive(options.group, what):
+        sync = setup(tree, options, what)
+        reducer = sync.reducer()
+        reducer.push([t.detach() for t in sync.leaves])
+        flats, _ = reducer.finish()
+        return sync.tree(flats, reducer.made_views(flats))
 
 
 def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0) -> Any:
@@ -60,7 +62,7 @@ def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = N
     n = dist.get_world_size(group) if dist.is_initialized() else 1
     if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
         raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
-    return _run(tree, SyncOptions(options.group, options.bucket_cap_mb, options.first_bucket_mb, Broadcast(src)), "broadcast")
+    return _run(tree, dataclasses.replace(options, hook=Broadcast(src)), "broadcast")
 
 
 def sync_buffers(
@@ -107,7 +109,7 @@ def sync_buffers(
         return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
     _differentiable.refuse_under_transforms("sync_buffers")
     options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-    return _run(buffers, SyncOptions(options.group, options.bucket_cap_mb, options.first_bucket_mb, BufferMean()), "sync_buffers")
+    return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
 
 
 _MASK = (1 << 62) - 1  # checksums in [0, 2**62): their negations never overflow int64
@@ -168,6 +170,11 @@ def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> 
         >>> fddp.verify_replicas(params)  # passes; raises on every rank if any rank drifted
     """
     _differentiable.refuse_under_transforms("verify_replicas")
+    with _dist.exclusive(group, "verify_replicas"):
+        _verify(tree, group)
+
+
+def _verify(tree: Any, group: dist.ProcessGroup | None) -> None:
     sync = setup(tree, make_options("verify_replicas", group=group), "verify_replicas")
     leaves = sync.leaves
     if dist.get_world_size(group) == 1 or not leaves:

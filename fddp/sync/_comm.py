@@ -7,17 +7,14 @@ with an error that names the call, the rank and what it was doing.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp import _shard
+from fddp._dist import collective_device, wait
 from fddp._layout import BucketPlan
-from fddp.runtime import collective_device
-from fddp.sync._signature import wait
 
 __all__ = ["Comm"]
 
@@ -48,20 +45,6 @@ class Comm:
         self.weight_sum: torch.Tensor | None = None
         self.bytes_sent = 0
         self.collectives = 0
-
-    @functools.cached_property
-    def shard_layout(self) -> _shard.ShardLayout:
-        """How this rank's shards cut the plan's buckets (``fddp.zero``'s layout)."""
-        return _shard.layout(self.plan, None, self.world_size, self.rank, self.group)
-
-    def cut(self, index: int) -> _shard.Cut:
-        """This rank's cut of bucket ``index``: the elements it holds and its shard size.
-
-        Example:
-            >>> c = bucket.comm.cut(bucket.index)
-            >>> shard[: c.held].copy_(reduced[c.lo : c.hi])
-        """
-        return self.shard_layout.cuts[index]
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +88,7 @@ class Comm:
         work has no future: always ``wait`` it); on NCCL it sends half an all-reduce's bytes.
 
         Example:
-            >>> work = bucket.comm.reduce_scatter(shard, padded_bucket)
+            >>> work = bucket.comm.reduce_scatter(shard, padded_bucket)  # as fddp.zero.ReduceScatter does
             >>> bucket.comm.wait(work, "the reduce-scatter")
         """
         return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out)

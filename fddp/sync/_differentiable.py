@@ -106,15 +106,17 @@ class _Call:
     spec: optree.PyTreeSpec
     members: tuple[LeafSpec, ...]
     state: Any = None
+    weight: torch.Tensor | None = None
     infos: list = dataclasses.field(default_factory=list)
     plan: _layout.BucketPlan | None = None  # while dynamo traces: the buckets, planned outside the Function
 
     def derived(self, *, weighted: bool) -> "_Call":
         """The call that averages cotangents or tangents: the same buckets, no finite check."""
         o = self.options
-        hook = WeightedMean() if weighted and o.weight is not None else Mean()
-        options = dataclasses.replace(o, hook=hook, weight=o.weight if weighted else None, check_finite=False)
-        return _Call(options, self.spec, self.members, plan=self.plan)
+        weighted = weighted and self.weight is not None
+        hook = WeightedMean() if weighted else Mean()
+        options = dataclasses.replace(o, hook=hook, weighted=weighted, check_finite=False)
+        return _Call(options, self.spec, self.members, weight=self.weight if weighted else None, plan=self.plan)
 
     def describe(self) -> str:
         return f"compression={self.options.hook!r}"
@@ -127,7 +129,7 @@ def _differentiable(options: SyncOptions) -> bool:
 def _sync(call: _Call, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """The eager sync of plain tensors: the same setup, reducer and hook as ``ddp_step``'s."""
     tree = optree.tree_unflatten(call.spec, list(leaves))
-    sync = setup(tree, call.options, "ddp_step", call.state, members=call.members)
+    sync = setup(tree, call.options, "ddp_step", call.state, weight=call.weight, members=call.members)
     reducer = sync.reducer(call.state)
     reducer.push([t.detach() for t in leaves])
     flats, info = reducer.finish()
@@ -151,14 +153,14 @@ class _Mean(torch.autograd.Function):
                 "differentiated (torch.func.grad, vjp, jacrev or backward); use the plain or weighted "
                 "mean (compression=None) there, or detach the gradients"
             )
-        if call.options.weight is not None:
+        if call.weight is not None:
             ctx.weight_sum = call.infos[-1].weight
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
         call = ctx.call
         out = _Mean.apply(call.derived(weighted=False), *cts)
-        w = call.options.weight
+        w = call.weight
         if w is not None:
             # d/dg_r of sum_s w_s g_s / W is w_r / W times the sum of the cotangents, which is
             # n times their mean. W is the forward's weight sum, identical on every rank.
@@ -233,7 +235,7 @@ def _traced_apply(call: _Call, leaves: Any) -> list[torch.Tensor]:
     return list(_TracedMean.apply(call, *leaves, *pad))
 
 
-def ddp_step(params: Any, grads: Any, options: SyncOptions, state: Any) -> tuple[Any, SyncInfo | None]:
+def ddp_step(params: Any, grads: Any, options: SyncOptions, state: Any, weight: torch.Tensor | None) -> tuple[Any, SyncInfo | None]:
     """``ddp_step`` on the differentiable paths; returns ``(grads, info)``."""
     p_leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
     members = tuple(LeafSpec.of(p) for p in p_leaves)
@@ -243,7 +245,7 @@ def ddp_step(params: Any, grads: Any, options: SyncOptions, state: Any) -> tuple
         g_leaves, _ = optree.tree_flatten(grads, none_is_leaf=True)
     # A missing gradient is a zero one (an unused parameter), as on the plain path.
     leaves = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g for g, m in zip(g_leaves, members)]
-    call = _Call(options, spec, members, state)
+    call = _Call(options, spec, members, state, weight)
     if torch.compiler.is_compiling():
         return _compiled(call, leaves, spec)
     out = _Mean.apply(call, *leaves)
@@ -259,13 +261,13 @@ def _compiled(call: _Call, leaves: list[torch.Tensor], spec: Any) -> tuple[Any, 
                 f"{torch.__version__} traces neither its forward-mode nor its batching rule); call it eagerly there"
             )
     o = call.options
-    sync = setup(optree.tree_unflatten(spec, leaves), o, "ddp_step", call.state)
+    sync = setup(optree.tree_unflatten(spec, leaves), o, "ddp_step", call.state, weight=call.weight)
     if type(o.hook) is not Mean or o.check_finite:
         # Compressed and weighted means trace through the reducer, without a derivative.
         reducer = sync.reducer(call.state)
         reducer.push(leaves)
         flats, info = reducer.finish()
-        return sync.unflatten(flats), info
+        return sync.tree(flats), info
     traced = dataclasses.replace(call, plan=sync.plan)
     info = SyncInfo(None, None, sync.plan.nbytes, len(sync.plan.buckets))
     return optree.tree_unflatten(spec, _traced_apply(traced, leaves)), info

@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
-from fddp._tree import paths
+from fddp import _dist
+from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._reducer import SyncInfo
-from fddp.sync._setup import KEYWORDS, SyncOptions, check_state, make_options, setup
+from fddp.sync._setup import KEYWORDS, SyncOptions, as_weight, check_state, make_options, setup
 
 __all__ = ["grad", "grad_and_value"]
 
 ArgNums = int | tuple[int, ...]
 _CALL_TIME = ("weight", "compression_state")  # per-step values, given to the transformed function
-_BUILD_TIME = tuple(k for k in KEYWORDS if k not in _CALL_TIME)
+_BUILD_TIME = tuple(KEYWORDS)
 
 
 def grad_and_value(
@@ -164,66 +165,81 @@ class _Transform:
         # and the next step page-faults in again: about 1000 faults, 3 ms, a 15% longer step on
         # the benchmark MLP (benchmarks/step.py's floor). The memory is the peak's anyway.
         self.held: tuple | None = None
+        self.weighted: SyncOptions | None = None  # the options with weight=, made at the first weighted call
 
     def call_options(self, weight: Any) -> SyncOptions:
+        """The options of a call: the built ones, or their weighted twin (cached) for ``weight=``."""
         if weight is None:
             return self.options
-        o = self.options
-        return make_options(
-            self.what, group=o.group, bucket_cap_mb=o.bucket_cap_mb, first_bucket_mb=o.first_bucket_mb,
-            weight=weight, compression=self.compression, check_finite=o.check_finite, return_info=self.return_info,
-        )  # fmt: skip
+        if self.weighted is None:
+            o = self.options
+            self.weighted = make_options(
+                self.what, group=o.group, bucket_cap_mb=o.bucket_cap_mb, first_bucket_mb=o.first_bucket_mb,
+                compression=self.compression, check_finite=o.check_finite, return_info=self.return_info, weighted=True,
+            )  # fmt: skip
+        return self.weighted
 
     def __call__(self, args: tuple, kwargs: dict, weight: Any, state: Any) -> tuple[Any, Any, SyncInfo]:
         what = self.what
         _differentiable.refuse_under_transforms(what, "use torch.func.grad inside the transform and fddp.ddp_step, which composes with it")
         options = self.call_options(weight)
+        w = None if weight is None else as_weight(weight, what)
         check_state(options, state, what, self.compression)
         nums = self.nums
         for a in nums:
             if not -len(args) <= a < len(args):
                 raise ValueError(f"fddp.{what}: argnums {self.argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments")
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
-        sync = setup(tree, options, what, state)
-        if not all(b.dtype.is_floating_point or b.dtype.is_complex for b in sync.plan.buckets):  # per bucket, not per leaf
-            i = next(i for i, t in enumerate(sync.leaves) if not (t.is_floating_point() or t.is_complex()))
-            raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(sync.spec)[i]!r} is {sync.leaves[i].dtype}")
-        if torch.is_grad_enabled():
-            for i, t in enumerate(sync.leaves):
+        flat = tensor_leaves(tree, what)
+        leaves = flat[0]
+        if not all(t.is_floating_point() or t.is_complex() for t in leaves):
+            i = next(i for i, t in enumerate(leaves) if not (t.is_floating_point() or t.is_complex()))
+            raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}")
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*leaves):
+            for i, t in enumerate(leaves):
                 if t.grad_fn is not None:
                     # Differentiating the caller's graph through this transform would need its
                     # derivative; detaching here would drop it without a word.
                     raise RuntimeError(
-                        f"fddp.{what}: leaf {paths(sync.spec)[i]!r} is the output of an autograd graph, "
+                        f"fddp.{what}: leaf {paths(flat[1])[i]!r} is the output of an autograd graph, "
                         "and differentiating through fddp.grad/grad_and_value is not supported; use "
                         "torch.func.grad and fddp.ddp_step, which compose, or detach the input"
                     )
-        self.held = None  # freed before fn runs, as zero_grad(set_to_none=True) frees .grad
-        inputs = [t.detach().requires_grad_() for t in sync.leaves]
-        reducer = sync.reducer(state)
-        arrive = reducer.arrive
-        for i, x in enumerate(inputs):
-            # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
-            # tensor's hooks run.
-            x.register_hook(functools.partial(arrive, i))
-        views = optree.tree_unflatten(sync.spec, inputs)
-        call_args = list(args)
-        if isinstance(self.argnums, int):
-            call_args[nums[0]] = views
-        else:
-            for a, v in zip(nums, views):
-                call_args[a] = v
-        with torch.enable_grad():
-            out = self.fn(*call_args, **kwargs)
-            loss = _loss_of(out, self.has_aux, what)
-            reducer.mark_backward()
-            if loss.requires_grad:
-                raw = torch.autograd.grad(loss, inputs, allow_unused=True)
-                if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
-                    self.held = raw
-        reducer.flush()
-        flats, info = reducer.finish()
-        return sync.unflatten(flats, reducer.made_views(flats)), _detached(out), info
+        with _dist.exclusive(options.group, what):
+            # Agreed after the forward pass: a rank whose fn raises has sent nothing, and its next
+            # call's header meets this call's on the other ranks (a call number apart: an error).
+            sync = setup(tree, options, what, state, weight=w, flat=flat, agree=False)
+            self.held = None  # freed before fn runs, as zero_grad(set_to_none=True) frees .grad
+            inputs = [t.detach().requires_grad_() for t in leaves]
+            reducer = sync.reducer(state)
+            arrive = reducer.arrive
+            for i, x in enumerate(inputs):
+                # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
+                # tensor's hooks run.
+                x.register_hook(functools.partial(arrive, i))
+            views = optree.tree_unflatten(sync.spec, inputs)
+            call_args = list(args)
+            if isinstance(self.argnums, int):
+                call_args[nums[0]] = views
+            else:
+                for a, v in zip(nums, views):
+                    call_args[a] = v
+            with torch.enable_grad():
+                try:
+                    out = self.fn(*call_args, **kwargs)
+                    loss = _loss_of(out, self.has_aux, what)
+                except BaseException:
+                    _dist.abandon(options.group)  # the call counts: this rank's next header says so
+                    raise
+                reducer.mark_backward()
+                sync.agree()
+                if loss.requires_grad:
+                    raw = torch.autograd.grad(loss, inputs, allow_unused=True)
+                    if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
+                        self.held = raw
+            reducer.flush()
+            flats, info = reducer.finish()
+            return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
 
 
 def _detached(out: Any) -> Any:

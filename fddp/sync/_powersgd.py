@@ -298,7 +298,11 @@ class _Call:
             self.error, self.error_spec = _leaves(state.error, self.plan, comm.what, "error", lambda shape: shape)
         if self.compressing and config.warm_start:
             self.q, self.q_spec = _leaves(state.q, self.plan, comm.what, "q", config.q_shape)
-        self.new_error = [None] * self.plan.num_leaves if self.error is not None else None
+        # Last step's residuals, one buffer per bucket where they came laid out in this plan (the
+        # previous call's own result): added in one op per bucket.
+        flat = _layout.flat_of(self.error) if self.error is not None else None
+        self.residuals = flat.buffers if flat is not None and flat.plan == self.plan else None
+        self.new_error: list[Any] | None = [None] * len(self.plan.buckets) if self.error is not None else None
         self.new_q = list(self.q) if self.q is not None else None
 
     def launch(self, bucket: GradBucket) -> Any:
@@ -311,9 +315,8 @@ class _Call:
         flat = s.flat
         views = flat.split(b.numels)
         if self.error is not None and not self.first:
-            residual = _layout.tiled(self.error, b)  # last step's residuals: one buffer, usually
-            if residual is not None:
-                flat.add_(residual)
+            if self.residuals is not None:
+                flat.add_(self.residuals[bucket.index])
             else:
                 for v, leaf in zip(views, b.indices):
                     v.add_(self.error[leaf].reshape(-1))
@@ -395,8 +398,7 @@ class _Call:
         b = bucket.layout
         if self.new_error is not None:
             # The residual: this step's input minus what came back, written over the input.
-            for leaf, e in zip(b.indices, _layout.views(s.flat.sub_(s.out), b)):
-                self.new_error[leaf] = e
+            self.new_error[i] = s.flat.sub_(s.out)
         if self.new_q is not None:
             for leaf, q in zip(s.leaf_ids, s.qs):
                 self.new_q[leaf] = q.view(q.shape[1:])
@@ -409,7 +411,7 @@ class _Call:
         return PowerSGDState(
             step,
             self.rng,
-            None if self.new_error is None else optree.tree_unflatten(self.error_spec, self.new_error),
+            None if self.new_error is None else optree.tree_unflatten(self.error_spec, _layout.lay_out(self.plan, self.new_error)),
             None if self.new_q is None else optree.tree_unflatten(self.q_spec, self.new_q),
         )
 

@@ -10,14 +10,13 @@ of collectives.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from fddp import _layout
-from fddp._layout import BucketPlan
+from fddp import _caches, _layout
+from fddp._layout import Bucket, BucketPlan
 from fddp.sync._comm import Comm
 from fddp.sync.hooks import CommHook, GradBucket
 
@@ -79,6 +78,27 @@ class SyncInfo(NamedTuple):
     timeline: Timeline | None = None
 
 
+class _Slot:
+    """One bucket's way through a synchronisation: its buffer, leaf views, what is missing, its collectives."""
+
+    __slots__ = ("layout", "scale", "fill", "flat", "views", "missing", "bucket", "pending", "launched", "done")
+
+    def __init__(self, layout: Bucket, scale: float | None, fill: torch.dtype | None) -> None:
+        self.layout, self.scale, self.fill = layout, scale, fill
+        self.flat: torch.Tensor | None = None  # the buffer, until it is handed to the hook
+        self.views: Sequence[torch.Tensor] | None = None  # its leaf views, made on first use
+        self.missing = set(layout.indices)  # fddp.grad's path: leaves still to arrive
+        self.bucket: GradBucket | None = None  # as handed to the hook
+        self.pending: Any = None
+        self.launched = self.done = 0.0
+
+    def open(self) -> Sequence[torch.Tensor]:
+        """Make the buffer (in the fill dtype) and its leaf views."""
+        self.flat = flat = _layout.new_flat(self.layout, self.fill)
+        self.views = views = _layout.views(flat, self.layout)
+        return views
+
+
 class Reducer:
     """Move one tree's values through a bucket plan and a comm hook.
 
@@ -97,29 +117,23 @@ class Reducer:
         self.t0 = self.clock()
         self.t_backward = 0.0
         self.ready = [0.0] * plan.num_leaves
-        self.launched = [0.0] * len(plan.buckets)
-        self.done = [0.0] * len(plan.buckets)
-        # Scaling factors the hook wants applied while values are copied in (1/n for a mean over a
-        # power-of-two group): one pass fewer than scaling the bucket afterwards.
-        self.scales = [_no_unit(hook.scale_in(comm, b)) for b in plan.buckets]
-        # The dtype each bucket is filled in, where the hook casts first (Cast): the copy casts.
-        self.fill = [_no_same(hook.fill_dtype(comm, b), b.dtype) for b in plan.buckets]
+        # Per bucket: a factor the hook wants applied while values are copied in (1/n for a mean
+        # over a power-of-two group: one pass fewer than scaling the bucket afterwards), and the
+        # dtype it is filled in where the hook casts first (Cast: the copy casts).
+        self.slots = [
+            _Slot(b, _no_unit(hook.scale_in(comm, b)), _no_same(hook.fill_dtype(comm, b), b.dtype)) for b in plan.buckets
+        ]
         self.working = hook.begin(state, comm)
-        self.buckets: list[GradBucket | None] = [None] * len(plan.buckets)
-        self.pending: list[Any] = [None] * len(plan.buckets)
-        # fddp.grad's path: buffers made on first use, leaves still missing, the next to launch.
-        self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
-        self.views: list[Sequence[torch.Tensor] | None] = [None] * len(plan.buckets)
-        self.missing = [set(b.indices) for b in plan.buckets]
-        self.where = _slots(plan)  # leaf -> (bucket, position): looked up once, not per leaf
+        self.where = _where(plan)  # leaf -> (bucket, position): looked up once, not per leaf
         self.next = 0
 
     def launch(self, i: int, flat: torch.Tensor) -> None:
-        """Hand bucket ``i`` (``flat``, already scaled by ``scales[i]``) to the hook."""
-        bucket = GradBucket(i, flat, self.plan.buckets[i], self.comm)
-        self.launched[i] = self.clock() - self.t0
-        self.pending[i], self.working = self.hook.launch(self.working, bucket)
-        self.buckets[i] = bucket
+        """Hand bucket ``i`` (``flat``, already scaled) to the hook."""
+        s = self.slots[i]
+        s.bucket = bucket = GradBucket(i, flat, s.layout, self.comm)
+        s.launched = self.clock() - self.t0
+        s.pending, self.working = self.hook.launch(self.working, bucket)
+        s.flat = None  # the hook holds the buffer now; its leaf views stay, for made_views
 
     def mark_backward(self) -> None:
         """Note that backward starts now (for :class:`Timeline`)."""
@@ -129,86 +143,94 @@ class Reducer:
         """Copy every leaf (``None``: zeros) into its bucket and launch all buckets in order."""
         self.t_backward = now = self.clock() - self.t0
         self.ready = [now] * self.plan.num_leaves
-        for i, flat in enumerate(_layout.flatten(self.plan, leaves, dtypes=self.fill)):
-            if self.scales[i] is not None:
-                flat.mul_(self.scales[i])
-            self.launch(i, flat)
+        if torch.compiler.is_compiling():
+            # Dynamo traces a concatenation into the bucket more simply than foreach copies.
+            for i, flat in enumerate(_layout.flatten(self.plan, leaves, dtypes=[s.fill for s in self.slots])):
+                if self.slots[i].scale is not None:
+                    flat.mul_(self.slots[i].scale)
+                self.launch(i, flat)
+            self.next = len(self.slots)
+            return
+        for i, s in enumerate(self.slots):
+            views = s.open()
+            values = [leaves[k] for k in s.layout.indices]
+            if any(v is None for v in values):
+                for view, v in zip(views, values):
+                    view.zero_() if v is None else view.copy_(v)
+            else:
+                torch._foreach_copy_(views, values)  # one call for the bucket; casts to a fill dtype
+            if s.scale is not None:
+                s.flat.mul_(s.scale)
+            self.launch(i, s.flat)
+        self.next = len(self.slots)
 
     def arrive(self, leaf: int, g: torch.Tensor) -> None:
         """Copy one leaf's value into its bucket; launch every bucket that is now complete, in order."""
         # Called once per leaf per step from a backward hook: kept to a few attribute lookups.
         b, k = self.where[leaf]
-        views = self.views[b]
+        s = self.slots[b]
+        views = s.views
         if views is None:
-            views = self._leaf_views(b)
-        scale = self.scales[b]
-        if scale is None:
+            views = s.open()
+        if s.scale is None:
             views[k].copy_(g)
         else:
-            torch.mul(g, scale, out=views[k])  # the copy, scaled on the way
+            torch.mul(g, s.scale, out=views[k])  # the copy, scaled on the way
         self.ready[leaf] = self.clock() - self.t0
-        missing = self.missing[b]
+        missing = s.missing
         missing.discard(leaf)
         if not missing and b == self.next:
             self._launch_ready()
 
     def flush(self) -> None:
         """Complete with zeros the leaves that never arrived (unused this step), then launch."""
-        for b in range(self.next, len(self.flats)):
-            for leaf in self.missing[b]:
-                self._leaf_views(b)[self.where[leaf][1]].zero_()
-            self.missing[b].clear()
+        for s in self.slots[self.next :]:
+            if s.missing:
+                views = s.views if s.views is not None else s.open()
+                for leaf in s.missing:
+                    views[self.where[leaf][1]].zero_()
+                s.missing.clear()
         self._launch_ready()
 
-    def _leaf_views(self, b: int) -> Sequence[torch.Tensor]:
-        views = self.views[b]
-        if views is None:
-            self.flats[b] = flat = _layout.new_flat(self.plan.buckets[b], self.fill[b])
-            self.views[b] = views = _layout.views(flat, self.plan.buckets[b])
-        return views
-
     def _launch_ready(self) -> None:
-        while self.next < len(self.flats) and not self.missing[self.next]:
-            self.launch(self.next, self.flats[self.next])
-            # The hook holds the buffer now; its leaf views stay, for made_views.
-            self.flats[self.next] = None
+        slots = self.slots
+        while self.next < len(slots) and not slots[self.next].missing:
+            s = slots[self.next]
+            if s.flat is None:
+                s.open()  # an empty bucket (no leaves), never touched by arrive
+            self.launch(self.next, s.flat)
             self.next += 1
 
     def made_views(self, flats: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor] | None]:
-        """Per reduced buffer, the leaf views :meth:`arrive` made of it, where the hook reduced in
+        """Per reduced buffer, the leaf views made of it on the way in, where the hook reduced in
         place (the buffer came back as it went out): the caller's views need not be made again."""
-        return [v if b is not None and b.buffer is f else None for v, b, f in zip(self.views, self.buckets, flats)]
+        return [s.views if s.bucket is not None and s.bucket.buffer is f else None for s, f in zip(self.slots, flats)]
 
     def finish(self) -> tuple[list[torch.Tensor], SyncInfo]:
         """Wait for every bucket, in rounds (a hook may need several round trips); return the
         reduced buffers and what the synchronisation did."""
-        for i, bucket in enumerate(self.buckets):
-            if bucket is None:
-                raise RuntimeError(f"fddp.{self.comm.what}: bucket {i} of {len(self.buckets)} was never launched")
-        out: list[Any] = [None] * len(self.buckets)
-        todo = list(range(len(self.buckets)))
+        slots, hook, comm = self.slots, self.hook, self.comm
+        for i, s in enumerate(slots):
+            if s.bucket is None:
+                raise RuntimeError(f"fddp.{comm.what}: bucket {i} of {len(slots)} was never launched")
+        out: list[Any] = [None] * len(slots)
+        todo = list(range(len(slots)))
         while todo:
             again = []
             for i in todo:
-                result, self.working = self.hook.finish(self.working, self.buckets[i], self.pending[i])
+                s = slots[i]
+                result, self.working = hook.finish(self.working, s.bucket, s.pending)
                 if isinstance(result, torch.Tensor):
-                    numel = self.comm.cut(i).size if self.hook.shards else self.plan.buckets[i].numel
-                    out[i] = _checked(result, self.plan.buckets[i], numel, self.hook, i)
-                    self.done[i] = self.clock() - self.t0
+                    out[i] = _checked(result, s.layout, hook.result_numel(comm, i), hook, i)
+                    s.done = self.clock() - self.t0
                 else:
-                    self.pending[i] = result
+                    s.pending = result
                     again.append(i)
             todo = again
-        new_state = self.hook.end(self.working)
-        finite = _all_finite(out) if self.check_finite else None
-        comm = self.comm
-        if finite is not None and self.hook.shards and comm.world_size > 1:
-            # Each rank holds its own shards: one small all-reduce makes the verdict everyone's.
-            bad = (~finite).to(device=comm.device, dtype=torch.int32).reshape(1)
-            comm.wait(comm.all_reduce(bad, "max"), "the all-reduce of the finite checks")
-            finite = (bad[0] == 0).to(finite.device)
+        new_state = hook.end(self.working)
+        finite = hook.finite(out, comm) if self.check_finite else None
         timeline = None if torch.compiler.is_compiling() else Timeline(
-            self.t_backward, tuple(self.ready), tuple(self.launched), tuple(self.done),
+            self.t_backward, tuple(self.ready), tuple(s.launched for s in slots), tuple(s.done for s in slots),
             tuple(b.nbytes for b in self.plan.buckets), self.clock() - self.t0,
         )  # fmt: skip
         return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state, timeline)
@@ -226,30 +248,18 @@ def _no_same(dtype: torch.dtype | None, own: torch.dtype) -> torch.dtype | None:
     return None if dtype == own else dtype
 
 
-def _checked(result: torch.Tensor, bucket: _layout.Bucket, numel: int, hook: CommHook, i: int) -> torch.Tensor:
+def _checked(result: torch.Tensor, bucket: Bucket, numel: int, hook: CommHook, i: int) -> torch.Tensor:
     if result.dtype != bucket.dtype or result.numel() != numel or result.dim() != 1:
         what = "this rank's shard of " if hook.shards else ""
         raise ValueError(
             f"comm hook {hook!r} returned a tensor of shape {tuple(result.shape)} and dtype {result.dtype} "
-            f"for {what}bucket {i}; expected a 1-D tensor of {numel} elements of dtype {bucket.dtype}"
+            f"for {what}bucket {i}; expected a 1-D tensor of {numel} elements of dtype {bucket.dtype} "
+            "(its result_numel)"
         )
     return result
 
 
-@functools.lru_cache(maxsize=64)
-def _slots(plan: BucketPlan) -> dict[int, tuple[int, int]]:
+@_caches.cached(maxsize=64)
+def _where(plan: BucketPlan) -> dict[int, tuple[int, int]]:
     """Map each leaf to (bucket, position in the bucket)."""
     return {leaf: (b, k) for b, bucket in enumerate(plan.buckets) for k, leaf in enumerate(bucket.indices)}
-
-
-def _all_finite(flats: list[torch.Tensor]) -> torch.Tensor:
-    """Return a bool tensor: True when no buffer holds a NaN or an Inf.
-
-    Each buffer's min and max come from one pass without a temporary (``aminmax`` propagates NaN,
-    and an Inf is the min or the max); ``isfinite(f).all()`` writes a bool per element first and
-    is ~15x slower on a 25 MB bucket on the CPU.
-    """
-    ends = [torch.stack(torch.aminmax(torch.view_as_real(f) if f.is_complex() else f)) for f in flats if f.numel()]
-    if not ends:
-        return torch.tensor(True)
-    return torch.isfinite(torch.cat([e.to(ends[0].device) for e in ends])).all()

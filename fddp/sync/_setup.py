@@ -1,32 +1,35 @@
-"""One setup for every synchronisation: options in, a checked plan and a reducer out.
+"""One setup for every synchronisation: options in, an agreed plan and a reducer out.
 
-``ddp_step``, ``grad``/``grad_and_value``, ``broadcast``, ``sync_buffers`` and ``verify_replicas``
-all start here: their keyword options become one frozen :class:`SyncOptions`, and :func:`setup`
-turns a tree and the options into a :class:`Sync` (the tree's leaves and bucket plan, after the
-cross-rank signature check), whose :meth:`Sync.reducer` moves values through the comm hook.
-:func:`plan_of` is the planner the setup calls, for anyone who needs a tree's plan without
-communicating (the tests, the benchmarks).
+``ddp_step``, ``grad``/``grad_and_value``, ``broadcast``, ``sync_buffers``, ``verify_replicas``
+and ``fddp.zero`` all start here. Their keyword options become one frozen :class:`SyncOptions`
+(checked once and cached: a loop passes the same options every step); :func:`setup` turns a tree
+and the options into a :class:`Sync` (the tree's leaves, structure and bucket plan), agreeing with
+the other ranks on the call first (``fddp._dist.agree``), and :meth:`Sync.reducer` moves values
+through the comm hook. Per-step values (this rank's ``weight``, a comm hook's state) are given to
+the call, not to the options. :func:`plan_of` is the planner the setup calls, for anyone who needs
+a tree's plan without communicating (the tests, the benchmarks).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+import math
+from typing import Any, Callable, Hashable, NamedTuple
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _layout, _shard
+from fddp import _caches, _dist, _layout
 from fddp._layout import BucketPlan
-from fddp._tree import LeafSpec, definition_order, structure_rows, tensor_leaves
+from fddp._tree import LeafSpec, definition_order, flatten, specs_of, structure_rows, tensor_leaves
 from fddp.runtime import require_initialized
+from fddp.sync import _signature
 from fddp.sync._comm import Comm
 from fddp.sync._reducer import Reducer
-from fddp.sync._signature import check_signature, count_call
 from fddp.sync.hooks import Cast, CommHook, Mean, WeightedMean
 
-__all__ = ["KEYWORDS", "SyncOptions", "Sync", "make_options", "setup", "plan_of", "as_hook"]
+__all__ = ["KEYWORDS", "SyncOptions", "Sync", "make_options", "setup", "plan_of", "as_hook", "as_weight", "check_state"]
 
 _CAST_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MEAN, _WEIGHTED_MEAN = Mean(), WeightedMean()
@@ -34,15 +37,15 @@ _MEAN, _WEIGHTED_MEAN = Mean(), WeightedMean()
 
 @dataclasses.dataclass(frozen=True)
 class SyncOptions:
-    """How one synchronisation runs; everything in it but ``weight`` and ``check_finite`` shapes
-    the collectives, so ranks must agree on it (checked with the tree's signature).
+    """How one synchronisation runs: all of it shapes the collectives, so ranks must agree on it
+    (it is part of the call's signature).
 
     Attributes:
         group: the process group (``None``: the default one).
         bucket_cap_mb: the cap of every bucket but the first, in MiB.
         first_bucket_mb: the cap of the first bucket, in MiB.
         hook: the comm hook that reduces each bucket.
-        weight: this rank's weight (a float64 CPU scalar), or ``None``; a per-call value.
+        weighted: a weight rides along (the call's ``weight=``).
         check_finite: compute ``SyncInfo.finite``.
     """
 
@@ -50,17 +53,17 @@ class SyncOptions:
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
     hook: CommHook = _MEAN
-    weight: torch.Tensor | None = None
+    weighted: bool = False
     check_finite: bool = False
 
-    def signature_rows(self, state: Any) -> list[tuple]:
+    def signature_rows(self, state: Any) -> tuple[tuple, ...]:
         """The options as signature rows: any per-rank difference names the option and both values."""
-        return [
-            ("option weight", "a weight" if self.weight is not None else "no weight", None),
+        return (
+            ("option weight", "a weight" if self.weighted else "no weight", None),
             ("option bucket_cap_mb", repr(self.bucket_cap_mb), None),
             ("option first_bucket_mb", repr(self.first_bucket_mb), None),
             ("option compression", self.hook.signature(state), None),
-        ]
+        )
 
 
 def as_hook(compression: Any, weighted: bool, what: str) -> CommHook:
@@ -79,48 +82,73 @@ def as_hook(compression: Any, weighted: bool, what: str) -> CommHook:
     )
 
 
-def stateful(hook: CommHook) -> bool:
-    """Whether the hook keeps state between steps (it defines its own ``init``)."""
-    return hook.stateful
-
-
 # The keyword options every synchronising front end takes, with their defaults.
 KEYWORDS: dict[str, Any] = dict(
-    group=None, bucket_cap_mb=25.0, first_bucket_mb=1.0, weight=None, compression=None, check_finite=False, return_info=True
+    group=None, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, check_finite=False, return_info=True
 )
 
 
-def make_options(what: str, **options: Any) -> SyncOptions:
-    """Check the keyword options of ``fddp.<what>`` (:data:`KEYWORDS`) and return one :class:`SyncOptions`."""
+def make_options(what: str, /, *, weighted: bool = False, **options: Any) -> SyncOptions:
+    """Check the keyword options of ``fddp.<what>`` (:data:`KEYWORDS`) and return one :class:`SyncOptions`.
+
+    The same options (hashable, as fddp's hooks and plain values are) give the same object from
+    a cache, so a training loop checks them once.
+    """
     unknown = sorted(set(options) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"fddp.{what}: unexpected keyword {unknown[0]!r}; the options are {', '.join(KEYWORDS)}")
     o = {**KEYWORDS, **options}
-    group, bucket_cap_mb, first_bucket_mb, weight = o["group"], o["bucket_cap_mb"], o["first_bucket_mb"], o["weight"]
-    compression, check_finite, return_info = o["compression"], o["check_finite"], o["return_info"]
+    args = (what, o["group"], o["bucket_cap_mb"], o["first_bucket_mb"], o["compression"], o["check_finite"], o["return_info"], weighted)
+    try:
+        return _options(*args)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return _make(*args)  # a user's hook that cannot be hashed: checked on every call
+
+
+def _make(
+    what: str, group: Any, bucket_cap_mb: Any, first_bucket_mb: Any, compression: Any, check_finite: Any, return_info: Any, weighted: bool
+) -> SyncOptions:
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"fddp.{what}: {name} must be a positive number of MiB, got {value!r}")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"fddp.{what}: group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    hook = as_hook(compression, weight is not None, what)
-    if weight is not None and not hook.weighted:
+    hook = as_hook(compression, weighted, what)
+    if weighted and not hook.weighted:
         raise ValueError(f"fddp.{what}: weight= cannot be combined with compression={hook!r}, which does not implement weighted means")
-    if stateful(hook) and not return_info:
+    if hook.stateful and not return_info:
         raise ValueError(f"fddp.{what}: {hook!r} returns its next state in info.compression_state; pass return_info=True")
     if check_finite and not return_info:
         raise ValueError(f"fddp.{what}: check_finite=True computes info.finite, which only return_info=True returns; pass both")
-    return SyncOptions(group, bucket_cap_mb, first_bucket_mb, hook, None if weight is None else as_weight(weight, what), bool(check_finite))
+    return SyncOptions(group, bucket_cap_mb, first_bucket_mb, hook, weighted, bool(check_finite))
+
+
+_options = _caches.cached(maxsize=128)(_make)
 
 
 def as_weight(weight: Any, what: str) -> torch.Tensor:
     """This rank's weight as a float64 CPU scalar tensor, or raise naming what arrived."""
-    if isinstance(weight, torch.Tensor) and weight.requires_grad:
-        raise ValueError(f"fddp.{what}: weight must not require grad (the weighted mean is differentiated in the gradients only)")
-    w = torch.as_tensor(weight, dtype=torch.float64).detach().cpu()
-    if w.numel() != 1:
-        raise ValueError(f"fddp.{what}: weight must be a scalar (this rank's sample count), got shape {tuple(w.shape)}")
-    return w.reshape(())
+    if isinstance(weight, torch.Tensor):
+        if weight.requires_grad:
+            raise ValueError(f"fddp.{what}: weight must not require grad (the weighted mean is differentiated in the gradients only)")
+        if weight.numel() != 1:
+            raise ValueError(f"fddp.{what}: weight must be a scalar (this rank's sample count), got shape {tuple(weight.shape)}")
+        if weight.is_complex() or weight.dtype == torch.bool:
+            raise TypeError(f"fddp.{what}: weight must be a real number (this rank's sample count), got a {weight.dtype} tensor")
+        w = weight.detach().to("cpu", torch.float64).reshape(())
+    elif isinstance(weight, (int, float)) and not isinstance(weight, bool):
+        w = torch.tensor(float(weight), dtype=torch.float64)
+    else:
+        raise TypeError(
+            f"fddp.{what}: weight must be a number or a one-element tensor (this rank's sample count), got "
+            f"{type(weight).__name__} {weight!r}"
+        )
+    value = float(w)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"fddp.{what}: weight must be a finite number >= 0 (this rank's sample count), got {value!r}")
+    return w
 
 
 def check_state(options: SyncOptions, state: Any, what: str, compression: Any = None) -> None:
@@ -129,12 +157,12 @@ def check_state(options: SyncOptions, state: Any, what: str, compression: Any = 
     ``compression`` is what the caller passed, for the message (``'bf16'`` rather than its hook).
     """
     hook = options.hook
-    if stateful(hook) and state is None:
+    if hook.stateful and state is None:
         raise ValueError(
             f"fddp.{what}: compression={hook!r} needs compression_state= (from its init(params), then each "
             f"step's info.compression_state), got NoneType"
         )
-    if not stateful(hook) and state is not None:
+    if not hook.stateful and state is not None:
         raise ValueError(
             f"fddp.{what}: compression_state is only used by a stateful comm hook such as fddp.PowerSGD, "
             f"got compression={compression if compression is not None else hook!r}"
@@ -142,32 +170,58 @@ def check_state(options: SyncOptions, state: Any, what: str, compression: Any = 
 
 
 class Sync(NamedTuple):
-    """A tree ready to synchronise: its leaves, structure and checked bucket plan."""
+    """A tree ready to synchronise: its leaves, structure and bucket plan, and the call's values.
+
+    Attributes:
+        leaves: the tree's leaves (flatten order).
+        spec: the tree's structure.
+        plan: the bucket plan.
+        options: the synchronisation's options.
+        what: the public function's name, for messages.
+        weight: this rank's weight (a float64 CPU scalar), or ``None``.
+        key: a cheap stand-in for the call's signature (cached digests are keyed by it).
+        rows: builds the signature's rows (only for a new key, or to name a mismatch).
+    """
 
     leaves: list[torch.Tensor]
     spec: optree.PyTreeSpec
     plan: BucketPlan
     options: SyncOptions
     what: str
+    weight: torch.Tensor | None
+    key: Hashable
+    rows: Callable[[], list[tuple]]
+
+    def agree(self) -> bool:
+        """Agree with the other ranks on this call (``fddp._dist.agree``); return whether its
+        signature is new to some rank."""
+        return _signature.check(self.key, self.rows, self.options.group, self.what)
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
         o = self.options
-        return Reducer(self.plan, o.hook, state, Comm(o.group, self.what, self.plan, o.weight), o.check_finite)
+        return Reducer(self.plan, o.hook, state, Comm(o.group, self.what, self.plan, self.weight), o.check_finite)
 
-    def unflatten(self, flats: list[torch.Tensor], made: list[Any] | None = None) -> Any:
-        """The tree rebuilt from reduced buffers (its leaves are views into them); a sharding
-        hook's shards as a :class:`fddp.zero.Sharded` of the tree instead. ``made``: views of
-        some buffers already made (:meth:`fddp.sync._reducer.Reducer.made_views`)."""
+    def tree(self, results: list[torch.Tensor], made: list[Any] | None = None) -> Any:
+        """The synchronised tree from the reduced buffers (the hook's ``tree``: views laid out for
+        ``fddp.optim``, or a sharding hook's shards)."""
         o = self.options
-        if o.hook.shards:
-            world, rank = dist.get_world_size(o.group), dist.get_rank(o.group)
-            return _shard.Sharded(flats, _shard.layout(self.plan, self.spec, world, rank, o.group))
-        return optree.tree_unflatten(self.spec, _layout.unflatten(self.plan, flats, made))
+        return o.hook.tree(self.spec, Comm(o.group, self.what, self.plan, self.weight), results, made)
 
 
-def setup(tree: Any, options: SyncOptions, what: str, state: Any = None, *, members: tuple[LeafSpec, ...] | None = None) -> Sync:
-    """Check ``tree``'s signature (with the options) across the group; return it with its plan.
+def setup(
+    tree: Any,
+    options: SyncOptions,
+    what: str,
+    state: Any = None,
+    *,
+    weight: torch.Tensor | None = None,
+    members: tuple[LeafSpec, ...] | None = None,
+    flat: tuple[list[torch.Tensor], optree.PyTreeSpec] | None = None,
+    specs: tuple | None = None,
+    agree: bool = True,
+) -> Sync:
+    """Plan ``tree``'s buckets and agree with the other ranks on the call; return it as a :class:`Sync`.
 
     Every synchronising call starts here, so this also numbers the calls to ``fddp.<what>``, for
     the error a failed collective raises ("call 1234 to fddp.ddp_step").
@@ -177,29 +231,42 @@ def setup(tree: Any, options: SyncOptions, what: str, state: Any = None, *, memb
         options: the synchronisation's options.
         what: the public function's name, for messages.
         state: the comm hook's state (part of the signature: PowerSGD's switch to compressing).
+        weight: this rank's weight (from :func:`as_weight`), with ``options.weighted``.
         members: under ``vmap``, the leaf specs of one member: buckets are planned for those and
             hold every member's copy of their leaves (``fddp._layout.respec``).
+        flat: ``tree``'s leaves and structure, where the caller has flattened it already.
+        specs: the leaves' ``(shape, dtype, device)`` (``fddp._tree.specs_of``), where the caller has them.
+        agree: agree now; ``False`` leaves it to the caller (:meth:`Sync.agree`, which
+            ``grad_and_value`` calls once the forward pass has run).
     """
     require_initialized(what)
-    leaves, spec = tensor_leaves(tree, what)
-    if _shard.spec_has_sharded(spec):
+    leaves, spec = flat if flat is not None else tensor_leaves(tree, what)
+    if _layout.has_split(spec):
         raise TypeError(
             f"fddp.{what}: got a sharded tree (fddp.zero.Sharded: this rank's slices of the buckets, which "
-            "differ between ranks by design); synchronise the full tree instead, e.g. the parameters "
-            "from fddp.zero.gather(shards).wait()"
+            "differ between ranks by design); synchronise the full tree instead, e.g. the parameters from "
+            "fddp.zero.gather(shards).wait()"
         )
-    specs = tuple(LeafSpec.of(t) for t in leaves)
+    if specs is None:
+        specs = specs_of(leaves)
     order = definition_order(tree)
-    rows = options.signature_rows(state)
-    count_call(options.group, what)
-    check_signature((spec, specs, order, tuple(rows)), lambda: rows + structure_rows(tree), options.group, what)
-    plan = _plan(specs if members is None else members, order, options.bucket_cap_mb, options.first_bucket_mb)
+    option_rows = options.signature_rows(state)
+    key = (spec, specs, order, option_rows)
+    _dist.count_call(options.group, what)
+    sync = Sync(leaves, spec, _plan(specs, members, order, options), options, what, weight, key, lambda: [*option_rows, *structure_rows(tree)])
+    if agree:
+        sync.agree()
+    return sync
+
+
+def _plan(specs: tuple, members: tuple[LeafSpec, ...] | None, order: tuple[int, ...] | None, options: SyncOptions) -> BucketPlan:
+    base = _planned(specs if members is None else members, order, options.bucket_cap_mb, options.first_bucket_mb)
     if members is not None and members != specs:
-        plan = _layout.respec(plan, specs)
-    return Sync(leaves, spec, plan, options, what)
+        return _layout.respec(base, tuple(LeafSpec(tuple(s[0]), s[1], s[2]) for s in specs))
+    return base
 
 
-def _plan(specs: tuple[LeafSpec, ...], order: tuple[int, ...] | None, bucket_cap_mb: float, first_bucket_mb: float) -> BucketPlan:
+def _planned(specs: tuple, order: tuple[int, ...] | None, bucket_cap_mb: float, first_bucket_mb: float) -> BucketPlan:
     return _layout.plan(specs, bucket_cap_mb, first_bucket_mb, order)
 
 
@@ -212,5 +279,5 @@ def plan_of(tree: Any, /, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 
         >>> [b.indices for b in plan.buckets]
         [(0, 1)]
     """
-    specs = tuple(LeafSpec.of(t) for t in optree.tree_leaves(tree, none_is_leaf=True))
-    return _plan(specs, definition_order(tree), bucket_cap_mb, first_bucket_mb)
+    leaves, _ = flatten(tree)
+    return _planned(specs_of(leaves), definition_order(tree), bucket_cap_mb, first_bucket_mb)

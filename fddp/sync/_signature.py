@@ -1,123 +1,47 @@
-"""The cross-rank signature check, the per-group state behind it, and the errors it raises.
+"""A synchronisation's signature: what the ranks must agree on before its bytes move.
 
-Before the first collective on a new tree, the ranks compare a hash of its *signature*: the tree's
-structure (a dict's keys in insertion order, which is the order buckets fill in), every leaf's
-shape, dtype and device type, and every option that shapes the collectives (bucket caps, the comm
-hook, whether a weight rides along). One small all-reduce answers "do all ranks agree?"; only on a
-mismatch do the ranks gather their descriptions, to name the first difference, and all raise the
-same :class:`MismatchError`. A signature that agreed is remembered per process group, so steady
-steps pay nothing.
+The signature is the tree's structure (a dict's keys in insertion order, which is the order
+buckets fill in), every leaf's shape, dtype and device type, and every option that shapes the
+collectives (bucket caps, the comm hook and its state, whether a weight rides along), as
+``fddp._tree`` rows. Its digest goes into the per-call header that :func:`fddp._dist.agree`
+all-reduces; only on a mismatch are the rows themselves gathered, to name the first difference.
 
-State lives per group object (weakly held): a group that is destroyed takes its remembered
-signatures and call counts with it, and a new group (``destroy_process_group()`` then
-``fddp.init()``) is checked afresh.
+Building the rows walks the tree, so a call computes a cheap local *key* instead (the treedef,
+the leaf specs, the definition order, the option rows) and the digest is cached per key.
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
-import weakref
-from typing import Any, Callable, Hashable, Sequence
+import collections
+from typing import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from fddp import _caches, _dist
+from fddp._dist import MismatchError
 from fddp._tree import first_difference
-from fddp.runtime import collective_device
 
-__all__ = ["MismatchError", "check_signature", "count_call", "wait", "collective_device", "forget"]
+__all__ = ["MismatchError", "signature_digest", "check", "name_difference"]
 
-
-class MismatchError(RuntimeError):
-    """Ranks disagree on a tree (structure, leaf paths, shapes, dtypes or devices) or on an option
-    that shapes the collectives (bucket caps, compression, weight).
-
-    Raised on every rank of the group, with the same message, before any bucket is sent: the
-    alternative is a hang, a crash inside the backend, or a silent mix of unrelated values.
-    """
+_KEYS = 1024  # distinct call signatures whose digests are kept (a training loop needs a handful)
+_digests: "collections.OrderedDict[Hashable, int]" = collections.OrderedDict()
+_caches.register("fddp.sync._signature._digests", _digests.clear)
 
 
-class _GroupState:
-    def __init__(self) -> None:
-        self.checked: set[Hashable] = set()
-        self.calls: dict[str, int] = {}
+def signature_digest(key: Hashable, rows: Callable[[], list[tuple]]) -> int:
+    """The digest of the signature that ``key`` stands for (``rows()`` is built only for a new key)."""
+    d = _digests.get(key)
+    if d is None:
+        d = _dist.digest(rows())
+        _digests[key] = d
+        if len(_digests) > _KEYS:
+            _digests.popitem(last=False)
+    return d
 
 
-_lock = threading.Lock()
-_states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
-
-
-def _state(group: dist.ProcessGroup | None) -> _GroupState:
-    pg = group if group is not None else dist.group.WORLD
-    with _lock:
-        st = _states.get(pg)
-        if st is None:
-            st = _states[pg] = _GroupState()
-        return st
-
-
-def forget() -> None:
-    """Drop every remembered signature and call count (all groups)."""
-    with _lock:
-        _states.clear()
-
-
-def count_call(group: dist.ProcessGroup | None, what: str) -> None:
-    """Number the calls to ``fddp.<what>`` on ``group``, for the error :func:`wait` raises."""
-    if torch.compiler.is_compiling():
-        return  # dynamo cannot trace the lock; a compiled step's errors come from the backend
-    st = _state(group)
-    with _lock:
-        st.calls[what] = st.calls.get(what, 0) + 1
-
-
-def call_count(group: dist.ProcessGroup | None, what: str) -> int:
-    """The number of calls to ``fddp.<what>`` on ``group`` so far in this process."""
-    return _state(group).calls.get(what, 0)
-
-
-def check_signature(
-    key: Hashable,
-    rows: Callable[[], list[tuple]],
-    group: dist.ProcessGroup | None,
-    what: str,
-) -> None:
-    """Raise :class:`MismatchError` on every rank unless all ranks hold the same signature.
-
-    Args:
-        key: a local, hashable stand-in for the signature (cheap to build on every call); a key
-            already checked on ``group`` costs nothing.
-        rows: builds the signature as ``fddp._tree`` rows, called only for a new key.
-        group: the process group.
-        what: the public function's name, for messages.
-
-    The check catches ranks that build different trees or pass different options. It cannot catch
-    one rank switching, mid-run, to a signature it has not used before while its peers keep one
-    they already checked: their caches then disagree on whether to check, and only a collective
-    on every step could tell. That would cost what this design saves.
-    """
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace the cache or the digest; a compiled step relies on its guards (a new
-        # tree re-traces) and on an eager call (fddp.broadcast, a first eager step) having checked.
-        return
-    st = _state(group)
-    if key in st.checked:
-        return
-    described = rows()
-    d = int.from_bytes(hashlib.blake2b(repr(described).encode(), digest_size=8).digest(), "little", signed=True) >> 1
-    t = torch.tensor([d, -d], dtype=torch.int64, device=collective_device(group))
-    wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), group, what, "the signature check")
-    if t[0].item() == -t[1].item():
-        with _lock:
-            st.checked.add(key)
-        return
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, described, group=group)
-    raise MismatchError(f"fddp.{what}: ranks disagree on the tree or the options. {_name_difference(gathered)}")
-
-
-def _name_difference(per_rank: Sequence[list[tuple]]) -> str:
+def name_difference(per_rank: Sequence[list[tuple]]) -> str:
+    """Words for the first row where a rank's signature differs from rank 0's."""
     for r, rows in enumerate(per_rank[1:], start=1):
         diff = first_difference(per_rank[0], rows, "rank 0", f"rank {r}")
         if diff is not None:
@@ -125,18 +49,16 @@ def _name_difference(per_rank: Sequence[list[tuple]]) -> str:
     return "The signatures hash differently but compare equal."  # pragma: no cover
 
 
-def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> None:
-    """Wait for an async collective; on failure say which rank, which call and what it was doing."""
-    try:
-        work.wait()
-    except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout
-        r, w = dist.get_rank(), dist.get_world_size()
-        n = call_count(group, what)
-        call = f" (call {n} to fddp.{what} in this process)" if n else ""
-        verb = "timed out" if "timed out" in str(e).lower() else "failed"
-        raise RuntimeError(
-            f"fddp.{what}: rank {r} of {w} {verb} during {doing}{call}: {e}. A peer may have crashed, "
-            "be stuck, or have skipped or reordered this call (every rank must make the same fddp "
-            "calls in the same order); the process group's timeout (fddp.init(timeout=...)) bounds "
-            "the wait."
-        ) from e
+def check(
+    key: Hashable, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str
+) -> bool:
+    """Agree across ``group`` on the signature ``key`` stands for; return whether it is new.
+
+    Raises :class:`MismatchError` on every rank if the ranks' signatures (or call numbers, or
+    threads) differ; see :func:`fddp._dist.agree`.
+    """
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the digest or the header; a compiled step relies on its guards (a
+        # new tree re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
+        return False
+    return _dist.agree(group, what, signature_digest(key, rows), rows, name_difference)

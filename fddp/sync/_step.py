@@ -2,32 +2,39 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _shard
-from fddp._tree import paths, tensor_leaves
+from fddp import _dist, _layout
+from fddp._tree import flatten, paths, specs_of, tensor_leaves
 from fddp.sync import _differentiable
-from fddp.sync._setup import check_state, make_options, setup
+from fddp.sync._setup import as_weight, check_state, make_options, setup
 
 __all__ = ["ddp_step"]
 
 
-def _grad_leaves(params: Any, grads: Any) -> list[torch.Tensor | None]:
+def _grad_leaves(p_leaves: list[torch.Tensor], p_spec: optree.PyTreeSpec, p_specs: tuple, grads: Any) -> list[torch.Tensor | None]:
     """Return the grads' leaves, or raise naming the first leaf that does not match its parameter."""
-    p_leaves, p_spec = tensor_leaves(params, "ddp_step")
     if grads is None:  # a rank with nothing to contribute (out of data): all zeros
         return [None] * len(p_leaves)
-    g_leaves, g_spec = optree.tree_flatten(grads, none_is_leaf=True)
+    g_leaves, g_spec = flatten(grads)
     if g_spec != p_spec:
-        why = _shard.explain(p_spec, g_spec, "params", "grads")
+        why = _layout.explain_split(p_spec, g_spec, "params", "grads")
         raise ValueError(
             "fddp.ddp_step: grads must have the same tree structure as params"
             + (f": {why}" if why else f".\n  params: {p_spec}\n  grads:  {g_spec}")
         )
+    if not any(map(operator.is_, g_leaves, itertools.repeat(None))):
+        try:
+            if specs_of(g_leaves) == p_specs:
+                return g_leaves  # the usual case, checked in C: every grad has its parameter's spec
+        except AttributeError:
+            pass  # a leaf that is no tensor: named below
     for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
         if g is None:
             continue  # a parameter unused this step: counts as a zero gradient
@@ -112,11 +119,14 @@ def ddp_step(
         >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
     """
     options = make_options(
-        "ddp_step", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, weight=weight,
-        compression=compression, check_finite=check_finite, return_info=return_info,
+        "ddp_step", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+        compression=compression, check_finite=check_finite, return_info=return_info, weighted=weight is not None,
     )  # fmt: skip
+    w = None if weight is None else as_weight(weight, "ddp_step")
     check_state(options, compression_state, "ddp_step", compression)
-    g_leaves = _grad_leaves(params, grads)
+    p_leaves, p_spec = tensor_leaves(params, "ddp_step")
+    p_specs = specs_of(p_leaves)
+    g_leaves = _grad_leaves(p_leaves, p_spec, p_specs, grads)
     if _differentiable.needed(g_leaves):
         if options.hook.shards:
             raise RuntimeError(
@@ -124,11 +134,12 @@ def ddp_step(
                 "derivative and no batching rule; call it eagerly, outside torch.func transforms, on "
                 "gradients that do not require grad (detach them)"
             )
-        out, info = _differentiable.ddp_step(params, grads, options, compression_state)
+        out, info = _differentiable.ddp_step(params, grads, options, compression_state, w)
         return (out, info) if return_info else out
-    sync = setup(params, options, "ddp_step", compression_state)
-    reducer = sync.reducer(compression_state)
-    reducer.push([None if g is None else g.detach() for g in g_leaves])
-    flats, info = reducer.finish()
-    out = sync.unflatten(flats)
+    with _dist.exclusive(options.group, "ddp_step"):
+        sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs)
+        reducer = sync.reducer(compression_state)
+        reducer.push(g_leaves)
+        flats, info = reducer.finish()
+        out = sync.tree(flats, reducer.made_views(flats))
     return (out, info) if return_info else out

@@ -24,8 +24,8 @@ Example:
     >>> params = fddp.zero.gather(shards).wait()
 """
 
-from fddp._shard import ShardLayout, Sharded
-from fddp.sync.hooks import ReduceScatter
 from fddp.zero._api import Gathered, gather, shard
+from fddp.zero._hook import ReduceScatter
+from fddp.zero._layout import ShardLayout, Sharded
 
 __all__ = ["Gathered", "ReduceScatter", "ShardLayout", "Sharded", "gather", "shard"]

@@ -8,14 +8,14 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _layout, _shard
+from fddp import _dist, _layout
 from fddp._pool import new_buffer
-from fddp._shard import Sharded
-from fddp.sync import _differentiable
+from fddp.sync import _differentiable, _signature
 from fddp.sync._comm import Comm
 from fddp.sync._setup import make_options, setup
-from fddp.sync._signature import check_signature, count_call
-from fddp.sync.hooks import ReduceScatter
+from fddp.zero import _layout as shard_layout
+from fddp.zero._hook import ReduceScatter
+from fddp.zero._layout import ShardLayout, Sharded
 
 __all__ = ["shard", "gather", "Gathered"]
 
@@ -57,10 +57,11 @@ def shard(
     options = make_options(
         "zero.shard", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=ReduceScatter()
     )
-    sync = setup(params, options, "zero.shard")
-    lay = _shard.layout(sync.plan, sync.spec, dist.get_world_size(group), dist.get_rank(group), group)
-    out = _shard.new_shards(lay)
-    for leaf, pieces in zip(sync.leaves, _shard.leaf_pieces(lay)):
+    with _dist.exclusive(group, "zero.shard"):
+        sync = setup(params, options, "zero.shard")
+    lay = shard_layout.layout(sync.plan, sync.spec, dist.get_world_size(group), dist.get_rank(group), group)
+    out = shard_layout.new_shards(lay)
+    for leaf, pieces in zip(sync.leaves, shard_layout.leaf_pieces(lay)):
         for k, a, x, n in pieces:
             out[k][x : x + n].copy_(leaf.detach().reshape(-1)[a : a + n])
     return Sharded(out, lay)
@@ -79,7 +80,7 @@ class Gathered:
         >>> params = pending.wait()
     """
 
-    def __init__(self, layout: _shard.ShardLayout, comm: Comm, bufs: list[torch.Tensor], works: list[Any]) -> None:
+    def __init__(self, layout: ShardLayout, comm: Comm, bufs: list[torch.Tensor], works: list[Any]) -> None:
         self._layout, self._comm, self._bufs, self._works = layout, comm, bufs, works
         self._tree: Any = None
 
@@ -141,12 +142,13 @@ def gather(shards: Sharded, /) -> Gathered:
                 f"fddp.zero.gather: shard {k} must be a tensor of shape ({c.size},), dtype {b.dtype}, device "
                 f"{b.device}; got {got}"
             )
-    count_call(lay.group, "zero.gather")
-    check_signature(("zero.gather", lay), lay.describe, lay.group, "zero.gather")
-    comm = Comm(lay.group, "zero.gather", lay.plan)
-    bufs, works = [], []
-    for b, c, t in zip(lay.plan.buckets, lay.cuts, shards.shards):
-        buf = new_buffer(lay.world * c.size, b.dtype, b.device)
-        works.append(comm.all_gather_into(buf, t.detach().contiguous()))
-        bufs.append(buf)
+    with _dist.exclusive(lay.group, "zero.gather"):
+        _dist.count_call(lay.group, "zero.gather")
+        _signature.check(("zero.gather", lay), lay.describe, lay.group, "zero.gather")
+        comm = Comm(lay.group, "zero.gather", lay.plan)
+        bufs, works = [], []
+        for b, c, t in zip(lay.plan.buckets, lay.cuts, shards.shards):
+            buf = new_buffer(lay.world * c.size, b.dtype, b.device)
+            works.append(comm.all_gather_into(buf, t.detach().contiguous()))
+            bufs.append(buf)
     return Gathered(lay, comm, bufs, works)

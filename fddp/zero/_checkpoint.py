@@ -32,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fddp import _shard, checkpoint
-from fddp._shard import Sharded
+from fddp import checkpoint
+from fddp.zero import _layout as _shard
+from fddp.zero._layout import Sharded
 from fddp.checkpoint import CheckpointError
 
 __all__ = ["save_sharded", "load_sharded"]  # public as fddp.checkpoint.save_sharded / load_sharded

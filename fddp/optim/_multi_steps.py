@@ -1,4 +1,8 @@
-"""Gradient accumulation over k micro-steps (optax's ``MultiSteps``)."""
+"""An optimizer that steps once every k calls, on the mean of their gradients (optax's ``MultiSteps``).
+
+Not to be confused with ``fddp.no_sync`` (``fddp.GradAccumulator``): the local sum of a window's
+gradients before one synchronisation. This wraps an optimizer; that one feeds ``ddp_step``.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ import optree
 import torch
 from torch import Tensor
 
-from ._base import GradientTransformation, Params, Updates, _check_dtypes, _check_grads, _check_state, _flatten, _zeros_count
+from ._base import GradientTransformation, GradientTransformationExtraArgs
+from ._checks import Params, Updates, check_dtypes, check_grads, check_state, flatten, zeros_count
+
+__all__ = ["AccumulateState", "accumulate"]
 
 
 class AccumulateState(NamedTuple):
@@ -25,7 +32,7 @@ class AccumulateState(NamedTuple):
     inner: Any
 
 
-def accumulate(opt: GradientTransformation, every_k: int) -> GradientTransformation:
+def accumulate(opt: GradientTransformation, every_k: int) -> GradientTransformationExtraArgs:
     """Accumulate gradients over ``every_k`` calls and apply ``opt`` to their mean on every k-th call.
 
     The other calls return zero updates and leave ``opt``'s state unchanged, so the wrapped
@@ -67,15 +74,16 @@ def accumulate(opt: GradientTransformation, every_k: int) -> GradientTransformat
     where = "accumulate.update"
 
     def init(params: Params) -> AccumulateState:
-        leaves, treedef = _flatten(params)
+        leaves, treedef = flatten(params)
         zeros = optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
-        return AccumulateState(_zeros_count(leaves), zeros, opt.init(params))
+        return AccumulateState(zeros_count(leaves), zeros, opt.init(params))
 
-    def update(grads: Updates, state: AccumulateState, params: Params | None = None) -> tuple[Updates, AccumulateState]:
-        _check_state(state, AccumulateState, where)
-        sums, treedef = _flatten(state.grad_sum)
-        gs, _ = _check_grads(grads, treedef, where)
-        _check_dtypes(gs, sums, treedef, where, "state.grad_sum")
+    def update(grads: Updates, state: AccumulateState, params: Params | None = None, **extra_args: Any) -> tuple[Updates, AccumulateState]:
+        # No fused step: the inner update runs on every call and its result is selected.
+        check_state(state, AccumulateState, where)
+        sums, treedef = flatten(state.grad_sum)
+        gs, _ = check_grads(grads, treedef, where)
+        check_dtypes(gs, sums, treedef, where, "state.grad_sum")
         new_sums = [torch.add(s, g) for s, g in zip(sums, gs)]
         emit = state.mini_step == every_k - 1
         mean = optree.tree_unflatten(treedef, [torch.div(s, every_k) for s in new_sums])
@@ -87,4 +95,4 @@ def accumulate(opt: GradientTransformation, every_k: int) -> GradientTransformat
         mini_step = torch.where(emit, torch.zeros_like(state.mini_step), state.mini_step + 1)
         return updates, AccumulateState(mini_step, optree.tree_unflatten(treedef, kept), inner)
 
-    return GradientTransformation(init, update)
+    return GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,299 @@
+"""The per-group distributed state: where small collectives live, waits that explain, and agreement.
+
+Everything fddp needs to know about a process group between calls lives here, per group object
+(weakly held: a destroyed group takes its state with it): how many calls each fddp function has
+made on it (named in timeout errors), which thread is inside a call, and the signatures the ranks
+have agreed on.
+
+**Agreement.** Before the bytes of a synchronisation move, every rank of the group all-reduces one
+fixed-size header: a digest of the call's signature (the tree's structure, shapes, dtypes and the
+options that shape its collectives), the number of agreed calls this rank has made on the group,
+the calling thread's name and the fddp function being called. The header has the same size on
+every rank whatever they are about to do, so it cannot itself mismatch: a rank that runs another
+tree, is a call behind or ahead (a caught exception, a different number of steps), or calls from
+another thread, makes every rank raise :class:`MismatchError` naming what differs, instead of a
+silently wrong mean or an abort inside the backend. One rank alone (or ``torch.compile``, which
+cannot trace it) skips it. :func:`set_agreement` turns it off.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import threading
+import weakref
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fddp import _caches
+
+__all__ = [
+    "MismatchError",
+    "collective_device",
+    "count_call",
+    "call_count",
+    "wait",
+    "exclusive",
+    "agree",
+    "abandon",
+    "digest",
+    "set_agreement",
+    "agreement_enabled",
+]
+
+_REMEMBERED = 256  # agreed signatures kept per group: a loop uses a handful, a sweep must not grow without bound
+
+
+class MismatchError(RuntimeError):
+    """Ranks disagree on what they are about to run: a tree (structure, leaf paths, shapes, dtypes
+    or devices), an option that shapes the collectives (bucket caps, compression, weight), the
+    order of fddp calls (a rank a call behind or ahead) or the calling thread; or, where checked,
+    on values that must be identical (the parameters, the replicas).
+
+    Raised on every rank of the group, with the same message, before any bucket is sent: the
+    alternative is a hang, a crash inside the backend, or a silent mix of unrelated values.
+
+    Example:
+        >>> try:
+        ...     grads = fddp.ddp_step(params, grads)
+        ... except fddp.MismatchError as e:
+        ...     print(e)  # names the first leaf or option where the ranks differ
+    """
+
+
+MismatchError.__module__ = "fddp"  # raised and caught as fddp.MismatchError
+
+
+class _GroupState:
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.agreed = 0  # headers exchanged on this group: the call number every rank must share
+        self.seen: collections.OrderedDict[int, None] = collections.OrderedDict()  # agreed digests, LRU
+        self.owner: int | None = None  # the thread inside an fddp call on this group
+        self.owner_name = ""
+        self.owner_what = ""
+        self.depth = 0
+
+
+_lock = threading.Lock()
+_states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
+_enabled = True
+
+
+def _forget() -> None:
+    with _lock:
+        _states.clear()
+
+
+_caches.register("fddp._dist._states", _forget)
+
+
+def _state(group: dist.ProcessGroup | None) -> _GroupState:
+    pg = group if group is not None else dist.group.WORLD
+    st = _states.get(pg)
+    if st is None:
+        with _lock:
+            st = _states.get(pg)
+            if st is None:
+                st = _states[pg] = _GroupState()
+    return st
+
+
+def set_agreement(enabled: bool, /) -> None:
+    """Turn the per-call agreement on (the default) or off, for every group of this process.
+
+    Every rank must make the same choice. Off, a synchronisation skips its one small all-reduce;
+    ranks that diverge then give a silently wrong mean or an error from the backend instead of a
+    :class:`MismatchError`. A new tree is still checked once, at its first call.
+
+    Example:
+        >>> fddp.set_agreement(False)  # every rank, before the loop
+    """
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"fddp.set_agreement: expected True or False, got {enabled!r}")
+    _enabled = enabled
+
+
+def agreement_enabled() -> bool:
+    """Whether synchronisations agree on a header before each call (see :func:`set_agreement`).
+
+    Example:
+        >>> fddp.agreement_enabled()
+        True
+    """
+    return _enabled
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where small tensors for collectives on ``group`` must live (NCCL-only groups cannot reduce
+    CPU tensors; gloo and mixed ``"cpu:gloo,cuda:nccl"`` groups can)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def count_call(group: dist.ProcessGroup | None, what: str) -> None:
+    """Number the calls to ``fddp.<what>`` on ``group``, for the error :func:`wait` raises."""
+    if torch.compiler.is_compiling():
+        return  # dynamo cannot trace the state; a compiled step's errors come from the backend
+    calls = _state(group).calls
+    calls[what] = calls.get(what, 0) + 1
+
+
+def call_count(group: dist.ProcessGroup | None, what: str) -> int:
+    """The number of calls to ``fddp.<what>`` on ``group`` so far in this process."""
+    return _state(group).calls.get(what, 0)
+
+
+def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> None:
+    """Wait for an async collective; on failure say which rank, which call and what it was doing."""
+    try:
+        work.wait()
+    except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout
+        r, w = dist.get_rank(), dist.get_world_size()
+        n = call_count(group, what)
+        call = f" (call {n} to fddp.{what} in this process)" if n else ""
+        verb = "timed out" if "timed out" in str(e).lower() else "failed"
+        raise RuntimeError(
+            f"fddp.{what}: rank {r} of {w} {verb} during {doing}{call}: {e}. A peer may have crashed, "
+            "be stuck, or have skipped or reordered this call (every rank must make the same fddp "
+            "calls in the same order); the process group's timeout (fddp.init(timeout=...)) bounds "
+            "the wait."
+        ) from e
+
+
+@contextlib.contextmanager
+def exclusive(group: dist.ProcessGroup | None, what: str) -> Iterator[None]:
+    """Hold ``group`` for this thread while ``fddp.<what>`` issues its collectives.
+
+    A second thread that starts an fddp call on the same group meanwhile raises at once: the
+    ranks match collectives by their order on the group, and two threads' calls interleave
+    differently on every rank (a wrong mean, or an abort in the backend). The thread inside may
+    call fddp again (a ``loss_fn`` that synchronises). Use one group per thread.
+    """
+    if torch.compiler.is_compiling() or not dist.is_initialized():
+        yield  # no group yet: the call itself raises the error that says how to start one
+        return
+    st = _state(group)
+    me = threading.get_ident()
+    with _lock:
+        if st.owner is not None and st.owner != me:
+            raise RuntimeError(
+                f"fddp.{what}: thread {threading.current_thread().name!r} started a synchronisation on a process "
+                f"group while thread {st.owner_name!r} is inside fddp.{st.owner_what} on it. Collectives on one group "
+                "are matched across ranks by their order, and two threads interleave differently on every rank; "
+                "call fddp from one thread per group (give each thread its own group: "
+                "torch.distributed.new_group(), passed as group=)"
+            )
+        if st.owner is None:
+            st.owner, st.owner_name, st.owner_what = me, threading.current_thread().name, what
+        st.depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            st.depth -= 1
+            if st.depth == 0:
+                st.owner = None
+
+
+def abandon(group: dist.ProcessGroup | None) -> None:
+    """Count a call that failed before its agreement (``fn`` raised): the other ranks agreed on
+    it, or will, and this rank's next call must not pass for it."""
+    if not torch.compiler.is_compiling():
+        _state(group).agreed += 1
+
+
+def digest(described: Any) -> int:
+    """A 62-bit digest of ``repr(described)``, the same in every process (``hash`` of a str is not)."""
+    return int.from_bytes(hashlib.blake2b(repr(described).encode(), digest_size=8).digest(), "little") >> 2
+
+
+_name_digest = _caches.cached(maxsize=256)(digest)  # thread and function names: a handful per run
+
+
+def agree(
+    group: dist.ProcessGroup | None,
+    what: str,
+    signature: int,
+    rows: Callable[[], list[tuple]],
+    name_difference: Callable[[Sequence[list[tuple]]], str],
+) -> bool:
+    """Make every rank agree that it is about to run the same call; return whether it is new.
+
+    Args:
+        group: the process group.
+        what: the public function's name, for messages.
+        signature: this call's signature digest (:func:`digest` of its rows).
+        rows: the signature as rows, to name the difference on a mismatch.
+        name_difference: words for the first difference between per-rank rows.
+
+    Returns:
+        Whether some rank meets this signature on this group for the first time (the same answer
+        on every rank): the caller may then check what only a new tree needs.
+
+    Raises:
+        MismatchError: on every rank, when the ranks' headers differ.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    st = _state(group)
+    new = signature not in st.seen
+    n = dist.get_world_size(group)
+    if n > 1 and (_enabled or new):
+        thread = threading.current_thread().name
+        h = [signature, st.agreed, _name_digest(thread), _name_digest(what)]
+        t = torch.tensor(h + [int(new)] + [-x for x in h], dtype=torch.int64, device=collective_device(group))
+        _exchange(t, group, what)
+        high, low = t[:4].tolist(), [-x for x in t[5:].tolist()]
+        if high != low:
+            _disagree(group, what, st, thread, rows, name_difference)
+        new = bool(t[4].item())
+    st.agreed += 1
+    st.seen[signature] = None
+    st.seen.move_to_end(signature)
+    if len(st.seen) > _REMEMBERED:
+        st.seen.popitem(last=False)
+    return new
+
+
+def _exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+    """All-reduce the header (the maximum of every field and of its negation: min and max at once)."""
+    wait(dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group, async_op=True), group, what, "the agreement on this call")
+
+
+def _disagree(
+    group: dist.ProcessGroup | None,
+    what: str,
+    st: _GroupState,
+    thread: str,
+    rows: Callable[[], list[tuple]],
+    name_difference: Callable[[Sequence[list[tuple]]], str],
+) -> None:
+    """Every rank is here together (the all-reduced header is the same everywhere): gather what
+    each rank is doing and raise the same error on all of them."""
+    mine = {"what": what, "call": st.agreed, "thread": thread, "rows": rows()}
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    st.agreed += 1  # the call happened, if only to fail: the ranks stay numbered alike
+    calls = [(e["call"], e["what"]) for e in everyone]
+    if len(set(calls)) > 1:
+        doing = "; ".join(f"rank {r} is at its call {c + 1} (fddp.{w})" for r, (c, w) in enumerate(calls))
+        raise MismatchError(
+            f"fddp.{what}: ranks are at different fddp calls on this group: {doing}. Every rank must make the "
+            "same fddp calls in the same order: one skipped or repeated a call (a different number of steps, "
+            "or an exception caught inside a step and the loop continued)."
+        )
+    threads = [e["thread"] for e in everyone]
+    if len(set(threads)) > 1:
+        who = ", ".join(f"rank {r} from thread {t!r}" for r, t in enumerate(threads))
+        raise MismatchError(
+            f"fddp.{what}: ranks call from different threads: {who}. Collectives on one group are matched by "
+            "their order; call fddp from one thread per group (each thread its own group)."
+        )
+    raise MismatchError(f"fddp.{what}: ranks disagree on the tree or the options. {name_difference([e['rows'] for e in everyone])}")
+

@@ -19,11 +19,10 @@ cannot trace it) skips it. :func:`set_agreement` turns it off.
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,19 +85,27 @@ _enabled = True
 def _forget() -> None:
     with _lock:
         _states.clear()
+        _last[0] = _last[1] = None
 
 
 _caches.register("fddp._dist._states", _forget)
 
 
+_last: list[Any] = [None, None]  # the group last asked about and its state: a call asks three times
+
+
 def _state(group: dist.ProcessGroup | None) -> _GroupState:
     pg = group if group is not None else dist.group.WORLD
+    last_pg, last_st = _last
+    if pg is last_pg and last_st is not None:
+        return last_st
     st = _states.get(pg)
     if st is None:
         with _lock:
             st = _states.get(pg)
             if st is None:
                 st = _states[pg] = _GroupState()
+    _last[0], _last[1] = pg, st
     return st
 
 
@@ -166,39 +173,50 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
         ) from e
 
 
-@contextlib.contextmanager
-def exclusive(group: dist.ProcessGroup | None, what: str) -> Iterator[None]:
-    """Hold ``group`` for this thread while ``fddp.<what>`` issues its collectives.
+class exclusive:
+    """Hold ``group`` for this thread while ``fddp.<what>`` issues its collectives (a context manager).
 
     A second thread that starts an fddp call on the same group meanwhile raises at once: the
     ranks match collectives by their order on the group, and two threads' calls interleave
     differently on every rank (a wrong mean, or an abort in the backend). The thread inside may
     call fddp again (a ``loss_fn`` that synchronises). Use one group per thread.
+
+    Example:
+        >>> with exclusive(group, "ddp_step"):
+        ...     ...  # this call's collectives
     """
-    if torch.compiler.is_compiling() or not dist.is_initialized():
-        yield  # no group yet: the call itself raises the error that says how to start one
-        return
-    st = _state(group)
-    me = threading.get_ident()
-    with _lock:
-        if st.owner is not None and st.owner != me:
-            raise RuntimeError(
-                f"fddp.{what}: thread {threading.current_thread().name!r} started a synchronisation on a process "
-                f"group while thread {st.owner_name!r} is inside fddp.{st.owner_what} on it. Collectives on one group "
-                "are matched across ranks by their order, and two threads interleave differently on every rank; "
-                "call fddp from one thread per group (give each thread its own group: "
-                "torch.distributed.new_group(), passed as group=)"
-            )
-        if st.owner is None:
-            st.owner, st.owner_name, st.owner_what = me, threading.current_thread().name, what
-        st.depth += 1
-    try:
-        yield
-    finally:
+
+    __slots__ = ("group", "what", "st")
+
+    def __init__(self, group: dist.ProcessGroup | None, what: str) -> None:
+        self.group, self.what, self.st = group, what, None
+
+    def __enter__(self) -> None:
+        if torch.compiler.is_compiling() or not dist.is_initialized():
+            return  # no group yet: the call itself raises the error that says how to start one
+        st = _state(self.group)
+        me = threading.get_ident()
         with _lock:
-            st.depth -= 1
-            if st.depth == 0:
-                st.owner = None
+            if st.owner is not None and st.owner != me:
+                raise RuntimeError(
+                    f"fddp.{self.what}: thread {threading.current_thread().name!r} started a synchronisation on a "
+                    f"process group while thread {st.owner_name!r} is inside fddp.{st.owner_what} on it. Collectives "
+                    "on one group are matched across ranks by their order, and two threads interleave differently "
+                    "on every rank; call fddp from one thread per group (give each thread its own group: "
+                    "torch.distributed.new_group(), passed as group=)"
+                )
+            if st.owner is None:
+                st.owner, st.owner_name, st.owner_what = me, threading.current_thread().name, self.what
+            st.depth += 1
+        self.st = st
+
+    def __exit__(self, *exc: Any) -> None:
+        st = self.st
+        if st is not None:
+            with _lock:
+                st.depth -= 1
+                if st.depth == 0:
+                    st.owner = None
 
 
 def abandon(group: dist.ProcessGroup | None) -> None:

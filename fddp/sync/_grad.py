@@ -13,6 +13,7 @@ bucket's flat buffer, as torch DDP's reducer does, and launches every bucket tha
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from typing import Any, Callable
@@ -192,9 +193,6 @@ class _Transform:
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what)
         leaves = flat[0]
-        if not all(t.is_floating_point() or t.is_complex() for t in leaves):
-            i = next(i for i, t in enumerate(leaves) if not (t.is_floating_point() or t.is_complex()))
-            raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}")
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*leaves):
             for i, t in enumerate(leaves):
                 if t.grad_fn is not None:
@@ -209,14 +207,15 @@ class _Transform:
             # Agreed after the forward pass: a rank whose fn raises has sent nothing, and its next
             # call's header meets this call's on the other ranks (a call number apart: an error).
             sync = setup(tree, options, what, state, weight=w, flat=flat, agree=False)
+            if not all(b.dtype.is_floating_point or b.dtype.is_complex for b in sync.plan.buckets):  # per bucket, not per leaf
+                i = next(i for i, t in enumerate(leaves) if not (t.is_floating_point() or t.is_complex()))
+                raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}")
             self.held = None  # freed before fn runs, as zero_grad(set_to_none=True) frees .grad
             inputs = [t.detach().requires_grad_() for t in leaves]
             reducer = sync.reducer(state)
-            arrive = reducer.arrive
-            for i, x in enumerate(inputs):
-                # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
-                # tensor's hooks run.
-                x.register_hook(functools.partial(arrive, i))
+            # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
+            # tensor's hooks run.
+            _hook_all(inputs, reducer.arrive)
             views = optree.tree_unflatten(sync.spec, inputs)
             call_args = list(args)
             if isinstance(self.argnums, int):
@@ -240,6 +239,27 @@ class _Transform:
             reducer.flush()
             flats, info = reducer.finish()
             return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
+
+
+def _hook_all(inputs: list[torch.Tensor], arrive: Callable[[int, torch.Tensor], None]) -> None:
+    """Give every input a backward hook that hands its gradient to ``arrive``.
+
+    The inputs are fresh leaves (detached, requiring grad), so each hook can be installed by
+    setting the leaf's hook dictionary, as ``Tensor.register_hook`` ends up doing: one C++ call a
+    leaf, where ``register_hook`` first builds a removable handle in Python (about 19k
+    instructions a leaf, most of them saved here). The dictionary is the ordered one
+    ``register_hook`` would make, so ``fn`` may still register hooks of its own on these leaves
+    (they run after fddp's); its key, -1, is one ``RemovableHandle`` never hands out.
+    """
+    try:
+        for i, x in enumerate(inputs):
+            hooks = collections.OrderedDict()
+            hooks[-1] = functools.partial(arrive, i)
+            x._backward_hooks = hooks
+    except (AttributeError, TypeError):  # a torch without the setter: the public way
+        for i, x in enumerate(inputs):
+            x._backward_hooks = None
+            x.register_hook(functools.partial(arrive, i))
 
 
 def _detached(out: Any) -> Any:

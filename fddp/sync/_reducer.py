@@ -81,13 +81,14 @@ class SyncInfo(NamedTuple):
 class _Slot:
     """One bucket's way through a synchronisation: its buffer, leaf views, what is missing, its collectives."""
 
-    __slots__ = ("layout", "scale", "fill", "flat", "views", "missing", "bucket", "pending", "launched", "done")
+    __slots__ = ("layout", "scale", "fill", "flat", "views", "missing", "held", "bucket", "pending", "launched", "done")
 
     def __init__(self, layout: Bucket, scale: float | None, fill: torch.dtype | None) -> None:
         self.layout, self.scale, self.fill = layout, scale, fill
         self.flat: torch.Tensor | None = None  # the buffer, until it is handed to the hook
         self.views: Sequence[torch.Tensor] | None = None  # its leaf views, made on first use
         self.missing = set(layout.indices)  # fddp.grad's path: leaves still to arrive
+        self.held: list[tuple[int, torch.Tensor]] = []  # small leaves' values, copied in at launch
         self.bucket: GradBucket | None = None  # as handed to the hook
         self.pending: Any = None
         self.launched = self.done = 0.0
@@ -158,24 +159,32 @@ class Reducer:
                 for view, v in zip(views, values):
                     view.zero_() if v is None else view.copy_(v)
             else:
-                torch._foreach_copy_(views, values)  # one call for the bucket; casts to a fill dtype
+                _fill(s, views, values)
             if s.scale is not None:
                 s.flat.mul_(s.scale)
             self.launch(i, s.flat)
         self.next = len(self.slots)
 
     def arrive(self, leaf: int, g: torch.Tensor) -> None:
-        """Copy one leaf's value into its bucket; launch every bucket that is now complete, in order."""
+        """Take one leaf's value for its bucket; launch every bucket that is now complete, in order.
+
+        A large value is copied into the bucket at once, while it is still in cache; a small one
+        is kept and copied with the rest of its bucket's small ones in one call at launch, where
+        the copy costs less than calling it.
+        """
         # Called once per leaf per step from a backward hook: kept to a few attribute lookups.
-        b, k = self.where[leaf]
+        b, k, small = self.where[leaf]
         s = self.slots[b]
-        views = s.views
-        if views is None:
-            views = s.open()
-        if s.scale is None:
-            views[k].copy_(g)
+        if small:
+            s.held.append((k, g))
         else:
-            torch.mul(g, s.scale, out=views[k])  # the copy, scaled on the way
+            views = s.views
+            if views is None:
+                views = s.open()
+            if s.scale is None:
+                views[k].copy_(g)
+            else:
+                torch.mul(g, s.scale, out=views[k])  # the copy, scaled on the way
         self.ready[leaf] = self.clock() - self.t0
         missing = s.missing
         missing.discard(leaf)
@@ -196,8 +205,22 @@ class Reducer:
         slots = self.slots
         while self.next < len(slots) and not slots[self.next].missing:
             s = slots[self.next]
-            if s.flat is None:
-                s.open()  # an empty bucket (no leaves), never touched by arrive
+            views = s.views if s.views is not None else s.open()
+            held = s.held
+            if held:
+                if len(held) == len(views):  # every leaf of the bucket was small: one copy
+                    values: list[Any] = [None] * len(views)
+                    for k, g in held:
+                        values[k] = g
+                    _fill(s, views, values)
+                    if s.scale is not None:
+                        s.flat.mul_(s.scale)
+                else:
+                    targets = [views[k] for k, _ in held]
+                    torch._foreach_copy_(targets, [g for _, g in held])
+                    if s.scale is not None:
+                        torch._foreach_mul_(targets, s.scale)
+                s.held = []
             self.launch(self.next, s.flat)
             self.next += 1
 
@@ -236,6 +259,19 @@ class Reducer:
         return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state, timeline)
 
 
+def _fill(s: _Slot, views: Sequence[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Copy every leaf's value into the bucket (casting to a fill dtype): one call for the bucket."""
+    if _flat_leaves(s.layout):
+        torch.cat(values, out=s.flat)  # 1-D leaves: the concatenation is the bucket (~3x cheaper a leaf)
+    else:
+        torch._foreach_copy_(views, values)
+
+
+@_caches.cached(maxsize=256)
+def _flat_leaves(layout: Bucket) -> bool:
+    return all(len(shape) == 1 for shape in layout.shapes)
+
+
 def _zero() -> float:
     return 0.0
 
@@ -259,7 +295,14 @@ def _checked(result: torch.Tensor, bucket: Bucket, numel: int, hook: CommHook, i
     return result
 
 
+_SMALL = 1 << 14  # elements: a leaf this small is copied into its bucket at launch, with the others
+
+
 @_caches.cached(maxsize=64)
-def _where(plan: BucketPlan) -> dict[int, tuple[int, int]]:
-    """Map each leaf to (bucket, position in the bucket)."""
-    return {leaf: (b, k) for b, bucket in enumerate(plan.buckets) for k, leaf in enumerate(bucket.indices)}
+def _where(plan: BucketPlan) -> list[tuple[int, int, bool]]:
+    """Per leaf: its bucket, its position there, and whether it is small."""
+    where: list = [None] * plan.num_leaves
+    for b, bucket in enumerate(plan.buckets):
+        for k, (leaf, n) in enumerate(zip(bucket.indices, bucket.numels)):
+            where[leaf] = (b, k, n <= _SMALL)
+    return where

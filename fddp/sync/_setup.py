@@ -12,6 +12,7 @@ a tree's plan without communicating (the tests, the benchmarks).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Any, Callable, Hashable, NamedTuple
@@ -169,7 +170,7 @@ def check_state(options: SyncOptions, state: Any, what: str, compression: Any = 
         )
 
 
-class Sync(NamedTuple):
+class Sync:
     """A tree ready to synchronise: its leaves, structure and bucket plan, and the call's values.
 
     Attributes:
@@ -179,34 +180,60 @@ class Sync(NamedTuple):
         options: the synchronisation's options.
         what: the public function's name, for messages.
         weight: this rank's weight (a float64 CPU scalar), or ``None``.
-        key: a cheap stand-in for the call's signature (cached digests are keyed by it).
-        rows: builds the signature's rows (only for a new key, or to name a mismatch).
+        digest: the digest of the call's signature (what the ranks agree on).
+        rows: builds the signature's rows (to name a difference between ranks).
     """
 
-    leaves: list[torch.Tensor]
-    spec: optree.PyTreeSpec
-    plan: BucketPlan
-    options: SyncOptions
-    what: str
-    weight: torch.Tensor | None
-    key: Hashable
-    rows: Callable[[], list[tuple]]
+    __slots__ = ("leaves", "spec", "plan", "options", "what", "weight", "digest", "rows", "_comm")
+
+    def __init__(
+        self,
+        leaves: list[torch.Tensor],
+        spec: optree.PyTreeSpec,
+        plan: BucketPlan,
+        options: SyncOptions,
+        what: str,
+        weight: torch.Tensor | None,
+        digest: int,
+        rows: Callable[[], list[tuple]],
+    ) -> None:
+        self.leaves, self.spec, self.plan, self.options, self.what = leaves, spec, plan, options, what
+        self.weight, self.digest, self.rows = weight, digest, rows
+        self._comm: Comm | None = None
+
+    @property
+    def comm(self) -> Comm:
+        """The synchronisation's handle on the process group (one per call: it counts the bytes)."""
+        if self._comm is None:
+            o = self.options
+            self._comm = Comm(o.group, self.what, self.plan, self.weight)
+        return self._comm
 
     def agree(self) -> bool:
         """Agree with the other ranks on this call (``fddp._dist.agree``); return whether its
         signature is new to some rank."""
-        return _signature.check(self.key, self.rows, self.options.group, self.what)
+        return _signature.check(self.digest, self.rows, self.options.group, self.what)
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
-        o = self.options
-        return Reducer(self.plan, o.hook, state, Comm(o.group, self.what, self.plan, self.weight), o.check_finite)
+        return Reducer(self.plan, self.options.hook, state, self.comm, self.options.check_finite)
 
     def tree(self, results: list[torch.Tensor], made: list[Any] | None = None) -> Any:
         """The synchronised tree from the reduced buffers (the hook's ``tree``: views laid out for
         ``fddp.optim``, or a sharding hook's shards)."""
-        o = self.options
-        return o.hook.tree(self.spec, Comm(o.group, self.what, self.plan, self.weight), results, made)
+        return self.options.hook.tree(self.spec, self.comm, results, made)
+
+
+class _Record(NamedTuple):
+    """What a call signature always gives: its digest and its bucket plan."""
+
+    digest: int
+    plan: BucketPlan
+
+
+_KEYS = 1024  # distinct call signatures remembered (a training loop needs a handful)
+_records: "collections.OrderedDict[Hashable, _Record]" = collections.OrderedDict()
+_caches.register("fddp.sync._setup._records", _records.clear)
 
 
 def setup(
@@ -224,7 +251,9 @@ def setup(
     """Plan ``tree``'s buckets and agree with the other ranks on the call; return it as a :class:`Sync`.
 
     Every synchronising call starts here, so this also numbers the calls to ``fddp.<what>``, for
-    the error a failed collective raises ("call 1234 to fddp.ddp_step").
+    the error a failed collective raises ("call 1234 to fddp.ddp_step"). The call's signature is
+    looked up by a cheap local key (the treedef, the leaf specs, the definition order, the options'
+    rows); only a new key walks the tree for its rows, digests them and plans the buckets.
 
     Args:
         tree: the pytree of tensors that fixes the buckets (the parameters, for gradients).
@@ -251,23 +280,31 @@ def setup(
         specs = specs_of(leaves)
     order = definition_order(tree)
     option_rows = options.signature_rows(state)
-    key = (spec, specs, order, option_rows)
+
+    def rows() -> list[tuple]:
+        return [*option_rows, *structure_rows(tree)]
+
+    key = (spec, specs, order, option_rows, members, options.bucket_cap_mb, options.first_bucket_mb)
+    if torch.compiler.is_compiling():  # dynamo traces neither the cache nor the digest
+        record = _Record(0, _plan(specs, members, order, options))
+    else:
+        record = _records.get(key)
+    if record is None:
+        record = _records[key] = _Record(_dist.digest(rows()), _plan(specs, members, order, options))
+        if len(_records) > _KEYS:
+            _records.popitem(last=False)
     _dist.count_call(options.group, what)
-    sync = Sync(leaves, spec, _plan(specs, members, order, options), options, what, weight, key, lambda: [*option_rows, *structure_rows(tree)])
+    sync = Sync(leaves, spec, record.plan, options, what, weight, record.digest, rows)
     if agree:
         sync.agree()
     return sync
 
 
 def _plan(specs: tuple, members: tuple[LeafSpec, ...] | None, order: tuple[int, ...] | None, options: SyncOptions) -> BucketPlan:
-    base = _planned(specs if members is None else members, order, options.bucket_cap_mb, options.first_bucket_mb)
+    base = _layout.plan(specs if members is None else members, options.bucket_cap_mb, options.first_bucket_mb, order)
     if members is not None and members != specs:
         return _layout.respec(base, tuple(LeafSpec(tuple(s[0]), s[1], s[2]) for s in specs))
     return base
-
-
-def _planned(specs: tuple, order: tuple[int, ...] | None, bucket_cap_mb: float, first_bucket_mb: float) -> BucketPlan:
-    return _layout.plan(specs, bucket_cap_mb, first_bucket_mb, order)
 
 
 def plan_of(tree: Any, /, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> BucketPlan:
@@ -280,4 +317,4 @@ def plan_of(tree: Any, /, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 
         [(0, 1)]
     """
     leaves, _ = flatten(tree)
-    return _planned(specs_of(leaves), definition_order(tree), bucket_cap_mb, first_bucket_mb)
+    return _layout.plan(specs_of(leaves), bucket_cap_mb, first_bucket_mb, definition_order(tree))

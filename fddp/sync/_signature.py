@@ -49,16 +49,14 @@ def name_difference(per_rank: Sequence[list[tuple]]) -> str:
     return "The signatures hash differently but compare equal."  # pragma: no cover
 
 
-def check(
-    key: Hashable, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str
-) -> bool:
-    """Agree across ``group`` on the signature ``key`` stands for; return whether it is new.
+def check(digest: int, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str) -> bool:
+    """Agree across ``group`` on the call whose signature has this ``digest``; return whether it is new.
 
     Raises :class:`MismatchError` on every rank if the ranks' signatures (or call numbers, or
     threads) differ; see :func:`fddp._dist.agree`.
     """
     if torch.compiler.is_compiling():
-        # Dynamo cannot trace the digest or the header; a compiled step relies on its guards (a
-        # new tree re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
+        # Dynamo cannot trace the header; a compiled step relies on its guards (a new tree
+        # re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
         return False
-    return _dist.agree(group, what, signature_digest(key, rows), rows, name_difference)
+    return _dist.agree(group, what, digest, rows, name_difference)

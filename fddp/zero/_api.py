@@ -144,7 +144,7 @@ def gather(shards: Sharded, /) -> Gathered:
             )
     with _dist.exclusive(lay.group, "zero.gather"):
         _dist.count_call(lay.group, "zero.gather")
-        _signature.check(("zero.gather", lay), lay.describe, lay.group, "zero.gather")
+        _signature.check(_signature.signature_digest(("zero.gather", lay), lay.describe), lay.describe, lay.group, "zero.gather")
         comm = Comm(lay.group, "zero.gather", lay.plan)
         bufs, works = [], []
         for b, c, t in zip(lay.plan.buckets, lay.cuts, shards.shards):

@@ -420,9 +420,15 @@ def _check_zip(f: Any, path: str) -> None:
         with zipfile.ZipFile(f) as z:
             pickles = [n for n in z.namelist() if n.endswith("/data.pkl")]
             for name in pickles:
-                with z.open(name) as member:
-                    while member.read(1 << 20):  # the CRC-32 is checked when the member is read to its end
-                        pass
+                try:
+                    with z.open(name) as member:
+                        while member.read(1 << 20):  # the CRC-32 is checked when the member is read to its end
+                            pass
+                except zipfile.BadZipFile:
+                    raise CheckpointError(
+                        f"{path}: damaged: the tree's structure and Python values ({name}) fail the zip's "
+                        "CRC-32 (the file changed after it was written); use another copy or an older checkpoint"
+                    ) from None
     except zipfile.BadZipFile as e:
         what = "no zip central directory: cut short" if "central directory" in str(e) or "not a zip" in str(e) else str(e)
         raise CheckpointError(f"{path}: truncated or damaged: {what} ({size} bytes)") from None

@@ -19,28 +19,31 @@ and sharded modules build on it.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import pickle
 import re
 import zipfile
 import zlib
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
 from fddp._tree import path_str
 
 __all__ = [
+    "BLOCK",
     "FORMAT",
     "PRIMITIVES",
     "VERSION",
     "CheckpointError",
-    "checksum",
+    "crc32s",
     "decode",
     "encode",
     "fsync_dir",
     "is_namedtuple",
     "read",
+    "tensor_bytes",
     "write",
 ]
 
@@ -97,12 +100,13 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
 
 
-def checksum(t: torch.Tensor) -> int | None:
-    """CRC-32 of a tensor's bytes in memory order, or None for a tensor without plain bytes.
+BLOCK = 1 << 22  # bytes per CRC-32: the blocks of a big tensor are checked on several threads
+_THREADS_FROM = 1 << 24  # bytes in all; below this one thread is quicker than starting more
 
-    CRC-32 catches every flipped byte and runs at a few GB/s (zlib releases the GIL). A tensor off
-    the CPU is copied to it first; a meta tensor, a sparse or a quantized one has no checksum.
-    """
+
+def tensor_bytes(t: torch.Tensor) -> memoryview | None:
+    """A tensor's bytes in memory order (copied to the CPU if it is elsewhere), or None for a
+    tensor without plain bytes (meta, sparse, quantized)."""
     if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
         return None
     t = t.detach()
@@ -110,7 +114,31 @@ def checksum(t: torch.Tensor) -> int | None:
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
-    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def crc32s(buffers: Sequence[Any]) -> list[tuple[int, ...] | None]:
+    """The CRC-32 of every 4 MiB block of every buffer (None stays None).
+
+    CRC-32 catches every flipped byte and every burst of up to 32 bits. zlib releases the GIL, so
+    the blocks of large buffers run on up to 8 threads; per block, not per buffer, so the check
+    of one huge tensor spreads too.
+    """
+    views = [None if b is None else memoryview(b).cast("B") for b in buffers]
+    jobs = [v[a : a + BLOCK] for v in views if v is not None for a in range(0, max(len(v), 1), BLOCK)]
+    total = sum(len(v) for v in views if v is not None)
+    threads = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, len(jobs))
+    if total >= _THREADS_FROM and threads > 1:
+        # A pool per call: a pool kept across calls would not survive a fork of the process.
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="fddp-crc") as pool:
+            found = iter(pool.map(zlib.crc32, jobs))
+    else:
+        found = iter(map(zlib.crc32, jobs))
+    return [None if v is None else tuple(next(found) for _ in range(0, max(len(v), 1), BLOCK)) for v in views]
+
+
+def _checksums(leaves: list) -> list[tuple[int, ...] | None]:
+    return crc32s([tensor_bytes(x) if isinstance(x, torch.Tensor) else None for x in leaves])
 
 
 def encode(tree: Any) -> dict:
@@ -128,7 +156,7 @@ def encode(tree: Any) -> dict:
         "structure": structure,
         "paths": paths,
         "leaves": leaves,
-        "checksums": [checksum(x) if isinstance(x, torch.Tensor) else None for x in leaves],
+        "checksums": _checksums(leaves),
     }
 
 
@@ -175,9 +203,9 @@ def _encode(node: Any, path: Path, leaves: list, paths: list) -> tuple:
 
 
 class _Source(NamedTuple):
-    """What decoding reads from: the leaves with their checksums, and the file, for messages."""
+    """What decoding reads from: the leaves, and the file, for messages."""
 
-    leaves: Iterator[tuple[Any, int | None]]
+    leaves: Iterator[Any]
     where: str
 
 
@@ -196,7 +224,8 @@ def decode(payload: dict, like: Any, where: str) -> Any:
     sums = payload.get("checksums", [None] * len(leaves) if isinstance(leaves, list) else None)
     if not isinstance(leaves, list) or not isinstance(sums, list) or len(sums) != len(leaves):
         raise CheckpointError(f"{where}: corrupt checkpoint: no leaf list, or one without a checksum per leaf")
-    src = _Source(zip(leaves, sums), where)
+    _verify(leaves, sums, payload.get("paths"), where)
+    src = _Source(iter(leaves), where)
     tree = _decode(src, payload.get("structure"), _MISSING if like is None else like, ())
     if next(src.leaves, _MISSING) is not _MISSING:
         raise CheckpointError(f"{where}: corrupt checkpoint: more leaves than its structure")
@@ -232,18 +261,28 @@ def _decode(src: _Source, node: Any, like: Any, path: Path) -> Any:
 
 def _next_leaf(src: _Source, path: Path) -> Any:
     try:
-        value, saved = next(src.leaves)
+        return next(src.leaves)
     except StopIteration:
         raise CheckpointError(f"{src.where}: corrupt checkpoint: fewer leaves than its structure") from None
-    if saved is not None and isinstance(value, torch.Tensor):
-        found = checksum(value)
-        if found is not None and found != saved:
-            raise CheckpointError(
-                f"{src.where}: damaged: the data of leaf {_at(path)} ({_describe(value)}) does not match the "
-                f"CRC-32 saved with it ({saved:#010x}, now {found:#010x}); the file changed after it was "
-                "written: use another copy or an older checkpoint"
-            )
-    return value
+
+
+def _verify(leaves: list, sums: list, paths: Any, where: str) -> None:
+    """Raise, naming the leaf, if a tensor's bytes differ from the CRC-32s saved with it."""
+    todo = [i for i, (x, s) in enumerate(zip(leaves, sums)) if s is not None and isinstance(x, torch.Tensor)]
+    on_cpu = [i for i in todo if leaves[i].device.type == "cpu"]
+    found = dict(zip(on_cpu, crc32s([tensor_bytes(leaves[i]) for i in on_cpu])))
+    for i in todo:
+        if i not in found:  # off the CPU: copied back one at a time, not all at once
+            found[i] = crc32s([tensor_bytes(leaves[i])])[0]
+        if found[i] is None or tuple(found[i]) == tuple(sums[i]):
+            continue
+        block = next((k for k, (a, b) in enumerate(zip(found[i], sums[i])) if a != b), 0)
+        name = paths[i] if isinstance(paths, list) and len(paths) == len(leaves) else f"number {i}"
+        raise CheckpointError(
+            f"{where}: damaged: the data of leaf {name!r} ({_describe(leaves[i])}) does not match the CRC-32 "
+            f"saved with it (at byte {block * BLOCK}: saved {sums[i][block]:#010x}, now {found[i][block]:#010x}); "
+            "the file changed after it was written: use another copy or an older checkpoint"
+        )
 
 
 def _leaf(src: _Source, value: Any, like: Any, path: Path) -> Any:

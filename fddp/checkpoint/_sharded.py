@@ -185,20 +185,33 @@ def _crc_of_file(path: str) -> int:
     return crc
 
 
-def _stored_checksums(root: str, results: list) -> dict[str, torch.Tensor]:
-    """Per ``.distcp`` file: ``(byte offset, length, CRC-32)`` of every item written, read back."""
-    rows: dict[str, list[list[int]]] = {}
+def _stored_checksums(root: str, results: list) -> dict[str, dict[str, torch.Tensor]]:
+    """Per ``.distcp`` file, the CRC-32s of every item written, read back as it lies in the file.
+
+    ``items`` holds one row ``(byte offset, length, index of its first CRC)`` per item, ``crcs``
+    the CRC-32 of every 4 MiB block of every item (:func:`fddp.checkpoint._codec.crc32s`).
+    """
+    per_file: dict[str, list[tuple[int, int]]] = {}
     for wr in results:
         info = wr.storage_data
-        rows.setdefault(info.relative_path, []).append([info.offset, info.length])
+        per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
     out = {}
-    for name, items in rows.items():
+    for name, items in per_file.items():
+        rows, crcs = [], []
         with open(os.path.join(root, name), "rb") as f:
-            for item in items:
-                f.seek(item[0])
-                item.append(zlib.crc32(f.read(item[1])))
-        out[name] = torch.tensor(items, dtype=torch.int64)
+            for offset, length in items:
+                f.seek(offset)
+                rows.append((offset, length, len(crcs)))
+                crcs.extend(_codec.crc32s([f.read(length)])[0])
+        out[name] = {"items": torch.tensor(rows, dtype=torch.int64).reshape(-1, 3), "crcs": torch.tensor(crcs, dtype=torch.int64)}
     return out
+
+
+def _saved_crcs(per_file: dict) -> dict[tuple[int, int], tuple[int, ...]]:
+    """``(byte offset, length) -> CRC-32s`` of one file's items, from :func:`_stored_checksums`' record."""
+    items, crcs = per_file["items"].tolist(), per_file["crcs"].tolist()
+    ends = [first for _, _, first in items[1:]] + [len(crcs)]
+    return {(offset, length): tuple(crcs[first:end]) for (offset, length, first), end in zip(items, ends)}
 
 
 def _write_file(path: str, tree: Any) -> None:
@@ -234,6 +247,7 @@ if dcp is not None:
             self._fddp_sums = manifest.get("checksums")  # None: written before checksums existed
             self._fddp_metadata = metadata
             self._fddp_names: dict[tuple[str, int], Any] = {}
+            self._fddp_crcs: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             # Read and checked by _read_metadata before DCP starts, so that its errors reach the
@@ -249,12 +263,16 @@ if dcp is not None:
                 return super()._slice_file(file, sinfo)
             file.seek(sinfo.offset)
             data = file.read(sinfo.length)
-            saved = self._saved_crc(sinfo)
-            found = zlib.crc32(data)
+            saved = self._saved(sinfo.relative_path).get((sinfo.offset, sinfo.length))
+            found = _codec.crc32s([data])[0]
             if len(data) != sinfo.length or found != saved:
                 index = self._index_of(sinfo)
                 where = os.path.join(os.fspath(self.path), sinfo.relative_path)
-                what = "no CRC-32 was saved for it" if saved is None else f"saved CRC-32 {saved:#010x}, now {found:#010x}"
+                if saved is None:
+                    what = "no CRC-32 was saved for it"
+                else:
+                    k = next((k for k, (a, b) in enumerate(zip(found, saved)) if a != b), 0)
+                    what = f"at byte {k * _codec.BLOCK} of it, saved CRC-32 {saved[k]:#010x}, now {found[k]:#010x}"
                 raise CheckpointError(
                     f"{where}: damaged: the piece of leaf {index.fqn!r} starting at element "
                     f"{index.offset[0] if index.offset else 0} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
@@ -262,12 +280,11 @@ if dcp is not None:
                 )
             return io.BytesIO(data)
 
-        def _saved_crc(self, sinfo: Any) -> int | None:
-            rows = self._fddp_sums.get(sinfo.relative_path)
-            if rows is None:
-                return None
-            hit = rows[(rows[:, 0] == sinfo.offset) & (rows[:, 1] == sinfo.length)]
-            return int(hit[0, 2]) if len(hit) else None
+        def _saved(self, relative_path: str) -> dict[tuple[int, int], tuple[int, ...]]:
+            if relative_path not in self._fddp_crcs:
+                per_file = self._fddp_sums.get(relative_path)
+                self._fddp_crcs[relative_path] = {} if per_file is None else _saved_crcs(per_file)
+            return self._fddp_crcs[relative_path]
 
         def _index_of(self, sinfo: Any) -> Any:
             if not self._fddp_names:
@@ -413,7 +430,7 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
 
 def _finish(tmp: str, directory: str, tensors: dict, scalars: dict, world: int) -> None:
     """On rank 0, after DCP's save: write the manifest with every rank's checksums, rename into place."""
-    sums: dict[str, torch.Tensor] = {}
+    sums: dict[str, dict[str, torch.Tensor]] = {}
     for r in range(world):
         part = os.path.join(tmp, _CHECKSUMS.format(rank=r))
         sums.update(_read_file(part))

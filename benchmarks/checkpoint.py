@@ -12,7 +12,8 @@ saved and loaded in ``--dir`` (default: a new temporary directory) as
 
 each against the same call with the checks switched off (the checksum functions patched out), the
 two interleaved in every repeat. The cost is the median of the verified runs over the median of
-the unverified ones. Loads read a file just written, so from the page cache: the check is the whole
+the unverified ones, in wall-clock time and in CPU time (this process, all threads: robust to
+other load on the machine, blind to the checks' threads running in parallel). Loads read a file just written, so from the page cache: the check is the whole
 extra cost there, and a smaller share of a load from a cold disk. Prints a table and writes
 ``benchmarks/results/checkpoint.json`` with the load average before and after.
 """
@@ -40,24 +41,30 @@ from floor import report
 @contextlib.contextmanager
 def unverified() -> Iterator[None]:
     """Switch the checks off: no checksums saved (so none verified), no piece read back or checked."""
-    saved = (_codec.checksum, _sharded._stored_checksums, _sharded._Reader._slice_file)
-    _codec.checksum = lambda t: None
+    saved = (_codec._checksums, _sharded._stored_checksums, _sharded._Reader._slice_file)
+    _codec._checksums = lambda leaves: [None] * len(leaves)
     _sharded._stored_checksums = lambda root, results: {}
     _sharded._Reader._slice_file = dcp.FileSystemReader._slice_file
     try:
         yield
     finally:
-        _codec.checksum, _sharded._stored_checksums, _sharded._Reader._slice_file = saved
+        _codec._checksums, _sharded._stored_checksums, _sharded._Reader._slice_file = saved
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (this process, all threads) of one call."""
+    w, c = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - w, time.process_time() - c
+
+
+OPS = ("save", "load", "save_sharded", "load_sharded")
 
 
 def measure(tree: dict, like: dict, shards_tree: dict, shards_like: dict, root: str, repeats: int) -> dict[str, dict[str, float]]:
-    times: dict[str, dict[str, list[float]]] = {v: {k: [] for k in ("save", "load", "save_sharded", "load_sharded")} for v in ("verified", "unverified")}
+    times: dict[tuple[str, str], dict[str, list[float]]] = {
+        (v, clock): {k: [] for k in OPS} for v in ("verified", "unverified") for clock in ("wall", "cpu")
+    }
     for r in range(repeats + 1):  # the first round warms up and is dropped
         for variant in ("verified", "unverified") if r % 2 == 0 else ("unverified", "verified"):
             with unverified() if variant == "unverified" else contextlib.nullcontext():
@@ -72,12 +79,17 @@ def measure(tree: dict, like: dict, shards_tree: dict, shards_like: dict, root: 
                 os.remove(path)
                 shutil.rmtree(directory)
             if r > 0:
-                for k, t in row.items():
-                    times[variant][k].append(t)
-    ms = {v: {k: 1e3 * statistics.median(ts) for k, ts in rows.items()} for v, rows in times.items()}
-    ms["verified / unverified"] = {k: ms["verified"][k] / ms["unverified"][k] for k in ms["verified"]}
-    ms["spread verified (min-max ms)"] = {k: 1e3 * (max(ts) - min(ts)) for k, ts in times["verified"].items()}
-    return ms
+                for k, (wall, cpu) in row.items():
+                    times[(variant, "wall")][k].append(wall)
+                    times[(variant, "cpu")][k].append(cpu)
+    med = {key: {k: 1e3 * statistics.median(ts) for k, ts in rows.items()} for key, rows in times.items()}
+    out = {}
+    for clock in ("wall", "cpu"):
+        out[f"{clock} verified"] = med[("verified", clock)]
+        out[f"{clock} unverified"] = med[("unverified", clock)]
+        out[f"{clock} ratio"] = {k: med[("verified", clock)][k] / med[("unverified", clock)][k] for k in OPS}
+    out["wall spread"] = {k: 1e3 * (max(ts) - min(ts)) for k, ts in times[("verified", "wall")].items()}
+    return out
 
 
 def main() -> None:
@@ -106,7 +118,8 @@ def main() -> None:
     print(f"{args.leaves} float32 tensors, {4 * n * args.leaves / 1e6:.0f} MB in {root}; median of {args.repeats}; "
           f"load average before {load_before}, after {os.getloadavg()}")
     args.load_avg_before = load_before
-    report(results, "ms", {k: k for k in results}, ".2f", args, "results_ms")
+    headings = {k: k.replace("unverified", "off").replace("verified", "on") for k in results}
+    report(results, "median ms", headings, ".2f", args, "results_ms")
 
 
 if __name__ == "__main__":

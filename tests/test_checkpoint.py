@@ -795,3 +795,16 @@ def test_the_next_save_sharded_removes_the_temporary_of_a_killed_save(tmp_path):
     assert os.listdir(tmp_path) == ["step-00000100"]
     state = ckpt.load_sharded(directory, like)
     assert state["step"] == 2 and torch.equal(fddp.zero.gather(state["params"]).wait()["w"], torch.full((250_000,), 2.0))
+
+
+def test_a_save_sharded_that_fails_removes_its_temporary(tmp_path, monkeypatch):
+    from fddp.checkpoint import _sharded
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fddp.init()
+    monkeypatch.setattr(_sharded, "_finish", full_disk)  # after every piece is written, before the rename
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save_sharded(str(tmp_path / "ckpt"), {"params": fddp.zero.shard({"w": torch.ones(1000)}), "step": 1})
+    assert os.listdir(tmp_path) == []

@@ -1,8 +1,8 @@
 """Save and load pytrees of tensors: atomic, rank-0-only writes, code-free and verified loads.
 
 A checkpoint is one ``torch.save`` file holding only plain data: a dict with the leaves
-(tensors and Python scalars) in depth-first order, each leaf's path (``params/w``), a CRC-32 of
-every tensor's bytes, and the tree's structure described with tuples, strings and ints. Nothing in
+(tensors and Python scalars) in depth-first order, each leaf's path (``params/w``), CRC-32s of
+every tensor's bytes (one per 4 MiB), and the tree's structure described with tuples, strings and ints. Nothing in
 it names a Python class, so it loads with ``torch.load(..., weights_only=True)``, and a file that
 would need to run code is refused. A file that was cut short or changed on disk after the write
 is an error naming the file and the damaged leaf, never a silently different value.

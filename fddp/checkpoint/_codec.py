@@ -1,7 +1,7 @@
 """The checkpoint file codec: a tree as plain data, and one file of it read without running code.
 
 A tree is encoded as a payload dict of plain data: its leaves (tensors and Python scalars) in
-depth-first order, each leaf's path (fddp's ``a/b/0`` format), a CRC-32 of every tensor's bytes,
+depth-first order, each leaf's path (fddp's ``a/b/0`` format), CRC-32s of every tensor's bytes (one per 4 MiB),
 and the tree's structure described with tuples, strings and ints (nothing names a class, so the
 file loads with ``torch.load(..., weights_only=True)``). Decoding rebuilds the tree, checks it
 against an expected ``like`` tree when one is given, and verifies every tensor's checksum.

@@ -410,13 +410,15 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
     mine = [_temp.HOST_ID, os.getpid(), int.from_bytes(os.urandom(7), "big")] if rank == 0 else [0, 0, 0]
     tmp = _temp.new_name(directory, *_ranks.agree(mine, group, "checkpoint.save_sharded", "agreeing on the temporary directory"))
     state = {k: (t if isinstance(t, _FlatPieces) else t.contiguous()) for k, (t, _) in tensors.items()}
-    error: Exception | None = None
+    error: BaseException | None = None
     with _temp.writing(tmp):
         try:
             dcp.save(state, storage_writer=_Writer(tmp, rank), process_group=group, no_dist=not _ranks.is_distributed())
             if rank == 0:
                 _finish(tmp, directory, tensors, scalars, world)
-        except Exception as e:  # noqa: BLE001 - every rank learns below whether the checkpoint is complete
+        # DCP's CheckpointException is a BaseException (it holds every failed rank's error); an
+        # interrupt is not caught: the process is going away, and the next save removes its temporary.
+        except (Exception, _CheckpointException) as e:  # noqa: BLE001 - every rank learns below whether the checkpoint is complete
             error = e
         (failed,) = _ranks.agree([error is not None], group, "checkpoint.save_sharded", f"the barrier after writing {directory}")
     if failed:

@@ -39,7 +39,7 @@ def save(
     rename leaves its temporary, which the next ``save`` to ``path`` deletes once it is provably
     abandoned (see :func:`save_step`). Missing parent directories are created. Tensors are stored
     detached, compact (a view saves only its own elements, not its base's storage) and on the CPU,
-    as plain ``torch.Tensor``, each with a CRC-32 of its bytes that :func:`load` verifies;
+    as plain ``torch.Tensor``, each with CRC-32s of its bytes (one per 4 MiB) that :func:`load` verifies;
     :func:`load` puts them back on a device.
 
     Args:
@@ -154,7 +154,7 @@ def load(
     tensors and plain data (for example a pickled object whose ``__reduce__`` runs a command) is
     refused with :class:`CheckpointError` before any of it executes. Before that, the file must be
     a whole zip (a copy cut short is "truncated or damaged") whose pickle of the structure and
-    Python values passes the zip's CRC-32; every tensor must match the CRC-32 of its bytes saved
+    Python values passes the zip's CRC-32; every tensor must match the CRC-32s of its bytes saved
     with it, so a byte that changed on disk is an error naming the leaf, never a silently different
     value. (Files written before checksums existed load unverified.) Verifying costs one pass over
     the tensors' bytes, on the CPU (a tensor loaded onto another device is copied back for it;

@@ -56,7 +56,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
         return markdown.replace(VALIDATION_MARKER, _scaling_validation()).replace(PROJECTION_MARKER, _scaling_projection())
     if MARKER not in markdown:
         return markdown
-    sections = [_step_section(), _floor_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section()]
+    sections = [
+        _step_section(), _floor_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section(),
+        _checkpoint_section(),
+    ]  # fmt: skip
     return markdown.replace(MARKER, "\n\n".join(sections))
 
 
@@ -347,6 +350,27 @@ def _zero_section() -> str:
                 f"| `{mode}` | {t:.1f} | {t / wall['ddp']:.2f} | {t / wall['torch_zero']:.2f} | {t / wall['fddp']:.2f} | {cpu_cells} |"
             )
         out.append("\n".join(rows))
+    return "\n\n".join(out)
+
+
+def _checkpoint_section() -> str:
+    command = "python benchmarks/checkpoint.py --mb 100 --leaves 50 --repeats 9"
+    out = [
+        "## What verifying checkpoints costs",
+        f"Command: `{command}`. One process; 100 MB of float32 tensors saved and loaded with the CRC-32 checks "
+        "on and off, interleaved; median ms of wall-clock and CPU time (all threads). Loads read the file just "
+        "written, from the page cache, so the checks are the whole extra cost there.",
+    ]
+    data = _load("checkpoint.json")
+    if data is None:
+        out.append(_missing(command, "the cost of checkpoint verification"))
+        return "\n\n".join(out)
+    res = data["results_ms"]
+    cols = ["wall verified", "wall unverified", "wall ratio", "cpu verified", "cpu unverified", "cpu ratio"]
+    table = _columns_table({c: res[c] for c in cols}, "call", "{}", ".2f")
+    before = data.get("args", {}).get("load_avg_before")
+    load = f" Load average (1, 5, 15 min) before the run {', '.join(f'{x:.2f}' for x in before)}." if before else ""
+    out.append(table + "\n\n" + (load + _load_line(data)).strip())
     return "\n\n".join(out)
 
 

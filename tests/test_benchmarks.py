@@ -51,3 +51,18 @@ def test_overhead_benchmark_records_every_row(tmp_path: Path) -> None:
     assert rows["grad overhead"] == rows["fddp.grad"] - rows["autograd.grad + no-op hooks"]
     assert rows["optimizer overhead"] == rows["fddp.optim.apply_gradients"] - rows["torch.optim.SGD.step()"]
     assert all(math.isfinite(v) for v in rows.values()) and rows["ddp_step"] > 0
+
+
+def test_checkpoint_benchmark_records_every_call(tmp_path: Path) -> None:
+    out = tmp_path / "checkpoint.json"
+    cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--mb", "2", "--leaves", "4", "--repeats", "1", "--dir", str(tmp_path), "--out", str(out)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    res = json.loads(out.read_text())["results_ms"]
+    calls = {"save", "load", "save_sharded", "load_sharded"}
+    for clock in ("wall", "cpu"):
+        assert set(res[f"{clock} verified"]) == set(res[f"{clock} unverified"]) == calls
+        for k in calls:
+            assert res[f"{clock} ratio"][k] == res[f"{clock} verified"][k] / res[f"{clock} unverified"][k] > 0
+    assert os.listdir(tmp_path) == ["checkpoint.json"]  # nothing left behind in --dir

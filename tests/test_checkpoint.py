@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from typing import NamedTuple
 
 import pytest
@@ -27,6 +28,7 @@ import fddp
 from dist import run as dist_run
 from fddp import checkpoint as ckpt
 from fddp.checkpoint import CheckpointError
+from fddp.checkpoint import _single as single_file  # the module that opens and writes the file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,10 +136,10 @@ class Color(enum.IntEnum):
 @pytest.mark.parametrize(
     "tree, where",
     [
-        ({"a": [1, object()]}, r"tree\['a'\]\[1\]"),
-        ({"a": (Color.RED,)}, r"tree\['a'\]\[0\].*subclass of int"),  # would pickle its class
-        ({Color.RED: 1}, r"dict key.*at tree"),
-        ({"a": {"b": {1, 2}}}, r"tree\['a'\]\['b'\].*set"),
+        ({"a": [1, object()]}, r"at 'a/1'"),
+        ({"a": (Color.RED,)}, r"at 'a/0'.*subclass of int"),  # would pickle its class
+        ({Color.RED: 1}, r"dict key.*at '<root>'"),
+        ({"a": {"b": {1, 2}}}, r"at 'a/b'.*set"),
     ],
 )
 def test_unsupported_leaf_is_rejected_at_save_with_path(tmp_path, tree, where):
@@ -157,8 +159,8 @@ def test_like_moves_to_like_device_and_meta_keeps_map_location(tmp_path):
 # ----------------------------------------------------------------------------- like= errors
 
 
-P = r"tree\['params'\]"
-OPT = r"tree\['opt'\]\[0\]"
+P = "at 'params/"  # fddp's path format: keys from the root joined by /
+OPT = "at 'opt/0"
 
 
 def case(id, mutate, where, what):
@@ -168,24 +170,24 @@ def case(id, mutate, where, what):
 @pytest.mark.parametrize(
     "mutate, where, what",
     [
-        case("extra-key", lambda t: t["params"].pop("b"), P + r"\['b'\]", "expected no such key.*found an entry"),
-        case("missing-key", lambda t: t["params"].update(c=torch.ones(1)), P + r"\['c'\]",
+        case("extra-key", lambda t: t["params"].pop("b"), P + "b'", "expected no such key.*found an entry"),
+        case("missing-key", lambda t: t["params"].update(c=torch.ones(1)), P + "c'",
              "expected an entry, found no such key in the checkpoint"),
-        case("shape", lambda t: t["params"].update(w=torch.zeros(3, 5)), P + r"\['w'\]",
+        case("shape", lambda t: t["params"].update(w=torch.zeros(3, 5)), P + "w'",
              r"shape \(3, 5\).*found.*shape \(3, 4\)"),
-        case("dtype", lambda t: t["params"].update(b=torch.zeros(4)), P + r"\['b'\]",
+        case("dtype", lambda t: t["params"].update(b=torch.zeros(4)), P + "b'",
              "torch.float32, found.*torch.float64"),
-        case("tensor-vs-int", lambda t: t.update(step=torch.tensor(1)), r"tree\['step'\]", "expected tensor.*found int"),
-        case("float-vs-int", lambda t: t.update(step=1.0), r"tree\['step'\]", "expected a float, found int"),
-        case("tuple-vs-list", lambda t: t.update(misc=tuple(t["misc"])), r"tree\['misc'\]",
+        case("tensor-vs-int", lambda t: t.update(step=torch.tensor(1)), "at 'step'", "expected tensor.*found int"),
+        case("float-vs-int", lambda t: t.update(step=1.0), "at 'step'", "expected a float, found int"),
+        case("tuple-vs-list", lambda t: t.update(misc=tuple(t["misc"])), "at 'misc'",
              "expected tuple of length 7, found list"),
-        case("length", lambda t: t["misc"].pop(), r"tree\['misc'\]", "length 6, found list of length 7"),
-        case("namedtuple-fields", lambda t: t.update(opt=(EmptyState(), EmptyState())), OPT,
+        case("length", lambda t: t["misc"].pop(), "at 'misc'", "length 6, found list of length 7"),
+        case("namedtuple-fields", lambda t: t.update(opt=(EmptyState(), EmptyState())), OPT + "'",
              r"fields \(\), found NamedTuple AdamState"),
-        case("tuple-vs-namedtuple", lambda t: t.update(opt=(tuple(t["opt"][0]), EmptyState())), OPT,
+        case("tuple-vs-namedtuple", lambda t: t.update(opt=(tuple(t["opt"][0]), EmptyState())), OPT + "'",
              "expected tuple of length 3, found NamedTuple"),
         case("nested-in-state", lambda t: t["opt"][0].mu.update(w=torch.zeros(3, 4, dtype=torch.float16)),
-             OPT + r"\.mu\['w'\]", "float16"),
+             OPT + "/mu/w'", "float16"),
     ],
 )
 def test_like_mismatch_names_the_leaf(tmp_path, mutate, where, what):
@@ -244,14 +246,14 @@ CHILD = textwrap.dedent(
             f.flush()
             os.fsync(f.fileno())
             stop(f"PARTIAL {f.name}")
-        ckpt.torch.save = partial_save
+        torch.save = partial_save
     else:
         # The temporary file is complete and fsynced; stop just before the rename.
         real_replace = os.replace
         def slow_replace(src, dst):
             stop(f"BEFORE_RENAME {src}")
             real_replace(src, dst)
-        ckpt.os.replace = slow_replace
+        os.replace = slow_replace
 
     new = {"w": torch.full((256, 256), 2.0), "step": 2}
     if target == "step":
@@ -316,7 +318,7 @@ def test_exception_during_write_removes_temporary_and_keeps_old(tmp_path, monkey
         f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(OSError, match="disk full"):
         ckpt.save(path, {"w": torch.zeros(3)})
     assert os.listdir(tmp_path) == ["c.pt"]
@@ -437,13 +439,24 @@ def test_save_step_rejects_bad_arguments(tmp_path):
 # ----------------------------------------------------------------------------- ranks
 
 
+class _Done:
+    """A finished collective, as ``dist.all_reduce(..., async_op=True)`` returns."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def test_only_rank_zero_writes(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
-    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: calls.append(group))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, async_op=False: calls.append(group) or _Done())
+    # The faked world has no process group object to number calls on (fddp's timeout message does).
+    monkeypatch.setattr(single_file._ranks, "count_call", lambda group, what: None)
+    # Nor a group state to agree on (the per-call header, tested with real ranks elsewhere).
+    monkeypatch.setattr(single_file._ranks._signature, "check", lambda digest, rows, group, what: False)
     path = ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)})
     assert path.endswith("ckpt-00000003.pt")
     assert os.listdir(tmp_path) == []
@@ -535,7 +548,7 @@ def test_a_full_disk_is_named_and_keeps_the_previous_checkpoint(tmp_path, monkey
     old = {"w": torch.ones(10), "step": 1}
     path = ckpt.save_step(tmp_path, 1, old)
     real_open = open
-    monkeypatch.setattr(ckpt, "open", lambda file, mode="r": _FullDisk(real_open(file, mode), 2000), raising=False)
+    monkeypatch.setattr(single_file, "open", lambda file, mode="r": _FullDisk(real_open(file, mode), 2000), raising=False)
     with pytest.raises(OSError) as info:  # torch.save itself says "RuntimeError: ... unexpected pos"
         ckpt.save_step(tmp_path, 1, {"w": torch.zeros(10_000), "step": 2})
     _assert_disk_full_error(info, path, old, tmp_path)
@@ -566,3 +579,235 @@ def test_cuda_views_saved_on_cpu_and_restored_to_like_device(tmp_path):
     assert ckpt.load(path, map_location=None)["w"].device.type == "cpu"
     out = ckpt.load(path, like={"w": torch.empty(3, 4, device="cuda"), "step": 0})
     assert out["w"].device.type == "cuda" and torch.equal(out["w"], tree["w"])
+
+
+# ----------------------------------------------------------------------------- damaged files (issue 23, items 4 and 9)
+
+
+def _flip_byte_of(path, needle: bytes) -> None:
+    """Flip the lowest bit of the middle byte of ``needle``, found once in the file at ``path``."""
+    data = bytearray(open(path, "rb").read())
+    at = data.find(needle)
+    assert at >= 0 and data.find(needle, at + 1) < 0, "the bytes to damage must occur exactly once"
+    data[at + len(needle) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+def test_a_flipped_byte_in_a_tensor_is_an_error_naming_the_file_and_leaf(tmp_path):
+    w = torch.arange(1000, dtype=torch.float32)
+    path = ckpt.save(tmp_path / "c.pt", {"params": {"w": w, "b": torch.ones(3)}, "step": 1})
+    _flip_byte_of(path, w[400:600].numpy().tobytes())
+    # The reference: torch itself loads the damaged file without complaint, one value changed.
+    raw = torch.load(path, weights_only=True)["leaves"]
+    assert not torch.equal(next(t for t in raw if isinstance(t, torch.Tensor) and t.numel() == 1000), w)
+    with pytest.raises(CheckpointError, match=r"damaged: the data of leaf 'params/w'") as info:
+        ckpt.load(path)
+    assert str(path) in str(info.value) and "CRC-32" in str(info.value)
+    with pytest.raises(CheckpointError, match="'params/w'"):
+        ckpt.load(path, like={"params": {"w": w, "b": torch.ones(3)}, "step": 0})
+
+
+def test_a_flipped_byte_in_the_pickled_scalars_is_an_error(tmp_path):
+    step = 123456789  # pickled as BININT: its four little-endian bytes, once in the file
+    path = ckpt.save(tmp_path / "c.pt", {"w": torch.ones(2), "step": step})
+    _flip_byte_of(path, step.to_bytes(4, "little"))
+    assert torch.load(path, weights_only=True)["leaves"][1] != step  # torch loads the wrong step silently
+    with pytest.raises(CheckpointError, match="damaged.*data.pkl.*CRC-32") as info:
+        ckpt.load(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9, 0.99])
+def test_a_truncated_file_is_a_checkpoint_error_naming_the_path(tmp_path, fraction):
+    good = ckpt.save(tmp_path / "good.pt", {"w": torch.randn(1000), "s": 3})  # at 90%: OSError EINVAL in torch
+    data = open(good, "rb").read()
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(CheckpointError, match="truncated or damaged") as info:
+        ckpt.load(cut)
+    assert str(cut) in str(info.value)
+
+
+class _RunsACommand:
+    def __reduce__(self):
+        return (os.system, ("echo never run",))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_pickle_refusal_keeps_the_diagnosis_and_drops_the_advice_to_run_it(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"x": _RunsACommand()}, path)
+    with pytest.raises(CheckpointError, match="refused") as info:
+        ckpt.load(path)
+    message = str(info.value)
+    assert f"unsupported GLOBAL {os.system.__module__}.system" in message, message
+    assert "weights_only" not in message and "trusted source" not in message, message
+
+
+# ----------------------------------------------------------------------------- stale temporaries (issue 23, item 8)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_next_save_step_removes_the_temporary_of_a_killed_write(tmp_path):
+    first = ckpt.save_step(tmp_path, 1, {"w": torch.full((256, 256), 1.0), "step": 1}, keep=5)
+    torn = run_and_kill("mid-write", tmp_path, "step")  # a torn ckpt-00000002.pt.tmp-...
+    assert os.path.exists(torn) and ckpt.steps(tmp_path) == [(1, first)]
+    second = ckpt.save_step(tmp_path, 3, {"w": torch.ones(1), "step": 3}, keep=5)  # another step of the series
+    assert not os.path.exists(torn)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(first), os.path.basename(second)]
+
+
+def test_the_next_save_removes_the_temporary_of_a_write_killed_before_its_rename(tmp_path):
+    path = ckpt.save(tmp_path / "model.pt", {"w": torch.full((256, 256), 1.0)})
+    complete = run_and_kill("before-rename", tmp_path, path)
+    (tmp_path / "other.pt.tmp-x").write_bytes(b"another destination's")
+    ckpt.save(path, {"w": torch.ones(1)})
+    assert sorted(os.listdir(tmp_path)) == ["model.pt", "other.pt.tmp-x"] and not os.path.exists(complete)
+
+
+def test_temporaries_that_may_belong_to_a_live_writer_are_kept(tmp_path):
+    from fddp.checkpoint import _temp
+
+    target = str(tmp_path / "ckpt-00000005.pt")
+    live_here = _temp.new_name(target, pid=os.getppid())  # a running process of this host
+    other_host = _temp.new_name(target, host=_temp.HOST_ID ^ 1, pid=_dead_pid())
+    dead_here = _temp.new_name(target, pid=_dead_pid())
+    mine_abandoned = _temp.new_name(target)  # this process, by no write under way
+    mine_writing = _temp.new_name(target)
+    old_style = target + ".tmp-1234"  # an older fddp's name: its writer's host is unknown
+    for p in (live_here, other_host, dead_here, mine_abandoned, mine_writing, old_style):
+        open(p, "wb").close()
+    os.mkdir(str(tmp_path / "ckpt-00000006.pt") + ".tmp-x")  # a temporary directory: never a step either
+    two_hours_ago = time.time() - 7200
+    os.utime(other_host, (two_hours_ago, two_hours_ago))
+    with _temp.writing(mine_writing):
+        with pytest.warns(UserWarning, match=r"not deleted automatically.*rm -r") as warned:
+            ckpt.save_step(tmp_path, 7, {"step": 7}, keep=None)
+    assert [str(w.message).count(other_host) for w in warned] == [2]  # the old one from elsewhere, named
+    left = set(os.listdir(tmp_path))
+    assert {os.path.basename(p) for p in (dead_here, mine_abandoned)}.isdisjoint(left)
+    assert {os.path.basename(p) for p in (live_here, other_host, mine_writing, old_style)} <= left
+    assert [s for s, _ in ckpt.steps(tmp_path)] == [7] and ckpt.latest(tmp_path).endswith("ckpt-00000007.pt")
+
+
+# ----------------------------------------------------------------------------- a rank that does not come
+
+
+def _skipped_save_worker(directory: str) -> str:
+    import datetime
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    try:
+        if fddp.rank() == 1:
+            return "skipped"  # rank 1 never calls save_step: rank 0 must not wait for ever
+        try:
+            ckpt.save_step(directory, 1, {"w": torch.ones(2)}, group=group)
+        except RuntimeError as e:
+            return str(e)
+        return "returned"
+    finally:
+        dist.barrier()  # rank 1 keeps its end of `group` open until rank 0 has given up waiting
+        dist.destroy_process_group(group)
+
+
+def test_a_rank_that_skips_save_step_is_a_clear_timeout_on_the_others():
+    directory = tempfile.mkdtemp(prefix="fddp-ckpt-")
+    try:
+        on_rank0, on_rank1 = dist_run(_skipped_save_worker, 2, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert on_rank1 == "skipped"
+    # The wait that times out is the call's agreement, before the barrier's own bytes.
+    assert on_rank0.startswith("fddp.checkpoint.save_step: rank 0 of 2 timed out during the agreement on this call"), on_rank0
+    assert "call 1 to fddp.checkpoint.save_step" in on_rank0 and "same order" in on_rank0, on_rank0
+
+
+# ----------------------------------------------------------------------------- sharded checkpoints: damage, stale temporaries
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_flipped_byte_in_a_sharded_piece_is_an_error_naming_the_file_and_leaf(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    fddp.init()
+    w = torch.arange(1000, dtype=torch.float32)
+    directory = ckpt.save_sharded(str(tmp_path / "ckpt"), {"params": fddp.zero.shard({"w": w, "b": torch.ones(3)}), "step": 1})
+    like = {"params": fddp.zero.shard({"w": torch.zeros(1000), "b": torch.zeros(3)}), "step": 0}
+    piece = os.path.join(directory, "__0_0.distcp")
+    _flip_byte_of(piece, w[400:600].numpy().tobytes())
+    # The reference: torch.distributed.checkpoint's own reader loads the damaged piece without complaint.
+    raw = {"params/w": torch.zeros(1000)}
+    dcp.load(raw, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
+    assert not torch.equal(raw["params/w"], w) and (raw["params/w"] != w).sum() == 1
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: damaged: the piece of leaf 'params/w' starting at element 0"):
+        ckpt.load_sharded(directory, like)
+    # DCP's index of the pieces is checked too.
+    metadata = os.path.join(directory, ".metadata")
+    data = bytearray(open(metadata, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(metadata, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"\.metadata: .*damaged"):
+        ckpt.load_sharded(directory, like)
+
+
+SHARDED_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import torch, torch.distributed.checkpoint as dcp
+    import fddp
+
+    def stop(self, metadata, results):  # every piece is written; DCP's index and the rename are not
+        print("WRITTEN", flush=True)
+        time.sleep(600)
+
+    dcp.FileSystemWriter.finish = stop
+    fddp.init()
+    fddp.checkpoint.save_sharded(sys.argv[1], {"params": fddp.zero.shard({"w": torch.ones(250_000)}), "step": 1})
+    """
+)
+
+
+def test_the_next_save_sharded_removes_the_temporary_of_a_killed_save(tmp_path):
+    directory = str(tmp_path / "step-00000100")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.Popen([sys.executable, "-c", SHARDED_CHILD, directory], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready and proc.stdout.readline() == "WRITTEN\n", proc.stderr.read() if proc.poll() is not None else ""
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+    (stale,) = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    size = sum(os.path.getsize(os.path.join(tmp_path, stale, n)) for n in os.listdir(tmp_path / stale))
+    assert size > 1_000_000 and not os.path.exists(directory)  # as large as the checkpoint, never renamed
+    fddp.init()
+    like = {"params": fddp.zero.shard({"w": torch.zeros(250_000)}), "step": 0}
+    ckpt.save_sharded(directory, {"params": fddp.zero.shard({"w": torch.full((250_000,), 2.0)}), "step": 2})
+    assert os.listdir(tmp_path) == ["step-00000100"]
+    state = ckpt.load_sharded(directory, like)
+    assert state["step"] == 2 and torch.equal(fddp.zero.gather(state["params"]).wait()["w"], torch.full((250_000,), 2.0))
+
+
+def test_a_save_sharded_that_fails_removes_its_temporary(tmp_path, monkeypatch):
+    from fddp.checkpoint import _sharded
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fddp.init()
+    monkeypatch.setattr(_sharded, "_finish", full_disk)  # after every piece is written, before the rename
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save_sharded(str(tmp_path / "ckpt"), {"params": fddp.zero.shard({"w": torch.ones(1000)}), "step": 1})
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,65 @@
+"""Which rank writes a checkpoint, and the one collective through which the ranks agree on it.
+
+Every collective that ``fddp.checkpoint`` issues itself goes through :func:`agree`: a sum of a few
+ints over the group (an outcome flag, rank 0's name for a temporary directory), after the per-call
+agreement of every fddp collective (``fddp._dist.agree``), so that a rank still a step behind in
+its loop gets a ``MismatchError`` on every rank rather than an abort in the backend. Its wait is
+bounded by the process group's timeout (``fddp.init(timeout=...)``) and a failure or timeout names
+the rank, the call and what it was doing. The collectives inside ``torch.distributed.checkpoint``
+(``dcp.save`` / ``dcp.load``) are DCP's own, bounded by the same timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from fddp import _dist
+from fddp._dist import collective_device, count_call, wait
+from fddp.sync import _signature
+
+__all__ = ["agree", "is_distributed", "is_writer", "rank", "world_size"]
+
+
+def is_distributed() -> bool:
+    """Whether a default process group exists (without one, this is rank 0 of 1)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group``; 0 without a process group."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    """The number of ranks in ``group``; 1 without a process group."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def is_writer(group: dist.ProcessGroup | None) -> bool:
+    """Whether this process is rank 0 of ``group``, the one that writes single-file checkpoints."""
+    return rank(group) == 0
+
+
+def agree(values: Sequence[int], group: dist.ProcessGroup | None, what: str, doing: str) -> list[int]:
+    """Sum ``values`` (ints) over the ranks of ``group``; every rank must call it with as many.
+
+    Args:
+        values: this rank's contribution, e.g. ``[1]`` for "I failed" or rank 0's token.
+        group: the process group; without one (or with one rank) the values come back as they are.
+        what: the public function, for the error (``"checkpoint.save_step"``).
+        doing: what the ranks agree on, for the error.
+
+    Raises:
+        RuntimeError: a peer failed or did not arrive within the process group's timeout.
+    """
+    if world_size(group) == 1:
+        return [int(v) for v in values]
+    count_call(group, what)
+    described = [("checkpoint", f"fddp.{what}: {doing} ({len(values)} values)", None)]
+    _signature.check(_dist.digest(described), lambda: described, group, what)
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
+    wait(dist.all_reduce(t, group=group, async_op=True), group, what, doing)
+    return [int(v) for v in t.tolist()]

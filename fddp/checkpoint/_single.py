@@ -1,0 +1,336 @@
+"""Single-file checkpoints: atomic, rank-0-only writes, code-free loads, and a directory of steps.
+
+The file format is :mod:`fddp.checkpoint._codec`'s. A write goes to a temporary next to the
+destination (named by :mod:`fddp.checkpoint._temp`), is flushed, fsynced and renamed over the
+destination, then the directory is fsynced: a writer killed at any moment leaves either the old
+file or the new one, and at worst a temporary that the next save of the same destination removes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import zipfile
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from fddp.checkpoint import _codec, _ranks, _temp
+from fddp.checkpoint._codec import CheckpointError
+
+__all__ = ["latest", "load", "save", "save_step", "step_path", "steps"]
+
+
+def save(
+    path: str | os.PathLike,
+    tree: Any,
+    /,
+    *,
+    group: dist.ProcessGroup | None = None,
+    barrier: bool = False,
+) -> str:
+    """Write ``tree`` to ``path`` atomically, from rank 0 of ``group`` only.
+
+    The file is written as ``<path>.tmp-<host id>-<pid>-<random>`` in the same directory, flushed
+    and fsynced, then renamed over ``path`` and the directory is fsynced, so ``path`` always holds
+    either the old checkpoint or the complete new one. A write that fails (a full disk, say)
+    removes the temporary file and leaves the old checkpoint as it was; a writer killed before the
+    rename leaves its temporary, which the next ``save`` to ``path`` deletes once it is provably
+    abandoned (see :func:`save_step`). Missing parent directories are created. Tensors are stored
+    detached, compact (a view saves only its own elements, not its base's storage) and on the CPU,
+    as plain ``torch.Tensor``, each with CRC-32s of its bytes (one per 4 MiB) that :func:`load` verifies;
+    :func:`load` puts them back on a device.
+
+    Args:
+        path: destination file.
+        tree: nested dicts/lists/tuples/NamedTuples of tensors and Python scalars, str, bytes, None.
+        group: process group whose rank 0 writes; the default group when None. Other ranks return
+            at once without touching the file system. Without ``torch.distributed`` initialised,
+            the caller writes.
+        barrier: if True, every rank of ``group`` must call ``save`` and returns only once the
+            file is in place, so all ranks may read it afterwards (one small all-reduce that also
+            carries rank 0's success: if rank 0 fails to write, it raises its error and every other
+            rank raises :class:`CheckpointError`, instead of waiting). Leave it False when only
+            rank 0 calls ``save``. :func:`save_step` does this by default.
+
+    Returns:
+        ``path`` as a string (on every rank).
+
+    Raises:
+        TypeError: a leaf or dict key of an unsupported type, naming its path (``a/b/0``).
+        OSError: the file cannot be written, naming ``path``; a full disk says so (``ENOSPC``).
+        CheckpointError: with ``barrier=True``, on the other ranks, when rank 0 failed to write.
+        RuntimeError: with ``barrier=True``, a peer did not arrive within the process group's timeout.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> p = os.path.join(tempfile.mkdtemp(), "model.pt")
+        >>> save(p, {"w": torch.zeros(3), "step": 1})  # doctest: +ELLIPSIS
+        '...model.pt'
+    """
+    path = os.fspath(path)
+    error = None
+    if _ranks.is_writer(group):
+        name = os.path.basename(path)
+        error = _write(path, tree, lambda base: base == name)
+    _agree(path, error, group, barrier, "checkpoint.save")
+    return path
+
+
+def _write(path: str, tree: Any, belongs: Callable[[str], Any]) -> BaseException | None:
+    """Write the file (on the writing rank); return the exception that stopped it, if any.
+
+    ``belongs(name)`` says which destinations' abandoned temporaries to delete first.
+    """
+    try:
+        payload = _codec.encode(tree)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        _temp.clean(directory, belongs)
+        tmp = _temp.new_name(path)
+        with _temp.writing(tmp):
+            try:
+                with open(tmp, "wb") as f:
+                    _codec.write(f, payload)
+                os.replace(tmp, path)
+            except BaseException as e:
+                # An exception (not a kill) must not leave a stray temporary file behind.
+                try:
+                    os.remove(tmp)
+                except OSError:
+                    pass
+                raise _write_error(e, path) from e
+        _codec.fsync_dir(directory)
+    except BaseException as e:  # noqa: BLE001 - handed to _agree, which raises it
+        return e
+    return None
+
+
+def _write_error(e: BaseException, path: str) -> BaseException:
+    """The error to raise for a failed write: the OSError behind it, naming the path.
+
+    torch.save reports a full disk as ``RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos ...``, with the real cause, ``OSError: [Errno 28] No space left on device``,
+    only in the exception's context.
+    """
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or cause.errno is None:
+        return e
+    what = os.strerror(cause.errno)
+    if cause.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        what += " (the disk is full)"
+    return OSError(
+        cause.errno,
+        f"checkpoint not written: {what}; the previous file at this path, if any, is intact and the "
+        "partial temporary file was removed",
+        path,
+    )
+
+
+def _agree(path: str, error: BaseException | None, group: dist.ProcessGroup | None, barrier: bool, what: str) -> None:
+    """Raise the writer's error; with ``barrier``, first tell every rank whether the write succeeded."""
+    if barrier and _ranks.world_size(group) > 1:
+        # A barrier that carries the outcome: nobody waits for a writer that has already failed.
+        (failed,) = _ranks.agree([0 if error is None else 1], group, what, f"the barrier after rank 0 wrote {path}")
+        if error is None and failed:
+            raise CheckpointError(f"{path}: not written: rank 0 of the group failed to write it (its own error says why)")
+    if error is not None:
+        raise error
+
+
+def load(
+    path: str | os.PathLike,
+    /,
+    like: Any = None,
+    *,
+    map_location: Any = "cpu",
+) -> Any:
+    """Read a tree written by :func:`save`, without ever running code from the file.
+
+    The file is read with ``torch.load(..., weights_only=True)``: a file holding anything but
+    tensors and plain data (for example a pickled object whose ``__reduce__`` runs a command) is
+    refused with :class:`CheckpointError` before any of it executes. Before that, the file must be
+    a whole zip (a copy cut short is "truncated or damaged") whose pickle of the structure and
+    Python values passes the zip's CRC-32; every tensor must match the CRC-32s of its bytes saved
+    with it, so a byte that changed on disk is an error naming the leaf, never a silently different
+    value. (Files written before checksums existed load unverified.) Verifying costs one pass over
+    the tensors' bytes, on the CPU (a tensor loaded onto another device is copied back for it;
+    ``map_location="meta"`` has no data to verify).
+
+    Without ``like``, dicts, OrderedDicts, lists and tuples come back as such, and each NamedTuple
+    as a namedtuple class generated from the saved class name and fields (one class per name and
+    fields, shared across loads; it is not the original class, so ``isinstance`` checks against
+    the original fail). Pass ``like`` to get the original types back.
+
+    Args:
+        path: a file written by :func:`save`.
+        like: the expected tree, e.g. freshly initialised params and optimizer state. When given,
+            the structure (dict keys, sequence lengths, NamedTuple fields) and every leaf (tensor
+            shape and dtype; the type of a Python scalar) must match, and the result uses
+            ``like``'s container types and key order. Tensors are moved to the device of
+            ``like``'s leaf (unless that is ``meta``) and get its ``requires_grad``.
+        map_location: passed to ``torch.load``; where tensors land before any move to ``like``.
+
+    Returns:
+        The tree.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (and other OS errors of opening it).
+        CheckpointError: the file is truncated, damaged (a failed checksum names the leaf), is not
+            an fddp checkpoint, would need to unpickle arbitrary objects, or does not match
+            ``like``; the message names the path and, for a mismatch, the first differing leaf
+            (``params/w``) with what was expected and what was found.
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> p = save(os.path.join(tempfile.mkdtemp(), "c.pt"), {"w": torch.ones(2), "step": 3})
+        >>> load(p, like={"w": torch.zeros(2), "step": 0})
+        {'w': tensor([1., 1.]), 'step': 3}
+    """
+    path = os.fspath(path)
+    return _codec.decode(_codec.read(path, map_location), like, path)
+
+
+def step_path(directory: str | os.PathLike, step: int, /, *, prefix: str = "ckpt") -> str:
+    """Return the file name :func:`save_step` uses for ``step``: ``<directory>/<prefix>-<step:08d>.pt``.
+
+    Example:
+        >>> step_path("runs/a", 42)
+        'runs/a/ckpt-00000042.pt'
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return os.path.join(os.fspath(directory), f"{prefix}-{int(step):08d}.pt")
+
+
+def _step_name(prefix: str) -> re.Pattern:
+    return re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+
+
+def steps(directory: str | os.PathLike, /, *, prefix: str = "ckpt") -> list[tuple[int, str]]:
+    """List the complete checkpoints in ``directory`` as ``(step, path)``, oldest step first.
+
+    Only files named ``<prefix>-<digits>.pt`` that are whole zip archives count: temporaries of an
+    interrupted write (``*.pt.tmp-*``, files or directories) and truncated copies are skipped. A
+    missing directory has no checkpoints.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> _ = save_step(d, 5, {"w": torch.ones(1)})
+        >>> [s for s, _ in steps(d)]
+        [5]
+    """
+    directory = os.fspath(directory)
+    pattern = _step_name(prefix)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        m = pattern.fullmatch(name)
+        if not m:
+            continue
+        full = os.path.join(directory, name)
+        # torch.save writes a zip; its central directory is written last, so a file that was cut
+        # short (by a copy, not by save, whose rename is atomic) fails this cheap check.
+        if os.path.isfile(full) and zipfile.is_zipfile(full):
+            found.append((int(m.group(1)), full))
+    return sorted(found)
+
+
+def latest(directory: str | os.PathLike, /, *, prefix: str = "ckpt") -> str | None:
+    """Return the path of the newest complete checkpoint in ``directory``, or None if there is none.
+
+    "Newest" means the highest step number in the file name, not the modification time;
+    temporaries of interrupted writes never count (see :func:`steps`).
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> latest(d) is None
+        True
+        >>> _ = save_step(d, 7, {"w": torch.ones(1)})
+        >>> latest(d).endswith("ckpt-00000007.pt")
+        True
+    """
+    found = steps(directory, prefix=prefix)
+    return found[-1][1] if found else None
+
+
+def save_step(
+    directory: str | os.PathLike,
+    step: int,
+    tree: Any,
+    /,
+    *,
+    keep: int | None = 3,
+    prefix: str = "ckpt",
+    group: dist.ProcessGroup | None = None,
+    barrier: bool = True,
+) -> str:
+    """Save ``tree`` as the checkpoint of ``step`` in ``directory`` and keep only the newest ``keep``.
+
+    The write is :func:`save` (atomic, rank 0 of ``group`` only). Older checkpoints are deleted
+    only after the new one is in place, so a crash never leaves fewer than before. Pruning keeps
+    the file just written plus the ``keep - 1`` highest other steps. If higher steps exist (say,
+    from an abandoned earlier run in the same directory) they count among those and
+    :func:`latest` keeps returning them; clear the directory when restarting from an older step.
+
+    Before writing, rank 0 deletes the temporaries of this series (``<prefix>-<step>.pt.tmp-*``)
+    that a killed earlier write left behind, but only those provably abandoned: written on this
+    host by a process that is no longer running (or by this process, by no write still under way).
+    A temporary written from another host or container is never deleted automatically, since its
+    writer may still be running there; one older than an hour draws a warning with the command to
+    delete it by hand once no job writes to ``directory`` (``rm <directory>/<prefix>-*.pt.tmp-*``).
+
+    Every rank of ``group`` calls ``save_step`` and, by default, returns only once the new file is
+    in place and the old ones are pruned, so :func:`latest` then finds it on every rank.
+
+    Args:
+        directory: where checkpoints live; created if missing.
+        step: training step, used in the file name (see :func:`step_path`).
+        tree: the pytree to save.
+        keep: how many checkpoints to keep (>= 1), or None to keep all.
+        prefix: file name prefix.
+        group: process group whose rank 0 writes and prunes.
+        barrier: wait until rank 0 has written (see :func:`save`); True by default here. With
+            False, the other ranks return at once, and may still find the previous checkpoint.
+
+    Returns:
+        The path of the checkpoint (on every rank).
+
+    Raises:
+        OSError: on rank 0, the file cannot be written (a full disk says so).
+        CheckpointError: on the other ranks (with ``barrier``), rank 0 failed to write.
+        RuntimeError: with ``barrier``, a peer did not arrive within the process group's timeout
+            (say, a rank that skipped this call); the message names the rank and the call.
+
+    Example:
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> for s in range(5):
+        ...     _ = save_step(d, s, {"w": torch.full((1,), float(s))}, keep=2)
+        >>> [s for s, _ in steps(d)]
+        [3, 4]
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep}")
+    path = step_path(directory, step, prefix=prefix)
+    error = None
+    if _ranks.is_writer(group):
+        error = _write(path, tree, _step_name(prefix).fullmatch)
+        if error is None and keep is not None:
+            others = [(s, p) for s, p in steps(directory, prefix=prefix) if s != step]
+            # Keep the new file plus the (keep - 1) highest other steps.
+            for _, old in others[: max(0, len(others) - (keep - 1))]:
+                try:
+                    os.remove(old)
+                except FileNotFoundError:
+                    pass
+    _agree(path, error, group, barrier, "checkpoint.save_step")
+    return path

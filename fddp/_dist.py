@@ -262,7 +262,7 @@ def digest(described: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(described).encode(), digest_size=8).digest(), "little") >> 2
 
 
-_name_digest = _caches.cached(maxsize=256)(digest)  # thread and function names: a handful per run
+_name_digest = _caches.cached(maxsize=256, name="fddp._dist._name_digest")(digest)  # thread and function names: a handful per run
 
 
 class Agreed(NamedTuple):

@@ -127,7 +127,7 @@ def _make(
     return SyncOptions(group, bucket_cap_mb, first_bucket_mb, hook, weighted, bool(check_finite))
 
 
-_options = _caches.cached(maxsize=128)(_make)
+_options = _caches.cached(maxsize=128, name="fddp.sync._setup._options")(_make)
 
 
 def as_weight(weight: Any, what: str) -> torch.Tensor:

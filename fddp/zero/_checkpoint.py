@@ -23,6 +23,7 @@ the files, as :func:`fddp.checkpoint.load` promises.
 from __future__ import annotations
 
 import collections
+import inspect
 import io
 import os
 import pickle
@@ -50,6 +51,18 @@ try:  # DCP and its planner types (torch >= 2.4 has them; the protocol hooks are
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 except ImportError:  # pragma: no cover - builds without torch.distributed
     dcp = None
+
+
+def _no_dist(distributed: bool) -> dict[str, bool]:
+    """``dcp.save``/``dcp.load``'s ``no_dist=`` where torch takes it (2.13 does, 2.6 does not).
+
+    Without a process group DCP must not run collectives. Older versions take no such keyword and
+    decide it themselves from ``dist.is_initialized()``, the very test ``distributed`` comes from.
+    """
+    return {"no_dist": not distributed} if _TAKES_NO_DIST else {}
+
+
+_TAKES_NO_DIST = dcp is not None and "no_dist" in inspect.signature(dcp.save).parameters
 
 
 class _FlatPieces(torch.Tensor):
@@ -177,7 +190,7 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
         dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     tmp = f"{directory}.tmp-{token[0]}"
     state = {k: (t if isinstance(t, _FlatPieces) else t.contiguous()) for k, (t, _) in tensors.items()}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group, no_dist=not distributed)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group, **_no_dist(distributed))
     if rank == 0:
         manifest = {
             "format": _FORMAT,
@@ -291,7 +304,7 @@ def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.Proc
     distributed, _ = _group_rank(group)
     state = {k: t for k, (t, _) in tensors.items()}
     try:
-        dcp.load(state, storage_reader=_SafeReader(directory), process_group=group, no_dist=not distributed)
+        dcp.load(state, storage_reader=_SafeReader(directory), process_group=group, **_no_dist(distributed))
     except _CheckpointException as e:  # a BaseException, with every failed rank's error inside
         first = next(iter(e.failures.values()))[0]
         raise CheckpointError(f"{directory}: torch.distributed.checkpoint could not load it: {first}") from None

@@ -502,39 +502,49 @@ def plot(data: dict[str, Any], path: str) -> None:
     labels = [PLOT_MODES.get(m, (m, None))[0] for m in modes]
     colours = [PLOT_MODES.get(m, (None, "#f4a582"))[1] for m in modes]
     top = max(d["ratio_to_ddp"] for n in names for d in results[n]["modes"].values())
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 + 2.9 * len(names), 0.34 * len(modes) + 1.6), sharey=True)
-    axes = [axes] if len(names) == 1 else list(axes)
+    # Two panels a row: four side by side made a figure that a docs page shrinks until its labels
+    # are a few pixels high.
+    ncols = min(2, len(names))
+    nrows = -(-len(names) // ncols)
+    fig, grid = plt.subplots(
+        nrows, ncols, figsize=(4.6 + 3.4 * ncols, nrows * (0.3 * len(modes) + 1.3) + 0.9), sharey=True, squeeze=False
+    )
+    axes = [ax for row in grid for ax in row]
     ys = list(range(len(modes)))
+    for ax in axes[len(names) :]:
+        ax.set_visible(False)
     for ax, name in zip(axes, names):
         r = results[name]
         ratios = [r["modes"][m]["ratio_to_ddp"] if m in r["modes"] else 0.0 for m in modes]
         ax.barh(ys, ratios, color=colours, edgecolor="white", height=0.78)
         for y, v in zip(ys, ratios):
             if v >= 1.0:  # right of the bar; a bar that ends left of the DDP line gets it inside
-                ax.text(v + 0.03, y, f"{v:.2f}", va="center", fontsize=8.5)
+                ax.text(v + 0.03, y, f"{v:.2f}", va="center", fontsize=10)
             elif v:
-                ax.text(v - 0.03, y, f"{v:.2f}", va="center", ha="right", fontsize=8.5, color="#111111")
+                ax.text(v - 0.03, y, f"{v:.2f}", va="center", ha="right", fontsize=10, color="#111111")
         ax.axvline(1.0, color="#222222", lw=1, ls="--")
-        ax.set_xlim(0, top * 1.18)
-        ax.set_title(f"{name}\n{r['values'] / 1e6:.1f}M values, {r['tensors']} tensors", fontsize=10)
-        ax.set_xlabel("step time ÷ torch DDP's")
+        ax.set_xlim(0, top * 1.2)
+        ax.set_title(f"{name}: {r['values'] / 1e6:.1f}M values, {r['tensors']} tensors", fontsize=12)
+        ax.set_xlabel("step time ÷ torch DDP's", fontsize=11)
         ax.grid(axis="x", alpha=0.3)
         ax.tick_params(axis="y", length=0)
-    axes[0].set_yticks(ys, labels, fontsize=9.5)
-    axes[0].invert_yaxis()  # the reference on top
-    axes[0].annotate("DDP = 1", xy=(1.0, -0.65), xytext=(1.04, -0.65), fontsize=8.5, va="center", annotation_clip=False)
+        ax.tick_params(axis="x", labelsize=10)
+    for row in grid:
+        row[0].set_yticks(ys, labels, fontsize=11)
+        row[0].annotate("DDP = 1", xy=(1.0, -0.75), xytext=(1.04, -0.75), fontsize=10, va="center", annotation_clip=False)
+    axes[0].invert_yaxis()  # the reference on top (shared: every panel)
     args = data.get("args", {})
     fig.suptitle(
         "One data-parallel training step, relative to torch DDP (left of the dashed line: faster)",
-        fontsize=12, x=0.01, y=0.985, ha="left",
+        fontsize=14, x=0.01, y=0.995, ha="left",
     )  # fmt: skip
     fig.text(
-        0.01, 0.935,
+        0.01, 1 - 0.62 / fig.get_figheight(),
         f"{data.get('world_size', '?')} gloo processes on CPU, torch {data.get('torch', '?')}, SGD with momentum; "
         f"medians of {args.get('repeats', '?')} repeats of {args.get('steps', '?')} steps (the slowest rank's)",
-        fontsize=9, color="#444444", ha="left",
+        fontsize=11, color="#444444", ha="left",
     )  # fmt: skip
-    fig.tight_layout(rect=(0, 0, 1, 0.945))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.75 / fig.get_figheight()))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 

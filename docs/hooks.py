@@ -85,20 +85,40 @@ def _undocumented_names(markdown: str) -> str:
 def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
     # Docstrings use Sphinx roles (:func:`ddp_step`); Markdown renders them as ":func:" + code.
     html = re.sub(r":(?:func|class|meth|mod|attr|exc|data|obj):(?=<code)", "", html)
-    return re.sub(r"<table>.*?</table>", _breakable_code, html, flags=re.DOTALL)
+    html = re.sub(r"<table>.*?</table>", _breakable_code, html, flags=re.DOTALL)
+    return re.sub(r'<p><img alt="([^"]*)" src="([^"]+\.png)" ?/?></p>', _full_size_link, html)
 
 
 def _breakable_code(table: re.Match) -> str:
-    """Let identifiers in table cells wrap after ``.``, ``_`` and ``/`` only, never mid-word.
+    """Let code in table cells wrap after ``.``, ``/``, ``,`` and opening brackets, never inside a word.
 
     extra.css turns off the theme's ``word-break: break-word`` for code in tables; a ``<wbr>``
-    after each separator gives the browser the places where it may break instead.
+    after each separator gives the browser the places where it may break instead. None goes
+    after ``_``: ``grad_and_value_donated`` or ``bucket_cap_mb`` broken at an underscore reads as
+    two names. The first cell of a row (a mode, an option, a parameter name) gets none at all: it
+    stays on one line (extra.css), and Chromium breaks at a ``<wbr>`` even under ``nowrap``.
     """
 
     def soften(code: re.Match) -> str:
-        return code.group(1) + re.sub(r"([._/,])(?=[^<]*(?:<|$))", r"\1<wbr>", code.group(2)) + code.group(3)
+        return code.group(1) + re.sub(r"([./,(\[])(?=[^<]*(?:<|$))", r"\1<wbr>", code.group(2)) + code.group(3)
 
-    return re.sub(r"(<code>)([^<]*)(</code>)", soften, table.group(0))
+    def row(tr: re.Match) -> str:
+        first = re.match(r"(<tr>\s*<t[dh][^>]*>.*?</t[dh]>)(.*)", tr.group(0), re.DOTALL)
+        if first is None:
+            return tr.group(0)
+        return first.group(1) + re.sub(r"(<code>)([^<]*)(</code>)", soften, first.group(2))
+
+    return re.sub(r"<tr>.*?</tr>", row, table.group(0), flags=re.DOTALL)
+
+
+def _full_size_link(img: re.Match) -> str:
+    """Make a chart a link to its PNG, so that a reader can open it at full size."""
+    alt, src = img.group(1), img.group(2)
+    return (
+        f'<p><a class="full-size" href="{src}" title="Open the full-size image">'
+        f'<img alt="{alt}" src="{src}" /></a>'
+        f'<span class="full-size-note">Click the chart to open it at full size.</span></p>'
+    )
 
 
 def _load(name: str) -> dict | None:

@@ -147,6 +147,7 @@ def main() -> None:
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"world_size": world, "members": args.members, "history": history}, f, indent=1)
         plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
+        print(f"metrics in {args.out_dir}/metrics.json, curves in {args.out_dir}/curves.png", flush=True)
     fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 

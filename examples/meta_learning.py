@@ -123,10 +123,11 @@ def plot(history: dict, args: argparse.Namespace, world: int, path: str) -> None
     lr_ax.plot(steps, history["lr"], color="tab:red", label="learned learning rate")
     lr_ax.set_ylabel("learning rate", color="tab:red")
     lines = ax.get_lines() + lr_ax.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], loc="lower left")
+    # Below the axes: inside them, one of the two curves always crossed the legend.
+    fig.legend(lines, [line.get_label() for line in lines], loc="lower center", ncol=2, frameon=False)
     fig.suptitle("Learning the learning rate through ddp_step")
     ax.set_title(f"{world} process(es), {args.inner} unrolled steps, batch {args.batch_size}, meta lr {args.meta_lr}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -135,6 +135,7 @@ def main() -> None:
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
             json.dump({"ddp_loss": ddp_losses, "fddp_loss": fddp_losses, "max_param_diff": max_diff}, f)
         plot(ddp_losses, fddp_losses, max_diff, args, os.path.join(args.out_dir, "curves.png"))
+        print(f"metrics in {args.out_dir}/metrics.json, curves in {args.out_dir}/curves.png", flush=True)
     fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 

@@ -190,6 +190,7 @@ def main() -> None:
         samples = ["".join(VOCAB[i] for i in row) for row in complete(params, test[:4])]
         print(f"final test exact-match {history['test_acc'][-1]:.3f} after {args.steps} steps, "
               f"{time.perf_counter() - t0:.1f} s; samples: {' '.join(samples)}", flush=True)  # fmt: skip
+        print(f"metrics in {args.out_dir}/metrics.json, curves in {args.out_dir}/curves.png", flush=True)
     fddp.shutdown()  # every rank together: none leaves while another still communicates or writes
 
 

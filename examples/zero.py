@@ -116,6 +116,7 @@ def main() -> None:
         fig.savefig(os.path.join(args.out_dir, "curves.png"), dpi=120)
         print(f"test accuracy {test_acc:.4f} after {args.steps} steps on {world} process(es); optimizer state "
               f"{metrics['state_bytes'] / 1e3:.0f} kB on this rank, {replicated / 1e3:.0f} kB replicated", flush=True)  # fmt: skip
+        print(f"metrics in {args.out_dir}/metrics.json, curves in {args.out_dir}/curves.png", flush=True)
     fddp.shutdown()  # every rank together, before the interpreter exits
 
 

@@ -44,8 +44,13 @@ class _HostBuffers:
         with self.lock:
             kept = self.free.setdefault((numel, dtype), [])
             for t in kept:
-                # 2: the kept tensor itself and the temporary storage object made to ask.
-                if _storage_users(t.untyped_storage()._cdata) == 2:
+                # 2: the kept tensor itself and the storage object made to ask. Held in a local
+                # while asking: torch 2.4 does not keep a tensor's Python storage object alive, so
+                # ``_storage_users(t.untyped_storage()._cdata)`` frees it before the count is read
+                # (1 there, 2 on torch 2.13, for the same unshared buffer: the pool reused buffers
+                # still in use).
+                storage = t.untyped_storage()
+                if _storage_users(storage._cdata) == 2:
                     # A view holds its own reference to the storage, so the buffer counts as in
                     # use from now on, even before anything else refers to it.
                     return t.view(numel)

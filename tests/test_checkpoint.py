@@ -570,6 +570,7 @@ def test_a_full_tmpfs_is_named_and_keeps_the_previous_checkpoint(tmp_path):
         subprocess.run(["umount", str(mount)], check=False)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_views_saved_on_cpu_and_restored_to_like_device(tmp_path):
     bucket = torch.randn(1_000_000, device="cuda")

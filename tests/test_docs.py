@@ -57,23 +57,32 @@ def test_readme_loop_is_the_docs_loop() -> None:
     assert _python_block(ROOT / "README.md") == _python_block(ROOT / "docs" / "index.md")
 
 
-def test_readme_loop_trains(tmp_path: Path) -> None:
+def test_readme_loop_trains_under_torchrun(tmp_path: Path) -> None:
+    """The README's loop, saved as loop.py and run as it says: two ranks under torchrun."""
+    source = _python_block(ROOT / "README.md")
+    command = "torchrun --standalone --nproc-per-node=2 loop.py"
+    assert command in source.splitlines()[0], "the loop's first line says how to run it"
     script = tmp_path / "loop.py"
-    script.write_text(_python_block(ROOT / "README.md"))
+    script.write_text(source)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # torchrun's variables, if the suite itself runs under torchrun, would make this a rank of that job.
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    losses = [float(m) for m in re.findall(r"epoch \d+: loss ([0-9.]+)", proc.stdout)]
-    assert len(losses) == 10, proc.stdout
+    argv = [sys.executable, "-m", "torch.distributed.run", *command.split()[1:]]
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [float(m) for m in re.findall(r"^epoch \d+: mean training loss ([0-9.]+) \(all ranks\)$", proc.stdout, re.M)]
+    assert len(losses) == 10, proc.stdout  # rank 0 alone prints, once per epoch
     assert losses[-1] < losses[0] / 4, losses
+    (accuracy,) = re.findall(r"^test accuracy ([0-9.]+) on 360 held-out samples$", proc.stdout, re.M)
+    assert float(accuracy) > 0.9, proc.stdout
 
 
 def test_readme_commands_are_the_quickstart_commands() -> None:
     def commands(path: Path) -> list[str]:
-        return re.findall(r"^python -m venv .*$", path.read_text(), re.MULTILINE)
+        """Each ``python -m venv ...`` command, its backslash-continued lines joined into one."""
+        text = path.read_text().replace("\\\n", " ")
+        return [" ".join(c.split()) for c in re.findall(r"^python -m venv .*$", text, re.MULTILINE)]
 
     readme = commands(ROOT / "README.md")
     assert len(readme) == 2 and "torchrun --standalone --nproc-per-node=2" in readme[0]

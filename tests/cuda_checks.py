@@ -1,0 +1,287 @@
+"""The GPU path's checks, one process per GPU under torchrun: NCCL groups, CUDA buckets, CUDA casts.
+
+    torchrun --standalone --nproc-per-node=1 tests/cuda_checks.py --device cuda --out DIR
+
+Each check compares fddp on ``--device`` with a reference someone else wrote where there is one
+(torch DDP with the same comm hook, on the same device and backend) or with fddp's own CPU path
+(PowerSGD: the same arithmetic on another device). ``tests/test_cuda.py`` launches this script
+once and reports every check as its own test; ``tools/gpu_check.sh`` runs those tests. With
+``--device cpu`` the same checks run on gloo (``tests/test_cuda.py`` does that in every suite run,
+two ranks), so that the code a GPU machine runs has run before it gets there; the checks that only
+mean something on a GPU (a pure-NCCL group, torch.compile's CUDA kernels) say so and are skipped.
+
+Equality is exact (``torch.equal``) where the arithmetic is: on one or two ranks a mean is
+``g / n`` summed, with ``n`` a power of two, so neither the order of the sum nor the bucket layout
+changes a bit. Each rank writes ``DIR/rank<r>.json``: per check, ``"ok"``, ``"skipped: why"`` or
+the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import os
+import traceback
+from typing import Callable
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import fddp
+
+CHECKS: dict[str, Callable[[torch.device], str | None]] = {}
+
+
+class Skip(Exception):
+    """A check that does not apply on this device."""
+
+
+def check(fn: Callable[[torch.device], None]) -> Callable[[torch.device], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _batch(device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 16, generator=g).to(device), torch.randint(0, 4, (8,), generator=g).to(device)
+
+
+def _params(model: nn.Module) -> collections.OrderedDict:
+    return collections.OrderedDict((k, v.detach().clone()) for k, v in model.named_parameters())
+
+
+def _loss_fn(apply_fn):
+    return lambda p, x, y: F.cross_entropy(apply_fn(p, x), y)
+
+
+def _ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model.to(device), device_ids=ids)
+
+
+def _assert_equal(a: dict, b: dict, what: str) -> None:
+    for k in b:
+        assert a[k].device == b[k].device, f"{what}: {k} on {a[k].device}, expected {b[k].device}"
+        assert torch.equal(a[k], b[k]), f"{what}: {k} differs by {(a[k] - b[k]).abs().max().item():.3g}"
+
+
+def _ddp_grads(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    ddp.zero_grad()
+    F.cross_entropy(ddp(x), y).backward()
+    return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
+
+
+@check
+def init_picks_the_backend_and_device(device: torch.device) -> None:
+    """fddp.init chose NCCL for CUDA tensors (gloo on a CPU machine) and the GPU of LOCAL_RANK."""
+    backend = str(dist.get_backend())
+    if device.type == "cuda":
+        assert "nccl" in backend, backend
+        assert torch.cuda.current_device() == fddp.local_rank(), (torch.cuda.current_device(), fddp.local_rank())
+    else:
+        assert backend == "gloo", backend
+    assert fddp.device().type == device.type, (fddp.device(), device)
+
+
+@check
+def ddp_step_equals_torch_ddp(device: torch.device) -> None:
+    """fddp.ddp_step of CUDA gradients: CUDA buckets, one NCCL all-reduce each, DDP's mean to the bit."""
+    ddp = _ddp(_model(), device)
+    apply_fn, _ = fddp.functionalize(_model())
+    for step in range(3):
+        x, y = _batch(device, 10 * step + fddp.rank())
+        params = _params(ddp.module)
+        local = torch.func.grad(_loss_fn(apply_fn))(params, x, y)
+        grads, info = fddp.ddp_step(params, local, return_info=True)
+        _assert_equal(grads, _ddp_grads(ddp, x, y), f"step {step}")
+        assert info.collectives >= 1, info
+        with torch.no_grad():
+            for p in ddp.module.parameters():
+                p -= 0.1 * p.grad
+
+
+@check
+def grad_and_value_equals_ddp_step(device: torch.device) -> None:
+    """The overlapped path (all-reduces started inside backward, on CUDA streams) equals ddp_step."""
+    apply_fn, params = fddp.functionalize(_model().to(device))
+    loss_fn = _loss_fn(apply_fn)
+    x, y = _batch(device, fddp.rank())
+    grads, loss = fddp.grad_and_value(loss_fn)(params, x, y)
+    expected = fddp.ddp_step(params, torch.func.grad(loss_fn)(params, x, y))
+    _assert_equal(grads, expected, "grad_and_value")
+    assert torch.equal(loss, loss_fn(params, x, y)), "the loss is this rank's"
+
+
+@check
+def cast_equals_torch_compress_hooks(device: torch.device) -> None:
+    """fddp.Cast (compression="bf16"/"fp16") equals torch's bf16/fp16 compress hooks on DDP."""
+    hooks = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+    if device.type == "cpu":
+        # DDP refuses a hook named bf16_compress_hook without CUDA and NCCL; gloo reduces bf16 on
+        # the CPU, so call torch's hook, unchanged, under another name (as tests/test_compress.py).
+        hooks["bf16"] = lambda group, bucket: default_hooks.bf16_compress_hook(group, bucket)
+    apply_fn, _ = fddp.functionalize(_model())
+    for name, hook in hooks.items():
+        ddp = _ddp(_model(), device)
+        ddp.register_comm_hook(None, hook)
+        for step in range(2):
+            x, y = _batch(device, 10 * step + fddp.rank())
+            params = _params(ddp.module)
+            local = torch.func.grad(_loss_fn(apply_fn))(params, x, y)
+            grads, info = fddp.ddp_step(params, local, compression=name, return_info=True)
+            _, plain = fddp.ddp_step(params, local, return_info=True)
+            _assert_equal(grads, _ddp_grads(ddp, x, y), f"{name} step {step}")
+            assert info.bytes_sent * 2 == plain.bytes_sent, (name, info.bytes_sent, plain.bytes_sent)
+            exact = fddp.ddp_step(params, local)
+            assert any(not torch.equal(grads[k], exact[k]) for k in exact), f"{name}: no rounding happened"
+            with torch.no_grad():
+                for p in ddp.module.parameters():
+                    p -= 0.1 * p.grad
+
+
+@check
+def powersgd_on_the_device_matches_the_cpu(device: torch.device) -> None:
+    """fddp.PowerSGD on CUDA computes what it computes on the CPU (its state, seeded the same,
+    stays on the device; matmul and QR kernels differ, so to float rounding)."""
+    if device.type == "cpu":
+        raise Skip("compares CUDA with the CPU")
+    apply_fn, _ = fddp.functionalize(_model())
+    base = _params(_model())
+    hook = fddp.PowerSGD(rank=2, start_iter=1)
+    here = {k: v.to(device) for k, v in base.items()}
+    states = {"cpu": hook.init(base), "dev": hook.init(here)}
+    for step in range(3):
+        x, y = _batch(torch.device("cpu"), 10 * step + fddp.rank())
+        local = torch.func.grad(_loss_fn(apply_fn))(base, x, y)
+        cpu, info_cpu = fddp.ddp_step(base, local, compression=hook, compression_state=states["cpu"], return_info=True)
+        dev_local = {k: v.to(device) for k, v in local.items()}
+        dev, info_dev = fddp.ddp_step(here, dev_local, compression=hook, compression_state=states["dev"], return_info=True)
+        states = {"cpu": info_cpu.compression_state, "dev": info_dev.compression_state}
+        for k in cpu:
+            assert dev[k].device.type == device.type, (k, dev[k].device)
+            err = (dev[k].cpu() - cpu[k]).abs().max().item()
+            assert err <= 1e-4 * max(cpu[k].abs().max().item(), 1e-12), (step, k, err)
+        for leaf in optree.tree_leaves(states["dev"]):
+            if isinstance(leaf, torch.Tensor) and leaf.numel() > 1:
+                assert leaf.device.type == device.type, f"PowerSGD state left on {leaf.device}"
+
+
+@check
+def zero_reduce_scatter_equals_replicated(device: torch.device) -> None:
+    """fddp.zero on CUDA (reduce-scatter, the default for CUDA buckets; all-gather into the
+    parameters) takes the replicated path's AdamW steps to the bit."""
+    apply_fn, params = fddp.functionalize(_model().to(device))
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+    loss_fn = _loss_fn(apply_fn)
+    opt = fddp.optim.adamw(1e-2, weight_decay=0.1)
+    full, full_state = params, opt.init(params)
+    shards = fddp.zero.shard(params)
+    shard_state = opt.init(shards)
+    step = fddp.grad_and_value(loss_fn, compression=fddp.zero.ReduceScatter())
+    for i in range(3):
+        x, y = _batch(device, 10 * i + fddp.rank())
+        grads, _ = fddp.grad_and_value(loss_fn)(full, x, y)
+        full, full_state = fddp.optim.apply_gradients(opt, grads, full_state, full)
+        shard_grads, _ = step(params, x, y)
+        shards, shard_state = fddp.optim.apply_gradients(opt, shard_grads, shard_state, shards)
+        params = fddp.zero.gather(shards).wait()
+        _assert_equal(params, full, f"step {i}")
+
+
+@check
+def broadcast_sync_buffers_and_verify_replicas(device: torch.device) -> None:
+    """Rank 0's values reach every rank; BatchNorm's running statistics are averaged; replicas agree."""
+    torch.manual_seed(fddp.rank())  # different on every rank until broadcast
+    model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8)).to(device)
+    _, params, buffers = fddp.functionalize_with_buffers(model)
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+    fddp.verify_replicas(params)
+    gathered = [torch.empty_like(params["0.weight"]) for _ in range(fddp.world_size())]
+    dist.all_gather(gathered, params["0.weight"].contiguous())
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "broadcast left the ranks different"
+    floats = {k: v.detach().clone() + fddp.rank() for k, v in buffers.items() if v.is_floating_point()}
+    mean = fddp.sync_buffers(floats, mode="mean")
+    for k, v in floats.items():
+        expected = v - fddp.rank() + (fddp.world_size() - 1) / 2
+        assert mean[k].device == v.device and torch.allclose(mean[k], expected, rtol=0, atol=1e-6), k
+
+
+@check
+def a_pure_nccl_group_carries_fddps_own_collectives(device: torch.device) -> None:
+    """On a group that is NCCL only (no gloo beside it), fddp's signature agreement and checksums
+    must travel as CUDA tensors: ddp_step, broadcast and verify_replicas on such a group."""
+    if device.type == "cpu":
+        raise Skip("needs NCCL")
+    group = dist.new_group(backend="nccl")
+    apply_fn, params = fddp.functionalize(_model().to(device))
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()}, group=group)
+    fddp.verify_replicas(params, group=group)
+    x, y = _batch(device, fddp.rank())
+    local = torch.func.grad(_loss_fn(apply_fn))(params, x, y)
+    _assert_equal(fddp.ddp_step(params, local, group=group), fddp.ddp_step(params, local), "nccl-only group")
+    dist.destroy_process_group(group)
+
+
+@check
+def compiled_step_matches_eager(device: torch.device) -> None:
+    """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
+    if device.type == "cpu":
+        raise Skip("the CPU's compiled step is tests/test_transforms.py's")
+    apply_fn, params = fddp.functionalize(_model().to(device))
+    loss_fn = _loss_fn(apply_fn)
+
+    def sync(p, x, y):
+        return fddp.ddp_step(p, torch.func.grad(loss_fn)(p, x, y))
+
+    x, y = _batch(device, fddp.rank())
+    compiled = torch.compile(sync)(params, x, y)
+    eager = sync(params, x, y)
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    p.add_argument("--out", required=True, help="a directory for rank<r>.json")
+    p.add_argument("--only", nargs="*", default=None, help="run only these checks")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch.cuda.is_available() is False")
+    torch.set_num_threads(1)
+    fddp.init(backend=None if args.device == "cuda" else "gloo", timeout=120)
+    device = fddp.device() if args.device == "cuda" else torch.device("cpu")
+    results = {}
+    for name, fn in CHECKS.items():
+        if args.only is not None and name not in args.only:
+            continue
+        try:
+            fn(device)
+            results[name] = "ok"
+        except Skip as e:
+            results[name] = f"skipped: {e}"
+        except Exception:  # noqa: BLE001 - reported per check; the others still run
+            results[name] = traceback.format_exc()
+        fddp.clear_caches()
+        # A check that failed on one rank may have left the others mid-collective: they time out
+        # (timeout above) and report that, rather than run the next check out of step.
+        dist.barrier()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{fddp.rank()}.json"), "w") as f:
+        json.dump({"device": str(device), "backend": str(dist.get_backend()), "torch": torch.__version__, "results": results}, f, indent=1)
+    fddp.shutdown()
+
+
+if __name__ == "__main__":
+    main()

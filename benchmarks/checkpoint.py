@@ -13,8 +13,9 @@ saved and loaded in ``--dir`` (default: a new temporary directory) as
 each against the same call with the checks switched off (the checksum functions patched out), the
 two interleaved in every repeat. The cost is the median of the verified runs over the median of
 the unverified ones, in wall-clock time and in CPU time (this process, all threads: robust to
-other load on the machine, blind to the checks' threads running in parallel). Loads read a file just written, so from the page cache: the check is the whole
-extra cost there, and a smaller share of a load from a cold disk. Prints a table and writes
+other load on the machine, blind to the checks' threads running in parallel). Loads read a file
+just written, so from the page cache: the check is the whole extra cost there, and a smaller
+share of a load from a cold disk. Prints a table and writes
 ``benchmarks/results/checkpoint.json`` with the load average before and after.
 """
 
@@ -70,11 +71,11 @@ def measure(tree: dict, like: dict, shards_tree: dict, shards_like: dict, root: 
             with unverified() if variant == "unverified" else contextlib.nullcontext():
                 path = os.path.join(root, f"{variant}-{r}.pt")
                 directory = os.path.join(root, f"{variant}-{r}")
-                row = {
-                    "save": timed(lambda: ckpt.save(path, tree)),
-                    "load": timed(lambda: ckpt.load(path, like=like)),
-                    "save_sharded": timed(lambda: ckpt.save_sharded(directory, shards_tree)),
-                    "load_sharded": timed(lambda: ckpt.load_sharded(directory, shards_like)),
+                row = {  # each lambda runs at once, in this iteration
+                    "save": timed(lambda: ckpt.save(path, tree)),  # noqa: B023
+                    "load": timed(lambda: ckpt.load(path, like=like)),  # noqa: B023
+                    "save_sharded": timed(lambda: ckpt.save_sharded(directory, shards_tree)),  # noqa: B023
+                    "load_sharded": timed(lambda: ckpt.load_sharded(directory, shards_like)),  # noqa: B023
                 }
                 os.remove(path)
                 shutil.rmtree(directory)

@@ -74,7 +74,8 @@ def table(record: dict) -> str:
         f"{c['hosts']} hosts x {c['nproc_per_node']} rank(s), links {c['rate']} each way "
         f"(TCP measured {c['tcp_bps'] / 1e9:.3f} Gbit/s), {record['args']['repeats']} repeats x "
         f"{record['args']['steps']} steps, torch {record['torch']}; load average (1, 5, 15 min) before "
-        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, after {', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} "
+        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, "
+        f"after {', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} "
         f"on {record['load_avg']['cpus']} CPUs"
     ]
     for model, r in record["results"].items():

@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from step import LR, MOMENTUM, model_and_batch
 
 import fddp
 import fddp.optim as fopt
-from step import LR, MOMENTUM, model_and_batch
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:

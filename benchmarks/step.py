@@ -199,7 +199,9 @@ def unagreed(step: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[to
     return run
 
 
-def make_modes(model: nn.Module, caps: dict[str, float], auto: dict[str, dict[str, float]] | None = None) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
+def make_modes(
+    model: nn.Module, caps: dict[str, float], auto: dict[str, dict[str, float]] | None = None
+) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
     """Build one closure per mode; each call makes one training step on its own copy of the model.
 
     ``caps`` are the bucket caps of the fddp modes (``bucket_cap_mb``, ``first_bucket_mb``; empty:

@@ -420,7 +420,10 @@ def _scaling_validation() -> str:
     rows.append("")
     rows.append("The links fddp measured (`fddp.scaling.measure_link`, the same fit every rank gets):")
     rows.append("")
-    rows.append("| hosts | links | TCP Gbit/s | model | latency µs | all-reduce bandwidth Gbit/s | timeline: forward ms, last gradient ms, end ms | after ms |")
+    rows.append(
+        "| hosts | links | TCP Gbit/s | model | latency µs | all-reduce bandwidth Gbit/s "
+        "| timeline: forward ms, last gradient ms, end ms | after ms |"
+    )
     rows.append("| ---: | --- | ---: | --- | ---: | ---: | --- | ---: |")
     for run in data["runs"]:
         for model, m in run["models"].items():

@@ -91,7 +91,8 @@ def main() -> None:
     for step in range(args.outer_steps):
         picks = torch.randperm(len(train), generator=gen)[: args.batch_size * (args.inner + 1)]
         chunks = train[picks].split(args.batch_size)
-        batches, val_batch = [shard(c) for c in chunks[: args.inner]], shard(val[torch.randperm(len(val), generator=gen)[: args.batch_size]])
+        batches = [shard(c) for c in chunks[: args.inner]]
+        val_batch = shard(val[torch.randperm(len(val), generator=gen)[: args.batch_size]])
         hypergrad, (val_loss, params) = torch.func.grad(unrolled, has_aux=True)(meta, params, batches, val_batch)
         # Each rank holds d(sum of the ranks' objectives)/d(its own log lr): their mean is the
         # derivative of the mean validation loss in the shared learning rate.

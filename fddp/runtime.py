@@ -16,7 +16,18 @@ import torch.distributed as dist
 
 from fddp import _caches, _dist
 
-__all__ = ["init", "shutdown", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device", "clear_caches", "require_initialized"]
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "world_size",
+    "is_main",
+    "local_rank",
+    "device",
+    "clear_caches",
+    "require_initialized",
+]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

@@ -382,7 +382,9 @@ def verify_bucket_cap(
     return choice._replace(bucket_cap_mb=keep[0], first_bucket_mb=keep[1], measured={chosen[0]: fast, default[0]: slow})
 
 
-def measure_link(*, group: dist.ProcessGroup | None = None, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**23), repeats: int = 5) -> Link:
+def measure_link(
+    *, group: dist.ProcessGroup | None = None, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**23), repeats: int = 5
+) -> Link:
     """Fit a ring :class:`Link` to timed all-reduces on ``group`` (every rank must call this).
 
     Each size is all-reduced ``repeats`` times; the fastest time per size (the least disturbed) is

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import json
 import os
 import traceback

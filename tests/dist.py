@@ -35,7 +35,6 @@ class RankError(RuntimeError):
 def _worker(rank: int, world_size: int, store_path: str, conn: Any, timeout_s: float) -> None:
     import torch
     import torch.distributed as dist
-
     import torch.distributed.nn.functional  # noqa: F401 - before the group: see fddp.init
 
     torch.set_num_threads(1)  # several ranks share 2 cores

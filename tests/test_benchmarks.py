@@ -55,7 +55,8 @@ def test_overhead_benchmark_records_every_row(tmp_path: Path) -> None:
 
 def test_checkpoint_benchmark_records_every_call(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint.json"
-    cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--mb", "2", "--leaves", "4", "--repeats", "1", "--dir", str(tmp_path), "--out", str(out)]
+    cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--mb", "2", "--leaves", "4", "--repeats", "1"]
+    cmd += ["--dir", str(tmp_path), "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import fddp
-
 from fddp._layout import MB, flatten, unflatten
 from fddp._layout import plan as make_plan
 from fddp._pool import new_buffer

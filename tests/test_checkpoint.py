@@ -778,7 +778,9 @@ def test_the_next_save_sharded_removes_the_temporary_of_a_killed_save(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.Popen([sys.executable, "-c", SHARDED_CHILD, directory], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SHARDED_CHILD, directory], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         assert ready and proc.stdout.readline() == "WRITTEN\n", proc.stderr.read() if proc.poll() is not None else ""

@@ -19,8 +19,8 @@ import fddp
 import fddp.checkpoint as ckpt
 from dist import run
 from fddp._layout import flatten, unflatten
-from fddp.sync import plan_of as plan_for
 from fddp._tree import paths as leaf_paths
+from fddp.sync import plan_of as plan_for
 from models import make_batch, make_model
 
 
@@ -115,7 +115,7 @@ def test_cast_equals_torch_compress_hooks_and_halves_bytes():
     for step in range(4):
         for name in ("bf16", "fp16"):
             rows = [o[step][name] for o in outs]
-            for n, ref in rows[0]["torch"].items():
+            for n in rows[0]["torch"]:
                 for r in range(world):
                     if step > 0:
                         assert torch.equal(rows[r]["fddp"][n], rows[r]["torch"][n]), (step, name, n, r)
@@ -244,7 +244,7 @@ def test_powersgd_equals_torch_powersgd_hook(name, driver, config, cap):
     steps = 7
     outs = run(_powersgd_oracle_worker, 2, name, driver, config, cap, steps, 0.1)
     n_params = sum(p.numel() for p in new_model(name).parameters())
-    for rank, (rows, plan_layout, state) in enumerate(outs):
+    for rows, plan_layout, state in outs:
         assert int(state.step) == steps
         assert (len(plan_layout) > 1) == (cap < 1)
         for step, row in enumerate(rows):

@@ -115,7 +115,8 @@ def test_a_rank_a_step_behind_meets_save_step_with_a_mismatch_on_every_rank():
     # The same words on both ranks, each prefixed by the function it was in.
     assert m0.startswith("fddp.ddp_step: ") and m1.startswith("fddp.checkpoint.save_step: "), (m0, m1)
     assert m0.split(": ", 1)[1] == m1.split(": ", 1)[1], (m0, m1)
-    for part in ["different fddp calls", "rank 0 is at its call 10 (fddp.ddp_step)", "rank 1 is at its call 10 (fddp.checkpoint.save_step)"]:
+    parts = ["different fddp calls", "rank 0 is at its call 10 (fddp.ddp_step)", "rank 1 is at its call 10 (fddp.checkpoint.save_step)"]
+    for part in parts:
         assert part in m0, (part, m0)
 
 

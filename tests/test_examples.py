@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_docs import quickstart_output_patterns
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -31,9 +31,9 @@ import fddp.checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tools.cluster import Cluster, Result, unavailable_reason  # noqa: E402
-
 from test_fault import KILLER  # noqa: E402  (rank 1 SIGKILLs itself in its k-th synchronising call)
+
+from tools.cluster import Cluster, Result, unavailable_reason  # noqa: E402
 
 REASON = unavailable_reason()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"cannot make network namespaces: {REASON}")

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.func import functional_call, grad, stack_module_state, vmap
 
-from fddp import optim
 from fddp import clear_caches as release_buffers
+from fddp import optim
 from fddp.optim import _flat as flat
 
 

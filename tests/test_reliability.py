@@ -243,7 +243,9 @@ FINITE_CASES = [  # (leaf, index, value, rank that holds it, compression) -> fin
 
 
 def _finite_worker():
-    params = {"a": torch.zeros(1000), "b": torch.zeros(7, dtype=torch.float64), "c": torch.zeros(300, dtype=torch.bfloat16), "e": torch.zeros(0)}
+    params = {
+        "a": torch.zeros(1000), "b": torch.zeros(7, dtype=torch.float64), "c": torch.zeros(300, dtype=torch.bfloat16), "e": torch.zeros(0)
+    }
     verdicts = []
     for leaf, i, value, who, compression, _ in FINITE_CASES:
         g = {k: torch.ones_like(v) for k, v in params.items()}
@@ -366,7 +368,8 @@ def _skip_worker(what: str):
 def test_a_skipped_collective_times_out_with_a_clear_error(what, doing):
     (message, n), (other, _) = run(_skip_worker, 2, what, timeout=60)
     assert other is None
-    for part in [f"fddp.{what}: rank 0 of 2 timed out during {doing}", f"(call {n} to fddp.{what} in this process)", "Timed out", "skipped"]:
+    parts = [f"fddp.{what}: rank 0 of 2 timed out during {doing}", f"(call {n} to fddp.{what} in this process)", "Timed out", "skipped"]
+    for part in parts:
         assert part in message, (part, message)
 
 

@@ -21,8 +21,8 @@ import fddp
 import fddp._dist
 import fddp.optim
 from dist import run
-from fddp.sync import plan_of as plan_for
 from fddp import SyncInfo
+from fddp.sync import plan_of as plan_for
 from models import make_model
 
 COLLECTIVES = (
@@ -194,7 +194,7 @@ def test_weighted_mean_equals_full_batch(empty_as_none, compression):
     dtype = torch.float64 if compression is None else torch.float32
     model = make_model("mlp").to(dtype)
     ref = full_batch_grads(model, [batch(r, n, dtype) for r, n in enumerate(SIZES)])
-    for out, wsum, calls, buckets, plain in results:
+    for out, wsum, calls, buckets, _plain in results:
         assert wsum == sum(SIZES)
         # The weight rides in bucket 0 (float32/64): no extra collective. A bf16 bucket 0 cannot carry
         # it exactly, so then it travels alone.

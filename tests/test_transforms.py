@@ -230,7 +230,10 @@ def _errors_worker() -> dict:
         "bf16 under grad": lambda: grad(lambda q: fddp.ddp_step(q, {"w": q["w"] * 2}, compression="bf16")["w"].sum())(p),
         "bf16 under jvp": lambda: jvp(lambda w: fddp.ddp_step(p, {"w": w}, compression="bf16")["w"], (p["w"],), (p["w"],)),
         "powersgd under vmap": lambda: vmap(
-            lambda g: fddp.ddp_step(p, {"w": g}, compression=fddp.PowerSGD(start_iter=0), compression_state=fddp.PowerSGD(start_iter=0).init(p), return_info=True)[0]["w"]
+            lambda g: fddp.ddp_step(
+                p, {"w": g}, compression=fddp.PowerSGD(start_iter=0),
+                compression_state=fddp.PowerSGD(start_iter=0).init(p), return_info=True,
+            )[0]["w"]
         )(torch.ones(2, 3)),
         "grad_and_value under vmap": lambda: vmap(fddp.grad_and_value(lambda q: q.sum()))(torch.ones(2, 3)),
         "verify_replicas under grad": lambda: grad(lambda q: (fddp.verify_replicas(q), q["w"].sum())[1])(p),

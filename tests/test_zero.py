@@ -20,8 +20,8 @@ from torch.func import grad
 
 import fddp
 from dist import run
-from fddp.zero import _layout as _shard
 from fddp.sync import plan_of
+from fddp.zero import _layout as _shard
 from models import make_batch, make_model
 
 CAPS = dict(bucket_cap_mb=0.004, first_bucket_mb=0.001)  # several buckets, uneven shards, empty ones at 4 ranks
@@ -273,7 +273,8 @@ def _options_worker():
     out["cast_equal"] = all(torch.equal(full[k], ref[k]) for k in ref)
     psgd = fddp.PowerSGD(rank=1, start_iter=0)
     state = psgd.init(params)
-    g, info = fddp.ddp_step(params, local, compression=fddp.zero.ReduceScatter(inner=psgd), compression_state=state, return_info=True, **CAPS)
+    rs = fddp.zero.ReduceScatter(inner=psgd)
+    g, info = fddp.ddp_step(params, local, compression=rs, compression_state=state, return_info=True, **CAPS)
     ref, ref_info = fddp.ddp_step(params, local, compression=psgd, compression_state=state, return_info=True, **CAPS)
     full = fddp.zero.gather(g).wait()
     out["powersgd_equal"] = all(torch.equal(full[k], ref[k]) for k in ref) and all(
@@ -397,8 +398,12 @@ def _errors_worker():
     grads = grad(lambda p: _loss(apply_fn, p, x, y))(params)
     for what, call in {
         "replicated_grads": lambda: fddp.optim.apply_gradients(opt, fddp.ddp_step(params, grads), state, shards),
-        "replicated_state": lambda: opt.update(fddp.ddp_step(params, grads, compression=fddp.zero.ReduceScatter(), **CAPS), opt.init(params), params),
-        "other_caps": lambda: fddp.optim.apply_gradients(opt, fddp.ddp_step(params, grads, compression=fddp.zero.ReduceScatter()), state, shards),
+        "replicated_state": lambda: opt.update(
+            fddp.ddp_step(params, grads, compression=fddp.zero.ReduceScatter(), **CAPS), opt.init(params), params
+        ),
+        "other_caps": lambda: fddp.optim.apply_gradients(
+            opt, fddp.ddp_step(params, grads, compression=fddp.zero.ReduceScatter()), state, shards
+        ),
         "ddp_step_on_shards": lambda: fddp.ddp_step(shards, shards),
         "verify_shards": lambda: fddp.verify_replicas(shards),
     }.items():
@@ -409,7 +414,11 @@ def _errors_worker():
     # A sharded state from 4 ranks used on 2, without load_sharded.
     lay = _shard.layout(shards.layout.plan, shards.layout.spec, 4, rank)
     foreign = _shard.Sharded([torch.zeros(c.size) for c in lay.cuts], lay)
-    for what, call in {"gather": lambda: fddp.zero.gather(foreign), "step": lambda: fddp.optim.apply_gradients(opt, foreign, opt.init(foreign), foreign)}.items():
+    calls = {
+        "gather": lambda: fddp.zero.gather(foreign),
+        "step": lambda: fddp.optim.apply_gradients(opt, foreign, opt.init(foreign), foreign),
+    }
+    for what, call in calls.items():
         try:
             call()
         except RuntimeError as e:

@@ -229,7 +229,8 @@ def _applied(cfg: _Adam, grads: Updates, state: AdamState, params: Params, reque
     trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
     # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
     in_place = request.donate and flat.disjoint(gs, *trees) and not module_aliases(ps)
-    flat.note(why, f"{cfg.name}: torch's fused kernel, " + ("in place on the donated params and state" if in_place else "on copies of params and state"))
+    where = "in place on the donated params and state" if in_place else "on copies of params and state"
+    flat.note(why, f"{cfg.name}: torch's fused kernel, {where}")
     bufs: list[list[Tensor]] = [[] for _ in trees]
     made: list[list[list[Tensor]]] = [[] for _ in trees]
     for group in step.groups:

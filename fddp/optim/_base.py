@@ -27,7 +27,7 @@ from torch import Tensor
 from fddp._layout import SplitTree
 
 from . import _flat as flat
-from ._checks import OptState, Params, PyTree, Updates, describe, flatten, leaves_like, paths_of
+from ._checks import OptState, Params, Updates, describe, flatten, leaves_like, paths_of
 
 __all__ = [
     "GradientTransformation",

@@ -149,7 +149,8 @@ def _update(
         ref, *([gs] if momentum else []), *([ps] if cfg.weight_decay else []), names=lambda: paths_of(treedef),
         labels=["momentum_buffer" if momentum else "grads"] + (["grads"] if momentum else []) + ["params"],
     )  # fmt: skip
-    unit = functools.partial(_unit, momentum=momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, scalars=_Scalars(neg_lr, keep, mix))
+    scalars = _Scalars(neg_lr, keep, mix)
+    unit = functools.partial(_unit, momentum=momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, scalars=scalars)
     new_bufs, u = flat.run(unit, step, [gs, bufs, ps], ref, 2)
     new_buf = optree.tree_unflatten(treedef, new_bufs) if momentum else ()
     return optree.tree_unflatten(treedef, u), SGDState(count + 1, new_buf)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
 
 from fddp import _dist

@@ -29,8 +29,8 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
-from torch.autograd import forward_ad
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+from torch.autograd import forward_ad
 
 from fddp import _layout
 from fddp._tree import LeafSpec
@@ -173,7 +173,9 @@ class _Mean(torch.autograd.Function):
     def jvp(ctx: Any, _call_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
         call = ctx.call
         if not _differentiable(call.options):
-            raise RuntimeError(f"fddp.ddp_step: {call.describe()} has no derivative, but forward mode (torch.func.jvp, jacfwd) asked for one")
+            raise RuntimeError(
+                f"fddp.ddp_step: {call.describe()} has no derivative, but forward mode (torch.func.jvp, jacfwd) asked for one"
+            )
         filled = [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(tangents, ctx.metas)]
         return tuple(_Mean.apply(call.derived(weighted=True), *filled))
 

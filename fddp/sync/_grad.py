@@ -189,7 +189,9 @@ class _Transform:
         nums = self.nums
         for a in nums:
             if not -len(args) <= a < len(args):
-                raise ValueError(f"fddp.{what}: argnums {self.argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments")
+                raise ValueError(
+                    f"fddp.{what}: argnums {self.argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments"
+                )
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what)
         leaves = flat[0]
@@ -209,7 +211,9 @@ class _Transform:
             sync = setup(tree, options, what, state, weight=w, flat=flat, agree=False)
             if not all(b.dtype.is_floating_point or b.dtype.is_complex for b in sync.plan.buckets):  # per bucket, not per leaf
                 i = next(i for i, t in enumerate(leaves) if not (t.is_floating_point() or t.is_complex()))
-                raise TypeError(f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}")
+                raise TypeError(
+                    f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}"
+                )
             self.held = None  # freed before fn runs, as zero_grad(set_to_none=True) frees .grad
             inputs = [t.detach().requires_grad_() for t in leaves]
             reducer = sync.reducer(state)

@@ -395,7 +395,6 @@ class _Call:
             s.q_buf.div_(world)
             for p, q, matrix in zip(s.ps, s.qs, s.matrices_out(bucket.layout)):
                 torch.bmm(p, q.transpose(1, 2), out=matrix)
-        b = bucket.layout
         if self.new_error is not None:
             # The residual: this step's input minus what came back, written over the input.
             self.new_error[i] = s.flat.sub_(s.out)

@@ -55,12 +55,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import optree
 import torch
 
-import optree
-
 from fddp import _layout
-from fddp._layout import Bucket, BucketPlan, new_flat
+from fddp._layout import Bucket, new_flat
 from fddp.sync._comm import Comm
 
 __all__ = ["CommHook", "GradBucket", "Mean", "WeightedMean", "Cast", "Broadcast"]

@@ -26,6 +26,6 @@ Example:
 
 from fddp.zero._api import Gathered, gather, shard
 from fddp.zero._hook import ReduceScatter
-from fddp.zero._layout import ShardLayout, Sharded
+from fddp.zero._layout import Sharded, ShardLayout
 
 __all__ = ["Gathered", "ReduceScatter", "ShardLayout", "Sharded", "gather", "shard"]

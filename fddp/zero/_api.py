@@ -15,7 +15,7 @@ from fddp.sync._comm import Comm
 from fddp.sync._setup import make_options, setup
 from fddp.zero import _layout as shard_layout
 from fddp.zero._hook import ReduceScatter
-from fddp.zero._layout import ShardLayout, Sharded
+from fddp.zero._layout import Sharded, ShardLayout
 
 __all__ = ["shard", "gather", "Gathered"]
 

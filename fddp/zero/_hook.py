@@ -30,7 +30,7 @@ from fddp.sync.hooks import (
     zero_if_weightless,
 )
 from fddp.zero import _layout as shard_layout
-from fddp.zero._layout import ShardLayout, Sharded
+from fddp.zero._layout import Sharded, ShardLayout
 
 __all__ = ["ReduceScatter"]
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fddp import _dist
 from fddp._dist import MismatchError, collective_device, wait
-from fddp._tree import paths
+from fddp._tree import BUFFERS_FIX, not_a_module, paths
 from fddp.sync import _differentiable
 from fddp.sync._setup import SyncOptions, make_options, setup
 from fddp.sync.hooks import Broadcast, BufferMean
@@ -105,6 +105,7 @@ def sync_buffers(
     """
     if mode not in _MODES:
         raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
+    not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
     if mode == "broadcast":
         return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
     _differentiable.refuse_under_transforms("sync_buffers")
@@ -196,5 +197,10 @@ def _verify(tree: Any, group: dist.ProcessGroup | None) -> None:
     more = f" (and {len(differ) - 1} more of the {len(leaves)} leaves)" if len(differ) > 1 else ""
     raise MismatchError(
         f"fddp.verify_replicas: ranks hold different values at leaf {paths(sync.spec)[first]!r}{more}: {which} "
-        f"from rank 0 (checksums {[int(g[first]) for g in gathered]})."
+        f"from rank 0 (checksums {[int(g[first]) for g in gathered]}). Replicas start apart when the parameters were "
+        "not broadcast (params = fddp.broadcast(params) after functionalize, on every rank, as DDP does at "
+        "construction) or the ranks loaded different checkpoints; they drift apart when ranks apply different "
+        "updates (gradients not averaged by fddp.ddp_step or fddp.grad_and_value, a rank-dependent learning rate or "
+        "random number in the step) or, for buffers, when each rank keeps its own BatchNorm statistics "
+        "(fddp.sync_buffers)."
     )

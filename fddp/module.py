@@ -51,7 +51,8 @@ def functionalize(model: nn.Module, /, *, trainable: Filter | None = None) -> tu
     ``apply_fn`` returns the new buffers, and :func:`fddp.sync_buffers`. Which buffers a forward
     writes is learnt from its first call in each train/eval mode (one copy of the buffers); a
     buffer the forward only reads (a mask, BERT's ``position_ids``, BatchNorm's statistics in eval
-    mode) and integer counters (``num_batches_tracked``) are fine.
+    mode) and integer counters (``num_batches_tracked``) are fine. Under ``torch.compile``, which
+    does not trace the check, nothing is checked.
 
     A parameter shared by several modules (tied weights) is one leaf, under its first name in
     ``named_parameters()``. :func:`load_into` writes trained values back into the module.

@@ -358,9 +358,10 @@ class _LocalBuffers:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        floating = {name for name, b in model.named_buffers() if b.is_floating_point() or b.is_complex()}
-        self.floating = floating
-        self.slots = _slots(model, model.named_buffers(remove_duplicate=False), {n for n, _ in model.named_buffers()}) if floating else []
+        named = dict(model.named_buffers())
+        self.floating = {name for name, b in named.items() if b.is_floating_point() or b.is_complex()}
+        # Every buffer's slots, integer ones too: an error puts them all back as they were.
+        self.slots = _slots(model, model.named_buffers(remove_duplicate=False), set(named)) if self.floating else []
         self.owners = list({id(m): m for m, _, _ in self.slots}.values())  # whose train/eval flag may decide
         self.learnt: dict[tuple[bool, ...], tuple[str, ...]] = {}
 
@@ -382,7 +383,7 @@ class _LocalBuffers:
             now = module._buffers[attr]
             if name in self.floating and (now is not t or t._version != version or not _same_bits(t, copy)):
                 written.append(name)
-        written = sorted(set(written))
+        written = list(dict.fromkeys(written))  # a tied buffer once, in the module's order
         self.learnt[mode] = tuple(written)
         if written and _several_ranks():
             with torch.no_grad():  # the error leaves the module as it was

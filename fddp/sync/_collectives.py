@@ -200,7 +200,7 @@ def _verify(tree: Any, group: dist.ProcessGroup | None) -> None:
         f"from rank 0 (checksums {[int(g[first]) for g in gathered]}). Replicas start apart when the parameters were "
         "not broadcast (params = fddp.broadcast(params) after functionalize, on every rank, as DDP does at "
         "construction) or the ranks loaded different checkpoints; they drift apart when ranks apply different "
-        "updates (gradients not averaged by fddp.ddp_step or fddp.grad_and_value, a rank-dependent learning rate or "
-        "random number in the step) or, for buffers, when each rank keeps its own BatchNorm statistics "
+        "updates (gradients not averaged by fddp.ddp_step or fddp.grad_and_value, a learning rate or a random draw "
+        "that depends on the rank) or, for buffers, when each rank keeps its own BatchNorm statistics "
         "(fddp.sync_buffers)."
     )

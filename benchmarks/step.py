@@ -186,6 +186,19 @@ def _fddp_update(opt: fopt.GradientTransformation, donate: bool = False, split: 
     return update
 
 
+def unagreed(step: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``step`` with fddp's per-call agreement off while it runs."""
+
+    def run(x, y):
+        fddp.set_checks(agreement=False)
+        try:
+            step(x, y)
+        finally:
+            fddp.set_checks(agreement=True)
+
+    return run
+
+
 def make_modes(model: nn.Module, caps: dict[str, float], auto: dict[str, dict[str, float]] | None = None) -> dict[str, Callable[[torch.Tensor, torch.Tensor], None]]:
     """Build one closure per mode; each call makes one training step on its own copy of the model.
 
@@ -293,6 +306,10 @@ def make_modes(model: nn.Module, caps: dict[str, float], auto: dict[str, dict[st
     modes["ddp_step_psgd1"] = fddp_mode(powersgd(1))
     modes["ddp_step_psgd4"] = fddp_mode(powersgd(4))
     modes["grad_and_value"] = fddp_mode(overlapped())
+    # The same without the per-call agreement (fddp.set_checks(agreement=False) for this mode's
+    # steps only; every rank runs the modes in the same order): what the agreement costs.
+    modes["grad_and_value_noagree"] = unagreed(fddp_mode(overlapped()))
+    modes["ddp_step_noagree"] = unagreed(fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), **caps)))
     modes["grad_and_value_donated"] = fddp_mode(overlapped(), donate=True)
     modes["grad_and_value_optax"] = fddp_mode(overlapped(), split=True)
     modes["grad_and_value_bf16"] = fddp_mode(overlapped("bf16"))

@@ -14,7 +14,7 @@ Example:
 """
 
 from fddp import checkpoint, optim, scaling, zero
-from fddp._dist import agreement_enabled, set_agreement
+from fddp._dist import Checks, checks, set_checks
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.no_sync import GradAccumulator, accumulate_grads
@@ -37,6 +37,7 @@ from fddp.sync import (
 
 __all__ = [
     "Cast",
+    "Checks",
     "DynamicLossScale",
     "GradAccumulator",
     "Join",
@@ -46,10 +47,10 @@ __all__ = [
     "PowerSGDState",
     "SyncInfo",
     "accumulate_grads",
-    "agreement_enabled",
     "apply_if_finite",
     "broadcast",
     "checkpoint",
+    "checks",
     "clear_caches",
     "ddp_step",
     "device",
@@ -66,7 +67,7 @@ __all__ = [
     "optim",
     "rank",
     "scaling",
-    "set_agreement",
+    "set_checks",
     "shutdown",
     "sync_buffers",
     "verify_replicas",

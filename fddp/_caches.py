@@ -33,8 +33,9 @@ def register(name: str, clear: Callable[[], None]) -> None:
     _clearers[name] = clear
 
 
-def cached(maxsize: int) -> Callable[[F], F]:
-    """``functools.lru_cache(maxsize)``, registered under the function's qualified name.
+def cached(maxsize: int, name: str | None = None) -> Callable[[F], F]:
+    """``functools.lru_cache(maxsize)``, registered under ``name`` (default: the function's
+    ``module.qualname``).
 
     While ``torch.compile`` traces, the plain function runs instead: dynamo does not trace
     ``lru_cache`` wrappers (it warns and falls back), and what is traced is computed once anyway.
@@ -47,7 +48,7 @@ def cached(maxsize: int) -> Callable[[F], F]:
 
     def wrap(fn: F) -> F:
         memo = functools.lru_cache(maxsize=maxsize)(fn)
-        register(f"{fn.__module__}.{fn.__qualname__}", memo.cache_clear)
+        register(name or f"{fn.__module__}.{fn.__qualname__}", memo.cache_clear)
 
         @functools.wraps(fn)
         def call(*args):  # type: ignore[no-untyped-def]

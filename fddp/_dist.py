@@ -13,7 +13,7 @@ every rank whatever they are about to do, so it cannot itself mismatch: a rank t
 tree, is a call behind or ahead (a caught exception, a different number of steps), or calls from
 another thread, makes every rank raise :class:`MismatchError` naming what differs, instead of a
 silently wrong mean or an abort inside the backend. One rank alone (or ``torch.compile``, which
-cannot trace it) skips it. :func:`set_agreement` turns it off.
+cannot trace it) skips it. :func:`set_checks` turns it off.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import collections
 import hashlib
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,12 @@ __all__ = [
     "wait",
     "exclusive",
     "agree",
+    "Agreed",
     "abandon",
     "digest",
-    "set_agreement",
-    "agreement_enabled",
+    "Checks",
+    "set_checks",
+    "checks",
 ]
 
 _REMEMBERED = 256  # agreed signatures kept per group: a loop uses a handful, a sweep must not grow without bound
@@ -79,7 +81,6 @@ class _GroupState:
 
 _lock = threading.Lock()
 _states: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
-_enabled = True
 
 
 def _forget() -> None:
@@ -109,30 +110,60 @@ def _state(group: dist.ProcessGroup | None) -> _GroupState:
     return st
 
 
-def set_agreement(enabled: bool, /) -> None:
-    """Turn the per-call agreement on (the default) or off, for every group of this process.
+class Checks(NamedTuple):
+    """Which cross-rank checks fddp makes (see :func:`set_checks`).
 
-    Every rank must make the same choice. Off, a synchronisation skips its one small all-reduce;
-    ranks that diverge then give a silently wrong mean or an error from the backend instead of a
-    :class:`MismatchError`. A new tree is still checked once, at its first call.
-
-    Example:
-        >>> fddp.set_agreement(False)  # every rank, before the loop
-    """
-    global _enabled
-    if not isinstance(enabled, bool):
-        raise TypeError(f"fddp.set_agreement: expected True or False, got {enabled!r}")
-    _enabled = enabled
-
-
-def agreement_enabled() -> bool:
-    """Whether synchronisations agree on a header before each call (see :func:`set_agreement`).
+    Attributes:
+        agreement: every synchronisation first agrees on a fixed-size header (signature, call
+            number, thread, function): one small all-reduce per call.
+        replicas: the first synchronisation of a new tree compares a checksum of the parameters
+            across the ranks (``grad``/``grad_and_value``'s differentiated arguments, ``ddp_step``'s
+            ``params``): a forgotten ``fddp.broadcast(params)`` is an error, not 50 silent steps.
 
     Example:
-        >>> fddp.agreement_enabled()
+        >>> fddp.checks().agreement
         True
     """
-    return _enabled
+
+    agreement: bool = True
+    replicas: bool = True
+
+
+_checks = Checks()
+
+
+def set_checks(*, agreement: bool | None = None, replicas: bool | None = None) -> Checks:
+    """Turn fddp's cross-rank checks on or off, for every group of this process; return the new setting.
+
+    Every rank must make the same choice. Both are on by default. With ``agreement=False`` a
+    synchronisation skips its header (one small all-reduce, a latency per call): ranks that diverge
+    then give a silently wrong mean or an error from the backend instead of a
+    :class:`MismatchError`, and a new tree is still checked once, at its first call (which needs
+    every rank to meet it for the first time together). ``replicas=False`` skips the parameter
+    checksum of a new tree: for ``ddp_step`` on values that legitimately differ between ranks.
+
+    Example:
+        >>> fddp.set_checks(agreement=False)  # on every rank, before the loop
+        Checks(agreement=False, replicas=True)
+    """
+    global _checks
+    for name, value in (("agreement", agreement), ("replicas", replicas)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"fddp.set_checks: {name} must be True, False or None (unchanged), got {value!r}")
+    _checks = Checks(
+        _checks.agreement if agreement is None else agreement, _checks.replicas if replicas is None else replicas
+    )
+    return _checks
+
+
+def checks() -> Checks:
+    """The cross-rank checks fddp makes now (see :func:`set_checks`).
+
+    Example:
+        >>> fddp.checks()
+        Checks(agreement=True, replicas=True)
+    """
+    return _checks
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -231,7 +262,19 @@ def digest(described: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(described).encode(), digest_size=8).digest(), "little") >> 2
 
 
-_name_digest = _caches.cached(maxsize=256)(digest)  # thread and function names: a handful per run
+_name_digest = _caches.cached(maxsize=256, name="fddp._dist._name_digest")(digest)  # thread and function names: a handful per run
+
+
+class Agreed(NamedTuple):
+    """What every rank learned from one agreement (the same on every rank).
+
+    Attributes:
+        new: some rank meets this call's signature on this group for the first time.
+        asked: some rank asked for the checks a new tree gets (``ask=True``), and the tree is new.
+    """
+
+    new: bool
+    asked: bool
 
 
 def agree(
@@ -240,8 +283,9 @@ def agree(
     signature: int,
     rows: Callable[[], list[tuple]],
     name_difference: Callable[[Sequence[list[tuple]]], str],
-) -> bool:
-    """Make every rank agree that it is about to run the same call; return whether it is new.
+    ask: bool = False,
+) -> Agreed:
+    """Make every rank agree that it is about to run the same call.
 
     Args:
         group: the process group.
@@ -249,34 +293,39 @@ def agree(
         signature: this call's signature digest (:func:`digest` of its rows).
         rows: the signature as rows, to name the difference on a mismatch.
         name_difference: words for the first difference between per-rank rows.
+        ask: this rank would like the tree checked further if it is new (a tree fresh from
+            ``fddp.functionalize``: the replicas' values); the answer is every rank's.
 
     Returns:
-        Whether some rank meets this signature on this group for the first time (the same answer
-        on every rank): the caller may then check what only a new tree needs.
+        :class:`Agreed`: whether the signature is new to some rank, and whether some rank asked
+        (the same on every rank, so the caller's further collectives match).
 
     Raises:
         MismatchError: on every rank, when the ranks' headers differ.
     """
     if torch.compiler.is_compiling():
-        return False
+        return Agreed(False, False)
     st = _state(group)
     new = signature not in st.seen
+    asked = ask and new
     n = dist.get_world_size(group)
-    if n > 1 and (_enabled or new):
+    if n > 1 and (_checks.agreement or new):
         thread = threading.current_thread().name
         h = [signature, st.agreed, _name_digest(thread), _name_digest(what)]
-        t = torch.tensor(h + [int(new)] + [-x for x in h], dtype=torch.int64, device=collective_device(group))
+        t = torch.tensor(h + [int(new), int(asked)] + [-x for x in h], dtype=torch.int64, device=collective_device(group))
         _exchange(t, group, what)
-        high, low = t[:4].tolist(), [-x for x in t[5:].tolist()]
+        high, low = t[:4].tolist(), [-x for x in t[6:].tolist()]
         if high != low:
             _disagree(group, what, st, thread, rows, name_difference)
-        new = bool(t[4].item())
+        new, asked = bool(t[4].item()), bool(t[5].item())
+    elif n > 1:
+        asked = False  # a known tree with the agreement off: nothing every rank would do together
     st.agreed += 1
     st.seen[signature] = None
     st.seen.move_to_end(signature)
     if len(st.seen) > _REMEMBERED:
         st.seen.popitem(last=False)
-    return new
+    return Agreed(new, asked)
 
 
 def _exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:

@@ -38,6 +38,8 @@ from fddp._tree import LeafSpec
 
 __all__ = [
     "MB",
+    "MODULE_ALIAS",
+    "module_aliases",
     "Bucket",
     "BucketPlan",
     "plan",
@@ -64,8 +66,13 @@ _functorch = torch._C._functorch
 
 # The attribute fddp.functionalize sets on the aliases of a module's own parameters that it hands
 # out: memory fddp must never write in place (apply_gradients(..., donate=True) copies such
-# leaves instead of updating them, and so the module).
+# leaves instead of updating them, and so the module), and values no rank has synchronised yet.
 MODULE_ALIAS = "_fddp_module_alias"
+
+
+def module_aliases(leaves: Sequence[Any]) -> bool:
+    """Whether any leaf is an alias of a module's own parameter, as ``fddp.functionalize`` hands them out."""
+    return any(map(getattr, leaves, itertools.repeat(MODULE_ALIAS), itertools.repeat(False)))
 
 
 @dataclass(frozen=True)

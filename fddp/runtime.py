@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from fddp import _caches
+from fddp import _caches, _dist
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "world_size", "is_main", "local_rank", "device", "clear_caches", "require_initialized"]
 
@@ -114,8 +114,11 @@ def shutdown() -> None:
     failed never reaches it, and the others would wait in the barrier until the group's timeout).
     In order, it:
 
-    1. waits for every rank (a barrier), so that no rank tears its connections down while a peer
-       is still in a collective or still writing a checkpoint the others may read;
+    1. agrees with every rank that all are here (the per-call agreement of every fddp collective:
+       a rank still inside a step, because the others stopped a step early, makes every rank raise
+       :class:`fddp.MismatchError` naming each one's call, at once) and waits for them (a barrier),
+       so that no rank tears its connections down while a peer is still in a collective or still
+       writing a checkpoint the others may read;
     2. destroys the process group (``torch.distributed.destroy_process_group``) while the
        interpreter is fully alive;
     3. lets go of what fddp keeps for the group (its pooled host buffers, the remembered tree
@@ -135,13 +138,31 @@ def shutdown() -> None:
     global _shut_down
     if not is_initialized():
         return
-    if dist.get_world_size() > 1:
-        dist.barrier()
-    dist.destroy_process_group()
-    _shut_down = True
-    _release_captured_groups()
-    clear_caches()
-    gc.collect()
+    try:
+        if dist.get_world_size() > 1:
+            # A rank still inside a step (the others stopped early) meets this agreement instead of
+            # its peers' step: every rank raises fddp.MismatchError, naming each one's call, within
+            # a round trip, instead of waiting for the group's timeout.
+            _dist.agree(None, "shutdown", _SHUTDOWN, _shutdown_rows, _shutdown_difference)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+        _shut_down = True
+        _release_captured_groups()
+        clear_caches()
+        gc.collect()
+
+
+_SHUTDOWN_ROWS = [("call", "fddp.shutdown", None)]
+_SHUTDOWN = _dist.digest(_SHUTDOWN_ROWS)
+
+
+def _shutdown_rows() -> list[tuple]:
+    return list(_SHUTDOWN_ROWS)
+
+
+def _shutdown_difference(per_rank: list) -> str:
+    return "Some rank is not at its fddp.shutdown()."
 
 
 def _release_captured_groups() -> None:

@@ -34,6 +34,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from fddp import _caches
 from fddp._layout import Bucket
 from fddp.sync import Cast, PowerSGD, Timeline, grad_and_value, plan_of
 from fddp.sync._setup import as_hook
@@ -537,6 +538,7 @@ def _stepper(
 
 
 _alone: "weakref.WeakKeyDictionary[Any, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
+_caches.register("fddp.scaling._alone", _alone.clear)
 
 
 def _own_group() -> dist.ProcessGroup:

@@ -23,7 +23,6 @@ keeping it is the safe side). Such a temporary older than an hour draws one warn
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import re
@@ -34,6 +33,8 @@ import threading
 import time
 import warnings
 from typing import Callable, Iterator
+
+from fddp import _caches
 
 __all__ = ["HOST_ID", "clean", "new_name", "split", "writing"]
 
@@ -54,7 +55,7 @@ def _read(path: str) -> str:
         return ""
 
 
-@functools.lru_cache(maxsize=1)
+@_caches.cached(maxsize=1)
 def _host_id() -> int:
     try:
         pid_ns = os.readlink("/proc/self/ns/pid")

@@ -15,7 +15,7 @@ import optree
 import torch
 from torch import Tensor
 
-from fddp._layout import MODULE_ALIAS, explain_split
+from fddp._layout import explain_split, module_aliases
 from fddp._tree import FUNCTIONALIZE_FIX, article, flatten, paths
 
 __all__ = [
@@ -133,15 +133,6 @@ def check_dtypes(gs: Sequence[Tensor], like: Sequence[Tensor], treedef: optree.P
 
 
 _dtype = operator.attrgetter("dtype")
-
-
-def module_aliases(leaves: Sequence[Tensor]) -> bool:
-    """Whether any leaf is an alias of a module's own parameter, as ``fddp.functionalize`` hands them out.
-
-    Donating those would update the module in place; the fused steps copy them instead (once: the
-    parameters they return are the caller's own).
-    """
-    return any(getattr(t, MODULE_ALIAS, False) for t in leaves)
 
 
 def params_leaves(params: Params | None, treedef: optree.PyTreeSpec, where: str, why: str) -> list:

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from fddp import _dist
-from fddp._dist import MismatchError, collective_device, wait
-from fddp._tree import BUFFERS_FIX, not_a_module, paths
+from fddp._tree import BUFFERS_FIX, not_a_module
 from fddp.sync import _differentiable
+from fddp.sync._checksum import checksum, compare_replicas
 from fddp.sync._setup import SyncOptions, make_options, setup
 from fddp.sync.hooks import Broadcast, BufferMean
 
@@ -113,41 +113,6 @@ def sync_buffers(
     return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
 
 
-_MASK = (1 << 62) - 1  # checksums in [0, 2**62): their negations never overflow int64
-_CHUNK = 1 << 22  # words hashed at a time: bounds the temporaries at ~64 MiB
-
-
-def checksum(t: torch.Tensor, /) -> torch.Tensor:
-    """Return a 62-bit checksum of ``t``'s bytes, as an int64 scalar tensor on ``t``'s device.
-
-    The bytes (in row-major order) are read as little 32-bit words ``w_i`` (the last one
-    zero-padded) and summed as ``sum_i w_i * (2 i + 1) mod 2**62``. Changing any one word (a one-ulp
-    change of a float32, two bf16 values, ...) always changes the checksum, since ``(2 i + 1)`` is
-    odd and the change is smaller than ``2**32``; so does swapping two different words. It compares
-    bits, not values: ``0.0`` and ``-0.0``, or two NaNs with different payloads, differ.
-
-    Example:
-        >>> a = torch.ones(3)
-        >>> b = a.clone(); b[1] = torch.nextafter(b[1], torch.tensor(2.0))
-        >>> bool(checksum(a) != checksum(b))
-        True
-    """
-    if t.layout is not torch.strided or t.is_quantized or t.device.type == "meta":
-        raise TypeError(f"checksum: needs a dense tensor with data, got layout {t.layout}, dtype {t.dtype}, device {t.device}")
-    data = t.detach().resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)
-    if data.numel() % 4:
-        data = torch.cat([data, data.new_zeros(4 - data.numel() % 4)])
-    elif data.storage_offset() % 4:
-        data = data.clone()  # a view into a bucket may start mid-word; reading it as words needs a copy
-    words = data.view(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), _CHUNK):
-        w = words[start : start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
-        odd = torch.arange(start, start + w.numel(), dtype=torch.int64, device=t.device).mul_(2).add_(1)
-        total += (w * odd).sum()  # int64 arithmetic wraps: the sum is taken mod 2**64
-    return total & _MASK
-
-
 def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> None:
     """Raise :class:`fddp.MismatchError` on every rank unless all ranks hold bitwise equal leaves.
 
@@ -177,30 +142,11 @@ def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> 
 
 def _verify(tree: Any, group: dist.ProcessGroup | None) -> None:
     sync = setup(tree, make_options("verify_replicas", group=group), "verify_replicas")
-    leaves = sync.leaves
-    if dist.get_world_size(group) == 1 or not leaves:
-        return
-    device = collective_device(group)
-    sums = torch.stack([checksum(t).to(device) for t in leaves])
-    both = torch.cat([sums, -sums])
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), group, "verify_replicas", "the checksum all-reduce")
-    high, low = both[: len(leaves)], -both[len(leaves) :]
-    differ = (high != low).nonzero().flatten().tolist()
-    if not differ:
-        return
-    n = dist.get_world_size(group)
-    gathered = [torch.empty_like(sums) for _ in range(n)]
-    wait(dist.all_gather(gathered, sums, group=group, async_op=True), group, "verify_replicas", "the checksum gather")
-    first = differ[0]
-    others = [r for r in range(1, n) if gathered[r][first] != gathered[0][first]]
-    which = f"rank {others[0]} differs" if len(others) == 1 else f"ranks {others} differ"
-    more = f" (and {len(differ) - 1} more of the {len(leaves)} leaves)" if len(differ) > 1 else ""
-    raise MismatchError(
-        f"fddp.verify_replicas: ranks hold different values at leaf {paths(sync.spec)[first]!r}{more}: {which} "
-        f"from rank 0 (checksums {[int(g[first]) for g in gathered]}). Replicas start apart when the parameters were "
-        "not broadcast (params = fddp.broadcast(params) after functionalize, on every rank, as DDP does at "
-        "construction) or the ranks loaded different checkpoints; they drift apart when ranks apply different "
-        "updates (gradients not averaged by fddp.ddp_step or fddp.grad_and_value, a learning rate or a random draw "
-        "that depends on the rank) or, for buffers, when each rank keeps its own BatchNorm statistics "
-        "(fddp.sync_buffers)."
-    )
+    compare_replicas(
+        sync.leaves, sync.spec, group, "verify_replicas",
+        " Replicas start apart when fddp.broadcast(params) was not called after fddp.functionalize (DDP "
+        "broadcasts at construction) or the ranks loaded different checkpoints; they drift apart when ranks apply "
+        "different updates (a step skipped on one rank, gradients not averaged, a learning rate or a random draw "
+        "that depends on the rank, a non-deterministic op) or keep buffers of their own (BatchNorm statistics "
+        "without fddp.sync_buffers).",
+    )  # fmt: skip

@@ -233,7 +233,7 @@ class _Transform:
                     _dist.abandon(options.group)  # the call counts: this rank's next header says so
                     raise
                 reducer.mark_backward()
-                sync.agree()
+                sync.agree(replicas=True)
                 if loss.requires_grad:
                     raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                     if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":

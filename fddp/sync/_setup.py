@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist, _layout
-from fddp._layout import BucketPlan
+from fddp._layout import BucketPlan, module_aliases
 from fddp._tree import LeafSpec, definition_order, flatten, paths, specs_of, structure_rows, tensor_leaves
 from fddp.runtime import require_initialized
 from fddp.sync import _signature
+from fddp.sync._checksum import check_replicas
 from fddp.sync._comm import Comm
 from fddp.sync._reducer import Reducer
 from fddp.sync.hooks import Cast, CommHook, Mean, WeightedMean
@@ -138,7 +139,7 @@ def _make(
     return SyncOptions(group, bucket_cap_mb, first_bucket_mb, hook, weighted, bool(check_finite))
 
 
-_options = _caches.cached(maxsize=128)(_make)
+_options = _caches.cached(maxsize=128, name="fddp.sync._setup._options")(_make)
 
 
 def as_weight(weight: Any, what: str) -> torch.Tensor:
@@ -229,9 +230,11 @@ class Sync:
         weight: this rank's weight (a float64 CPU scalar), or ``None``.
         digest: the digest of the call's signature (what the ranks agree on).
         rows: builds the signature's rows (to name a difference between ranks).
+        new: once agreed, whether some rank met this signature for the first time (the same
+            answer on every rank).
     """
 
-    __slots__ = ("leaves", "spec", "plan", "options", "what", "weight", "digest", "rows", "_comm")
+    __slots__ = ("leaves", "spec", "plan", "options", "what", "weight", "digest", "rows", "new", "_comm")
 
     def __init__(
         self,
@@ -246,6 +249,7 @@ class Sync:
     ) -> None:
         self.leaves, self.spec, self.plan, self.options, self.what = leaves, spec, plan, options, what
         self.weight, self.digest, self.rows = weight, digest, rows
+        self.new = False  # after agree(): whether some rank met this signature for the first time
         self._comm: Comm | None = None
 
     @property
@@ -256,10 +260,21 @@ class Sync:
             self._comm = Comm(o.group, self.what, self.plan, self.weight)
         return self._comm
 
-    def agree(self) -> bool:
-        """Agree with the other ranks on this call (``fddp._dist.agree``); return whether its
-        signature is new to some rank."""
-        return _signature.check(self.digest, self.rows, self.options.group, self.what)
+    def agree(self, *, replicas: bool = False) -> bool:
+        """Agree with the other ranks on this call (``fddp._dist.agree``); keep in :attr:`new`
+        whether its signature is new to some rank.
+
+        With ``replicas`` (the leaves are parameters of replicas), the first call on a tree that
+        some rank holds straight from ``fddp.functionalize`` (its module's own tensors: no
+        ``fddp.broadcast`` since) also compares the leaves' checksums across the ranks, unless
+        ``fddp.set_checks(replicas=False)``; return whether it did.
+        """
+        ask = replicas and _dist.checks().replicas and module_aliases(self.leaves)
+        agreed = _signature.check(self.digest, self.rows, self.options.group, self.what, ask)
+        self.new = agreed.new
+        if agreed.asked:
+            check_replicas(self.leaves, self.spec, self.options.group, self.what)
+        return agreed.asked
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
@@ -294,6 +309,7 @@ def setup(
     flat: tuple[list[torch.Tensor], optree.PyTreeSpec] | None = None,
     specs: tuple | None = None,
     agree: bool = True,
+    replicas: bool = False,
 ) -> Sync:
     """Plan ``tree``'s buckets and agree with the other ranks on the call; return it as a :class:`Sync`.
 
@@ -314,6 +330,7 @@ def setup(
         specs: the leaves' ``(shape, dtype, device)`` (``fddp._tree.specs_of``), where the caller has them.
         agree: agree now; ``False`` leaves it to the caller (:meth:`Sync.agree`, which
             ``grad_and_value`` calls once the forward pass has run).
+        replicas: the leaves are the parameters of replicas (see :meth:`Sync.agree`).
     """
     require_initialized(what)
     leaves, spec = flat if flat is not None else tensor_leaves(tree, what)
@@ -343,7 +360,7 @@ def setup(
     _dist.count_call(options.group, what)
     sync = Sync(leaves, spec, record.plan, options, what, weight, record.digest, rows)
     if agree:
-        sync.agree()
+        sync.agree(replicas=replicas)
     return sync
 
 

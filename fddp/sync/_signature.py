@@ -49,14 +49,17 @@ def name_difference(per_rank: Sequence[list[tuple]]) -> str:
     return "The signatures hash differently but compare equal."  # pragma: no cover
 
 
-def check(digest: int, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str) -> bool:
-    """Agree across ``group`` on the call whose signature has this ``digest``; return whether it is new.
+def check(
+    digest: int, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str, ask: bool = False
+) -> _dist.Agreed:
+    """Agree across ``group`` on the call whose signature has this ``digest`` (see
+    :func:`fddp._dist.agree`: ``ask`` asks for a new tree's further checks).
 
     Raises :class:`MismatchError` on every rank if the ranks' signatures (or call numbers, or
-    threads) differ; see :func:`fddp._dist.agree`.
+    threads) differ.
     """
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the header; a compiled step relies on its guards (a new tree
         # re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
-        return False
-    return _dist.agree(group, what, digest, rows, name_difference)
+        return _dist.Agreed(False, False)
+    return _dist.agree(group, what, digest, rows, name_difference, ask)

@@ -74,10 +74,13 @@ def ddp_step(
     group each bucket is scaled by ``1/n`` before the sum, as torch DDP does (scaling by ``2**-k``
     commutes with rounding, short of subnormals), and otherwise summed, then divided.
 
-    ``None`` gradients (parameters unused this step) count as zeros. Before the first step of a new
-    tree signature the ranks compare it, and the options that shape the collectives, and raise
+    ``None`` gradients (parameters unused this step) count as zeros. Before every call the ranks
+    agree on what they are about to run (one small all-reduce of a fixed-size header: the tree's
+    signature and the options that shape the collectives, the call's number, the thread) and raise
     :class:`fddp.MismatchError` on every rank if they differ, instead of hanging or mixing
-    unrelated values.
+    unrelated values. The first call on a tree fresh from :func:`fddp.functionalize` also compares
+    a checksum of ``params`` across the ranks (replicas must start equal: a forgotten
+    :func:`fddp.broadcast` is an error). :func:`fddp.set_checks` turns either check off.
 
     ``ddp_step`` composes with torch.func as JAX's ``lax.pmean`` does (see the docs' "Transforms"):
     differentiating through it (``torch.func.grad``, ``vjp``, ``jacrev``, ``backward()``) averages
@@ -142,7 +145,7 @@ def ddp_step(
         out, info = _differentiable.ddp_step(params, grads, options, compression_state, w)
         return (out, info) if return_info else out
     with _dist.exclusive(options.group, "ddp_step"):
-        sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs)
+        sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs, replicas=True)
         check_dtypes(sync, "ddp_step", compression)  # after the agreement: every rank raises alike
         reducer = sync.reducer(compression_state)
         reducer.push(g_leaves)

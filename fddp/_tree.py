@@ -24,9 +24,11 @@ from fddp import _caches
 
 __all__ = [
     "LeafSpec",
+    "article",
     "definition_order",
     "first_difference",
     "flatten",
+    "not_a_module",
     "path_str",
     "paths",
     "specs_of",
@@ -47,6 +49,40 @@ def path_str(entries: Sequence[Any]) -> str:
     if not entries:
         return "<root>"
     return "/".join(str(getattr(e, "field", None) or getattr(e, "entry", e)) for e in entries)
+
+
+def article(name: str) -> str:
+    """``name`` with its indefinite article, for a message: ``"an AdamState"``, ``"a dict"``.
+
+    A name that starts with an initialism (``SGDState``) takes the article of its first letter's
+    sound, "an ess".
+
+    Example:
+        >>> article("AdamState"), article("SGDState"), article("PowerSGDState")
+        ('an AdamState', 'an SGDState', 'a PowerSGDState')
+    """
+    initialism = len(name) > 1 and name[:2].isupper()
+    vowel = name[:1] in "AEFHILMNORSX" if initialism else name[:1].lower() in "aeiou"
+    return f"{'an' if vowel else 'a'} {name}"
+
+
+FUNCTIONALIZE_FIX = "call `apply_fn, params = fddp.functionalize(model)` and pass params (a dict of its tensors) or a tree shaped like it"
+BUFFERS_FIX = "call `apply_fn, params, buffers = fddp.functionalize_with_buffers(model)` and pass buffers (a dict of its buffers)"
+
+
+def not_a_module(x: Any, what: str, name: str, fix: str = FUNCTIONALIZE_FIX) -> None:
+    """Raise a TypeError that says how to get a pytree of tensors if ``x`` is a ``torch.nn.Module``.
+
+    fddp never takes a module where values go: a module flattens to one opaque leaf, which would
+    otherwise be reported as "leaf '<root>' is Linear".
+
+    Example:
+        >>> not_a_module(torch.nn.Linear(2, 2), "ddp_step", "params")
+        Traceback (most recent call last):
+        TypeError: fddp.ddp_step: params must be a pytree of tensors, got the module Linear itself; call ...
+    """
+    if isinstance(x, torch.nn.Module):
+        raise TypeError(f"fddp.{what}: {name} must be a pytree of tensors, got the module {type(x).__name__} itself; {fix}")
 
 
 @_caches.cached(maxsize=256)
@@ -94,8 +130,10 @@ def specs_of(leaves: Sequence[torch.Tensor]) -> tuple[tuple, ...]:
     return tuple(map(_spec_fields, leaves))
 
 
-def tensor_leaves(tree: Any, what: str, *, none_ok: bool = False) -> tuple[list[Any], optree.PyTreeSpec]:
+def tensor_leaves(tree: Any, what: str, *, none_ok: bool = False, name: str = "the tree") -> tuple[list[Any], optree.PyTreeSpec]:
     """Flatten a tree whose leaves must be tensors (or ``None`` if ``none_ok``); name the first that is not.
+
+    ``name`` is what the caller calls the tree (``"params"``), for the message when it is a module.
 
     Example:
         >>> tensor_leaves({"w": 1.0}, "ddp_step")
@@ -105,11 +143,13 @@ def tensor_leaves(tree: Any, what: str, *, none_ok: bool = False) -> tuple[list[
     leaves, spec = flatten(tree)
     if all(map(isinstance, leaves, itertools.repeat(_Tensor))):
         return leaves, spec
+    not_a_module(tree, what, name)
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) and not (none_ok and leaf is None):
             allowed = "a torch.Tensor or None" if none_ok else "a torch.Tensor"
+            fix = f"; {FUNCTIONALIZE_FIX}" if isinstance(leaf, torch.nn.Module) else ""
             raise TypeError(
-                f"fddp.{what}: every leaf must be {allowed}, but leaf {paths(spec)[i]!r} is {type(leaf).__name__}"
+                f"fddp.{what}: every leaf must be {allowed}, but leaf {paths(spec)[i]!r} is {type(leaf).__name__}{fix}"
             )
     return leaves, spec
 

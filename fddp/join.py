@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, Iterable, Iterator, TypeVar
 
+from fddp._tree import article
 from fddp.sync import SyncInfo
 
 __all__ = ["Join"]
@@ -108,4 +109,4 @@ class Join(Generic[T]):
 def _describe(info: Any) -> str:
     if isinstance(info, SyncInfo):
         return "a SyncInfo with weight=None (ddp_step was called without weight=)"
-    return f"a {type(info).__name__}"
+    return article(type(info).__name__)

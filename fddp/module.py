@@ -4,9 +4,10 @@ and write trained values back into the module."""
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
@@ -42,8 +43,16 @@ def functionalize(model: nn.Module, /, *, trainable: Filter | None = None) -> tu
     subset of the module's parameter names; the missing ones come from the module.
 
     Buffers are read from the module as they are at call time; a layer that updates buffers in
-    training mode (BatchNorm's running statistics) updates the module's buffers in place. For a
-    step that stays pure, use :func:`functionalize_with_buffers`.
+    training mode (BatchNorm's running statistics) updates the module's buffers in place. In one
+    process that is torch's own behaviour. On several ranks it would leave each rank with its own
+    floating-point buffers, silently (torch DDP broadcasts rank 0's before every forward), so there
+    ``apply_fn`` raises instead, on every rank, naming the buffers, before anything is synchronised
+    and with the module's buffers as they were: use :func:`functionalize_with_buffers`, whose
+    ``apply_fn`` returns the new buffers, and :func:`fddp.sync_buffers`. Which buffers a forward
+    writes is learnt from its first call in each train/eval mode (one copy of the buffers); a
+    buffer the forward only reads (a mask, BERT's ``position_ids``, BatchNorm's statistics in eval
+    mode) and integer counters (``num_batches_tracked``) are fine. Under ``torch.compile``, which
+    does not trace the check, nothing is checked.
 
     A parameter shared by several modules (tied weights) is one leaf, under its first name in
     ``named_parameters()``. :func:`load_into` writes trained values back into the module.
@@ -72,8 +81,9 @@ def functionalize(model: nn.Module, /, *, trainable: Filter | None = None) -> tu
     params, frozen = _split_parameters(model, trainable, "functionalize")
     slots = _slots(model, model.named_parameters(remove_duplicate=False), set(params))
     names = params.keys()
+    local = _LocalBuffers(model)
 
-    def apply_fn(params: Params, /, *args: Any, **kwargs: Any) -> Any:
+    def run(params: Params, args: tuple, kwargs: dict) -> Any:
         # functional_call's general machinery (walking the modules, accessors, strictness checks)
         # costs about 10 us per parameter per call, 1 ms a step on a 100-tensor transformer. With
         # exactly the names functionalize returned, swapping the tensors into the slots computed
@@ -82,6 +92,11 @@ def functionalize(model: nn.Module, /, *, trainable: Filter | None = None) -> tu
             return functional_call(model, {**_detached(frozen), **_as_dict(params)}, args, kwargs)
         with _Swapped("_parameters", slots, params), _Swapped("_parameters", frozen, None):
             return model(*args, **kwargs)
+
+    def apply_fn(params: Params, /, *args: Any, **kwargs: Any) -> Any:
+        if local.slots and not torch.compiler.is_compiling():
+            return local.call(run, params, args, kwargs)
+        return run(params, args, kwargs)
 
     return apply_fn, params
 
@@ -331,6 +346,75 @@ class _Swapped:
         for (module, attr, _), old in zip(self.slots, self.saved):
             getattr(module, self.kind)[attr] = old
         self.saved.clear()
+
+
+class _LocalBuffers:
+    """Which floating-point buffers ``functionalize``'s forward writes in the module, per
+    train/eval mode, and the error for a run on several ranks, where each rank would keep its own.
+
+    Learnt from the first call in each mode: every buffer is copied, the forward runs, and a buffer
+    counts as written when its slot holds another tensor, its version counter moved, or its bits
+    changed (batch_norm updates its running statistics without a version bump).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        named = dict(model.named_buffers())
+        self.floating = {name for name, b in named.items() if b.is_floating_point() or b.is_complex()}
+        # Every buffer's slots, integer ones too: an error puts them all back as they were.
+        self.slots = _slots(model, model.named_buffers(remove_duplicate=False), set(named)) if self.floating else []
+        self.owners = list({id(m): m for m, _, _ in self.slots}.values())  # whose train/eval flag may decide
+        self.learnt: dict[tuple[bool, ...], tuple[str, ...]] = {}
+
+    def call(self, run: Callable[[Params, tuple, dict], Any], params: Params, args: tuple, kwargs: dict) -> Any:
+        mode = tuple(m.training for m in self.owners)
+        written = self.learnt.get(mode)
+        if written is None:
+            return self._learn(mode, run, params, args, kwargs)
+        if written and _several_ranks():
+            raise RuntimeError(self._message(written, mode))
+        return run(params, args, kwargs)
+
+    def _learn(self, mode: tuple[bool, ...], run: Callable, params: Params, args: tuple, kwargs: dict) -> Any:
+        before = [(module, attr, name, module._buffers[attr]) for module, attr, name in self.slots]
+        kept = [(t, t._version, t.detach().clone()) for *_, t in before]
+        out = run(params, args, kwargs)
+        written = []
+        for (module, attr, name, t), (_, version, copy) in zip(before, kept):
+            now = module._buffers[attr]
+            if name in self.floating and (now is not t or t._version != version or not _same_bits(t, copy)):
+                written.append(name)
+        written = list(dict.fromkeys(written))  # a tied buffer once, in the module's order
+        self.learnt[mode] = tuple(written)
+        if written and _several_ranks():
+            with torch.no_grad():  # the error leaves the module as it was
+                for (module, attr, _, t), (_, _, copy) in zip(before, kept):
+                    module._buffers[attr] = t
+                    t.copy_(copy)
+            raise RuntimeError(self._message(written, mode))
+        return out
+
+    def _message(self, written: Sequence[str], mode: tuple[bool, ...]) -> str:
+        shown = ", ".join(repr(n) for n in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+        state = "training" if any(mode) else "eval"
+        return (
+            f"fddp.functionalize: the forward writes the module's floating-point buffers {shown} in {state} mode "
+            f"(BatchNorm's running statistics, say); with {dist.get_world_size()} ranks each would keep its own, "
+            "silently, where torch DDP broadcasts rank 0's before each forward. Use `apply_fn, params, buffers = "
+            "fddp.functionalize_with_buffers(model)`: its apply_fn(params, buffers, ...) returns (output, "
+            "new_buffers); pass `buffers = fddp.sync_buffers(buffers)` before each forward for DDP's behaviour (the "
+            "loop is in the docs' Concepts page, \"BatchNorm and buffers\"). The module's buffers were left as they were."
+        )
+
+
+def _several_ranks() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality: ``torch.equal`` calls two NaNs different, and would call an unwritten NaN buffer written."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 class _Writes:

@@ -62,6 +62,7 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
         >>> fddp.rank(), fddp.world_size()
         (0, 1)
     """
+    global _shut_down
     td = _as_timedelta(timeout)
     if dist.is_initialized():
         return
@@ -70,6 +71,7 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
     if torch.cuda.is_available() and "nccl" in backend:
         torch.cuda.set_device(local_rank())
     kwargs = {} if td is None else {"timeout": td}
+    _shut_down = False
     clear_caches()
     # torch.distributed.nn.functional evaluates `group=group.WORLD` in its functions' signatures
     # when it is imported: imported after this group exists (torch._dynamo imports it, and
@@ -91,6 +93,7 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
 
 
 _at_exit_registered = False
+_shut_down = False  # fddp.shutdown() destroyed the group, and no init() has made one since: said in errors
 
 
 def _release_at_exit() -> None:
@@ -143,6 +146,7 @@ def shutdown() -> None:
         >>> fddp.is_initialized()
         False
     """
+    global _shut_down
     if not is_initialized():
         return
     try:
@@ -154,6 +158,7 @@ def shutdown() -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+        _shut_down = True
         _release_captured_groups()
         clear_caches()
         gc.collect()
@@ -261,13 +266,30 @@ def is_initialized() -> bool:
 
 
 def require_initialized(what: str) -> None:
-    """Raise a RuntimeError that tells the user how to start the runtime."""
-    if not is_initialized():
-        raise RuntimeError(
-            f"fddp.{what}: the torch.distributed process group is not initialised. Call fddp.init() "
-            "first (it reads torchrun's environment, or makes a one-process world under plain "
-            "python), or launch with `torchrun --nproc-per-node=N script.py`."
+    """Raise a RuntimeError that tells the user how to start the runtime, for where this process runs."""
+    if is_initialized():
+        return
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if _shut_down:
+        fix = "fddp.shutdown() ended this process's group earlier; call fddp.init() again (on every rank) for a new one."
+    elif not missing:
+        fix = (
+            f"torchrun's variables are set here (RANK={os.environ['RANK']}, WORLD_SIZE={os.environ['WORLD_SIZE']}): "
+            "call fddp.init() at the start of the script, on every rank, before any other fddp call."
         )
+    elif len(missing) < len(_TORCHRUN_VARS):
+        present = [v for v in _TORCHRUN_VARS if v in os.environ]
+        fix = (
+            f"torchrun's variables are only partly set ({', '.join(present)} set; {', '.join(missing)} missing), so "
+            "fddp.init() would make a one-process world: launch with `torchrun --nproc-per-node=N script.py`, or "
+            "set all four, then call fddp.init()."
+        )
+    else:
+        fix = (
+            "Call fddp.init() first: under plain python it makes a one-process world; for N processes, launch the "
+            "script with `torchrun --nproc-per-node=N script.py`, where fddp.init() reads torchrun's environment."
+        )
+    raise RuntimeError(f"fddp.{what}: the torch.distributed process group is not initialised. {fix}")
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
+import io
 import os
 import re
 import subprocess
@@ -10,9 +13,12 @@ import sys
 import types
 from pathlib import Path
 
+import optree
 import pytest
+import torch
 
 import fddp
+from dist import run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,3 +161,125 @@ def test_zero_loop_runs(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", block + proc.stderr
+
+
+# --- the BatchNorm loop: two ranks, against torch DDP with broadcast_buffers=True --------------------
+
+# torch 2.13 renamed DDP's broadcast_buffers (deprecated) to forward_sync_buffers: the same broadcast.
+_DDP_ARGS = inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+BROADCAST_BUFFERS = {"forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers": True}
+
+
+PER_STEP_SYNC = "buffers = fddp.sync_buffers(buffers)  # rank 0's statistics on every rank, as DDP before each forward"
+
+
+def _batchnorm_block() -> str:
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    (block,) = re.findall(r"<!-- the BatchNorm loop below [^\n]*-->\n```python\n(.*?)```", text, re.DOTALL)
+    # What the DDP reference below repeats: keep the two in step.
+    for line in ("fddp.optim.sgd(lr=0.05, momentum=0.9)", "F.cross_entropy(out, y)", "fddp.shutdown()\n", PER_STEP_SYNC):
+        assert line in block, line
+    return block.replace("fddp.shutdown()\n", "")  # the test's process group outlives the loop
+
+
+def _run_block(block: str) -> tuple[dict, list, str]:
+    """Run the docs' loop, recording the initial module and every forward (train: x, y; eval: x)."""
+    seen: dict = {"events": []}
+    real_functionalize, real_grad_and_value = fddp.functionalize_with_buffers, fddp.grad_and_value
+
+    def functionalize_with_buffers(model, **kwargs):
+        seen["model"] = copy.deepcopy(model)
+        apply_fn, params, buffers = real_functionalize(model, **kwargs)
+
+        def recording(p, b, x):
+            if not model.training:
+                seen["events"].append(("eval", x))
+            return apply_fn(p, b, x)
+
+        return recording, params, buffers
+
+    def grad_and_value(fn, *args, **kwargs):
+        step = real_grad_and_value(fn, *args, **kwargs)
+
+        def recording(params, buffers, x, y):
+            seen["events"].append(("train", x, y))
+            return step(params, buffers, x, y)
+
+        return recording
+
+    ns: dict = {}
+    out = io.StringIO()
+    fddp.functionalize_with_buffers, fddp.grad_and_value = functionalize_with_buffers, grad_and_value
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(block, "docs/concepts.md", "exec"), ns)
+    finally:
+        fddp.functionalize_with_buffers, fddp.grad_and_value = real_functionalize, real_grad_and_value
+    return ns, seen, out.getvalue()
+
+
+def _batchnorm_loop_worker(block: str, directory: str) -> dict:
+    os.chdir(directory)  # the loop checkpoints to runs/bn
+    ns, seen, printed = _run_block(block)
+    trained = {"params": ns["params"], "buffers": ns["buffers"], "opt_state": ns["opt_state"]}
+    module = {k: v.detach().clone() for k, v in [*ns["model"].named_parameters(), *ns["model"].named_buffers()]}
+
+    # torch DDP from the same module on the same batches, evaluating where the loop did.
+    ddp = torch.nn.parallel.DistributedDataParallel(seen["model"], **BROADCAST_BUFFERS)
+    torch_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for event in seen["events"]:
+        if event[0] == "train":
+            ddp.train()
+            torch_opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(event[1]), event[2]).backward()
+            torch_opt.step()
+        else:
+            ddp.eval()
+            with torch.no_grad():
+                reference_logits = ddp(event[1])
+    reference = dict(seen["model"].named_parameters()), dict(seen["model"].named_buffers())
+
+    resumed, seen_again, printed_again = _run_block(block)  # finds the last checkpoint: nothing left to train
+    os.makedirs("variant", exist_ok=True)  # both ranks
+    os.chdir("variant")  # a fresh run without the sync before each training forward (the docs say why)
+    variant = _run_block(block.replace(PER_STEP_SYNC, "pass"))[0]
+    return {
+        "trained": trained, "module": module, "logits": ns["logits"], "printed": printed,
+        "reference": ({k: v.detach() for k, v in reference[0].items()}, reference[1]), "reference_logits": reference_logits,
+        "events": [e[0] for e in seen["events"]], "events_again": len(seen_again["events"]), "printed_again": printed_again,
+        "resumed": {"params": resumed["params"], "buffers": resumed["buffers"], "opt_state": resumed["opt_state"]},
+        "variant": {"params": variant["params"], "buffers": variant["buffers"]},
+    }  # fmt: skip
+
+
+def test_batchnorm_loop_matches_ddp_and_resumes(tmp_path: Path) -> None:
+    results = run(_batchnorm_loop_worker, 2, _batchnorm_block(), str(tmp_path), timeout=180)
+    for r in results:
+        assert r["events"] == (["train"] * 14 + ["eval"]) * 3, r["events"]  # 448 samples, 2 ranks, 16 a batch
+        ref_params, ref_buffers = r["reference"]
+        for k, v in ref_params.items():  # float32 after 42 steps
+            torch.testing.assert_close(r["trained"]["params"][k], v, rtol=0, atol=1e-5, msg=k)
+        for k, v in ref_buffers.items():
+            torch.testing.assert_close(r["trained"]["buffers"][k], v, rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(r["logits"], r["reference_logits"], rtol=0, atol=1e-4)
+        for k, v in {**r["trained"]["params"], **r["trained"]["buffers"]}.items():  # load_into wrote the module
+            assert torch.equal(r["module"][k], v), k
+        # The second run resumed from the checkpoint of epoch 2, and had nothing left to train.
+        assert r["events_again"] == 0 and r["printed_again"] == ""
+        for part in ("params", "buffers"):
+            for k, v in r["trained"][part].items():
+                assert torch.equal(r["resumed"][part][k], v), (part, k)
+        for a, b in zip(optree.tree_leaves(r["resumed"]["opt_state"]), optree.tree_leaves(r["trained"]["opt_state"])):
+            assert torch.equal(a, b)
+        # BatchNorm's training forward never reads its statistics: syncing them before eval and saving only
+        # gives the same values, to the bit.
+        for part in ("params", "buffers"):
+            for k, v in r["trained"][part].items():
+                assert torch.equal(r["variant"][part][k], v), (part, k)
+    lines = results[0]["printed"].splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 0", "epoch 1", "epoch 2"] and results[1]["printed"] == "", lines
+    accuracy = [float(line.rsplit(" ", 1)[1]) for line in lines]
+    assert accuracy[-1] > 0.5, lines  # four classes: chance is 0.25
+    # Every rank evaluated with rank 0's statistics, as under DDP.
+    for k, v in results[0]["trained"]["buffers"].items():
+        assert torch.equal(results[1]["trained"]["buffers"][k], v), k

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fddp
@@ -369,3 +370,80 @@ def test_a_buffer_written_only_on_later_calls_never_changes_the_callers_tensor()
     out, new3 = apply_fn(params, new2, x)  # call 4: writes, into a copy now
     assert torch.equal(new3["total"], 2 * torch.ones(3)) and torch.equal(new2["total"], torch.ones(3))
     assert torch.equal(shared["total"], torch.ones(3))
+
+
+# --- functionalize on several ranks: a forward that writes floating-point buffers is refused ---------------
+
+
+def bn_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+
+
+class Counts(nn.Module):
+    """Writes only an integer buffer (a counter: ranks that step together agree on it) and reads a float mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("mask", torch.tensor([1.0, float("nan"), 0.0]))  # a NaN that is never written
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return self.lin(x) * self.mask.nan_to_num()
+
+
+def _bn_functionalize_worker() -> dict:
+    model = bn_cnn()
+    before = {k: v.clone() for k, v in model.named_buffers()}
+    apply_fn, params = fddp.functionalize(model)
+    params = fddp.broadcast(params)
+    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(fddp.rank()))
+    y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(fddp.rank()))
+
+    def loss_fn(p, x, y):
+        return F.cross_entropy(apply_fn(p, x), y)
+
+    out = {}
+    for name, call in (
+        ("grad_and_value", lambda: fddp.grad_and_value(loss_fn)(params, x, y)),  # the first call: learnt, undone
+        ("again", lambda: fddp.grad_and_value(loss_fn)(params, x, y)),  # refused before the forward runs
+        ("torch.func", lambda: fddp.ddp_step(params, torch.func.grad(loss_fn)(params, x, y))),
+    ):
+        try:
+            call()
+        except RuntimeError as e:
+            out[name] = str(e)
+    out["untouched"] = all(torch.equal(before[k], v) for k, v in model.named_buffers())
+    model.eval()  # BatchNorm only reads its statistics: nothing to refuse
+    with torch.no_grad():
+        out["eval"] = apply_fn(params, x)
+    counts = Counts()
+    apply_counts, counts_params = fddp.functionalize(counts)
+    fddp.grad_and_value(lambda p: apply_counts(p, torch.ones(2, 3)).sum())(counts_params)
+    out["counts"] = int(counts.seen)
+    return out
+
+
+def test_functionalize_refuses_buffers_a_forward_writes_on_every_rank():
+    for out in run(_bn_functionalize_worker, 2):
+        for name in ("grad_and_value", "again", "torch.func"):
+            msg = out.get(name, "no error")
+            assert msg.startswith("fddp.functionalize: the forward writes the module's floating-point buffers "
+                                  "'1.running_mean', '1.running_var' in training mode"), (name, msg)
+            assert "with 2 ranks each would keep its own" in msg and "fddp.functionalize_with_buffers(model)" in msg
+            assert "fddp.sync_buffers(buffers)" in msg and "BatchNorm and buffers" in msg
+        assert out["untouched"], "the refused forward left its writes in the module"
+        assert out["eval"].shape == (8, 3)
+        assert out["counts"] == 1  # an integer counter and a float buffer only read: no error
+
+
+def test_functionalize_writes_buffers_in_one_process_as_torch_does():
+    model, reference = bn_cnn(), bn_cnn()
+    apply_fn, params = fddp.functionalize(model)
+    x = torch.randn(8, 1, 8, 8)
+    for _ in range(2):
+        assert torch.equal(apply_fn(params, x), reference(x))
+    for k, v in reference.named_buffers():
+        assert torch.equal(dict(model.named_buffers())[k], v), k

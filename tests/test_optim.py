@@ -404,7 +404,7 @@ def test_grads_tree_mismatch_names_the_leaf():
 def test_state_from_another_optimizer_is_rejected():
     params = _params(_model())
     adam_state = optim.adam().init(params)
-    with pytest.raises(TypeError, match="sgd.update expected a SGDState.*got AdamState"):
+    with pytest.raises(TypeError, match="sgd.update: expected an SGDState .*got AdamState"):
         optim.sgd(0.1).update(params, adam_state, params)
     with pytest.raises(TypeError, match="amsgrad"):
         optim.adam(amsgrad=True).update(params, adam_state, params)

@@ -329,7 +329,8 @@ def test_verify_replicas_passes_with_one_small_all_reduce():
 @pytest.mark.parametrize(
     "case, parts",
     [
-        ("ulp", ["at leaf 'b/0': rank 1 differs from rank 0"]),
+        # The fix comes with it: the forgotten broadcast first, then what else makes replicas drift.
+        ("ulp", ["at leaf 'b/0': rank 1 differs from rank 0", "fddp.broadcast(params) was not called", "fddp.sync_buffers"]),
         ("two", ["at leaf 'a' (and 1 more of the 3 leaves): rank 1 differs from rank 0"]),
         ("shape", ["'b/1'", "shape=(3,)", "shape=(4,)"]),
     ],

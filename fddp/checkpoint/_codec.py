@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from fddp._tree import path_str
+from fddp._tree import article, path_str
 
 __all__ = [
     "BLOCK",
@@ -170,14 +170,14 @@ def _encode(node: Any, path: Path, leaves: list, paths: list) -> tuple:
         # weights_only refuses: fail now, not when the checkpoint is needed.
         base = next(b for b in PRIMITIVES if isinstance(node, b)).__name__
         raise TypeError(
-            f"fddp.checkpoint: leaf at {_at(path)} is a {type(node).__qualname__}, a subclass of {base}; "
+            f"fddp.checkpoint: leaf at {_at(path)} is {article(type(node).__qualname__)}, a subclass of {base}; "
             "convert it to a plain Python value first"
         )
     if isinstance(node, dict):
         for k in node:
             if type(k) not in PRIMITIVES:
                 raise TypeError(
-                    f"fddp.checkpoint: dict key {k!r} at {_at(path)} is a {type(k).__qualname__}, not a plain "
+                    f"fddp.checkpoint: dict key {k!r} at {_at(path)} is {article(type(k).__qualname__)}, not a plain "
                     "str/int/float/bool/bytes/None"
                 )
         kind = "odict" if isinstance(node, collections.OrderedDict) else "dict"
@@ -301,7 +301,7 @@ def _leaf(src: _Source, value: Any, like: Any, path: Path) -> Any:
         return value
     if isinstance(like, PRIMITIVES):
         if type(value) is not type(like):
-            raise _mismatch(src, path, f"a {type(like).__name__}", _describe(value))
+            raise _mismatch(src, path, article(type(like).__name__), _describe(value))
         return value
     raise _mismatch(src, path, _describe(like), _describe(value))
 

@@ -37,7 +37,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from fddp._tree import paths
+from fddp._tree import article, paths
 from fddp.checkpoint import _codec, _ranks, _temp
 from fddp.checkpoint._codec import PRIMITIVES, CheckpointError
 from fddp.zero import _layout as _shard
@@ -543,10 +543,10 @@ def _check_against(directory: str, manifest: dict, tensors: dict, scalars: dict)
     for key, value in scalars.items():
         if key not in saved_scalars:
             raise CheckpointError(
-                f"{directory}: checkpoint does not match `like` at {key!r}: expected a {type(value).__name__}, found no such key"
+                f"{directory}: checkpoint does not match `like` at {key!r}: expected {article(type(value).__name__)}, found no such key"
             )
         if type(saved_scalars[key]) is not type(value):
             raise CheckpointError(
-                f"{directory}: checkpoint does not match `like` at {key!r}: expected a {type(value).__name__}, "
+                f"{directory}: checkpoint does not match `like` at {key!r}: expected {article(type(value).__name__)}, "
                 f"found {type(saved_scalars[key]).__name__} {saved_scalars[key]!r}"
             )

@@ -23,6 +23,7 @@ from ._checks import (
     check_nonneg,
     check_state,
     flatten,
+    init_leaves,
     lr_at,
     module_aliases,
     params_leaves,
@@ -147,7 +148,7 @@ def _make(
 
 
 def _init(cfg: _Adam, params: Params) -> AdamState:
-    leaves, treedef = flatten(params)
+    leaves, treedef = init_leaves(params, cfg.name)
 
     def zeros() -> Any:
         return optree.tree_unflatten(treedef, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves])
@@ -158,7 +159,7 @@ def _init(cfg: _Adam, params: Params) -> AdamState:
 def _leaves(cfg: _Adam, grads: Updates, state: AdamState, params: Params | None, need_params: bool):
     """The inputs' leaves, checked: (treedef, grads, moments, max moments or None, params or None)."""
     where = cfg.where
-    check_state(state, AdamState, where)
+    check_state(state, AdamState, where, grads=grads, params=params)
     if cfg.amsgrad != (not _is_empty(state.max_exp_avg_sq)):
         raise TypeError(f"{where}: the state was created with amsgrad={not cfg.amsgrad}, this optimizer has amsgrad={cfg.amsgrad}")
     ms, treedef = flatten(state.exp_avg)

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from fddp._layout import SplitTree
+from fddp._tree import FUNCTIONALIZE_FIX, article
 
 from . import _flat as flat
 from ._checks import OptState, Params, Updates, describe, flatten, leaves_like, paths_of
@@ -212,7 +213,7 @@ def apply_gradients(
         >>> params, state = fddp.optim.apply_gradients(opt, grads, state, params)
         >>> params, state = fddp.optim.apply_gradients(opt, grads, state, params, donate=True)
     """
-    _check_arguments(opt, state, params)
+    _check_arguments(opt, grads, state, params)
     if isinstance(params, SplitTree):
         params.check_group("optim.apply_gradients")
     return _apply(opt, grads, state, params, Apply(bool(donate)))
@@ -234,18 +235,27 @@ def _apply(opt: GradientTransformation, grads: Updates, state: OptState, params:
     return apply_updates(params, out), new_state
 
 
-def _check_arguments(opt: Any, state: Any, params: Any) -> None:
-    """Name the mistake when ``apply_gradients`` gets its arguments in another order."""
+def _check_arguments(opt: Any, grads: Any, state: Any, params: Any) -> None:
+    """Name the mistake when ``apply_gradients`` gets a module, or its arguments in another order."""
     if not isinstance(opt, GradientTransformation):
         raise TypeError(
             f"fddp.optim.apply_gradients: opt must be a GradientTransformation (fddp.optim.sgd(...), adamw(...)), "
             f"got {type(opt).__name__}; the arguments are (opt, grads, state, params)"
         )
-    if _is_state(params) and not _is_state(state):
-        raise TypeError(
-            f"fddp.optim.apply_gradients: the 4th argument is {_article(type(params).__name__)} (an optimizer "
-            "state) where the parameters go: the arguments are apply_gradients(opt, grads, state, params)"
-        )
+    for name, x in (("grads", grads), ("state", state), ("params", params)):
+        if isinstance(x, torch.nn.Module):
+            raise TypeError(
+                f"fddp.optim.apply_gradients: {name} must be a pytree of tensors, got the module {type(x).__name__} itself; "
+                f"{FUNCTIONALIZE_FIX}"
+            )
+    if not _is_state(state):
+        for place, name, x in (("2nd", "the gradients", grads), ("4th", "the parameters", params)):
+            if _is_state(x):
+                raise TypeError(
+                    f"fddp.optim.apply_gradients: the {place} argument is {article(type(x).__name__)} (an optimizer "
+                    f"state) where {name} go, and the 3rd, where the state goes, is {article(type(state).__name__)}: "
+                    "the arguments are apply_gradients(opt, grads, state, params)"
+                )
 
 
 def _is_state(x: Any) -> bool:
@@ -253,10 +263,6 @@ def _is_state(x: Any) -> bool:
     if isinstance(x, tuple) and hasattr(type(x), "_fields"):
         return type(x).__name__.endswith("State")
     return type(x) is tuple and len(x) > 0 and all(_is_state(s) for s in x)
-
-
-def _article(name: str) -> str:
-    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def fast_path(opt: GradientTransformation, grads: Updates, state: OptState, params: Params, /, *, donate: bool = False) -> str:
@@ -275,7 +281,7 @@ def fast_path(opt: GradientTransformation, grads: Updates, state: OptState, para
     why = flat.Why()
     if donate:
         state, params = copy.deepcopy(state), copy.deepcopy(params)
-    _check_arguments(opt, state, params)
+    _check_arguments(opt, grads, state, params)
     _apply(opt, grads, state, params, Apply(bool(donate), why))
     return "\n".join(why) if why else "update + apply_updates"
 

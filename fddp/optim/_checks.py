@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from fddp._layout import explain_split, module_aliases
-from fddp._tree import flatten, paths
+from fddp._tree import FUNCTIONALIZE_FIX, article, flatten, paths
 
 __all__ = [
     "PyTree",
@@ -28,6 +28,7 @@ __all__ = [
     "flatten",
     "paths_of",
     "leaves_like",
+    "init_leaves",
     "check_grads",
     "check_dtypes",
     "module_aliases",
@@ -73,8 +74,33 @@ def leaves_like(tree: PyTree, treedef: optree.PyTreeSpec, name: str, ref: str) -
     return leaves
 
 
+def init_leaves(params: Params, where: str) -> tuple[list[Tensor], optree.PyTreeSpec]:
+    """Flatten the parameters an optimizer's ``init`` gets; name the first leaf that is no tensor.
+
+    ``where`` is the optimizer's name (``"adamw"``); the message calls it ``<where>.init``.
+    """
+    leaves, treedef = flatten(params)
+    if all(map(isinstance, leaves, itertools.repeat(Tensor))):
+        return leaves, treedef
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(
+            f"{where}.init: expected the parameters as a pytree of tensors, got the module {type(params).__name__} itself; "
+            f"{FUNCTIONALIZE_FIX}"
+        )
+    for path, p in zip(paths_of(treedef), leaves):
+        if not isinstance(p, Tensor):
+            fix = (
+                FUNCTIONALIZE_FIX if isinstance(p, torch.nn.Module)
+                else "make it a tensor (torch.tensor(value)) or keep it out of the tree given to init and update"
+            )  # fmt: skip
+            raise TypeError(f"{where}.init: every parameter must be a tensor, but leaf {path!r} is {describe(p)}; {fix}")
+    return leaves, treedef
+
+
 def check_grads(grads: Updates, treedef: optree.PyTreeSpec | None, where: str) -> tuple[list, optree.PyTreeSpec]:
     """Flatten grads, checking structure against ``treedef`` (if given) and rejecting ``None`` leaves."""
+    if isinstance(grads, torch.nn.Module):
+        raise TypeError(f"{where}: grads must be a pytree of tensors, got the module {type(grads).__name__} itself; {FUNCTIONALIZE_FIX}")
     if treedef is None:
         leaves, treedef = flatten(grads)
     else:
@@ -115,20 +141,32 @@ _dtype = operator.attrgetter("dtype")
 def params_leaves(params: Params | None, treedef: optree.PyTreeSpec, where: str, why: str) -> list:
     if params is None:
         raise ValueError(f"{where}: params are required ({why}); call update(grads, state, params)")
+    if isinstance(params, torch.nn.Module):
+        raise TypeError(f"{where}: params must be a pytree of tensors, got the module {type(params).__name__} itself; {FUNCTIONALIZE_FIX}")
     return leaves_like(params, treedef, "params", "grads")
 
 
-def check_state(state: Any, cls: type, where: str) -> None:
-    if type(state) is not cls:
-        raise TypeError(
-            f"{where} expected a {cls.__name__} (from this optimizer's init), got {describe(state)}; "
-            "was the state created by a different optimizer?"
-        )
+def check_state(state: Any, cls: type, where: str, *, grads: Any = None, params: Any = None) -> None:
+    """Raise unless ``state`` is a ``cls``; say so if it arrived in another argument's place."""
+    if type(state) is cls:
+        return
+    for name, x in (("grads", grads), ("params", params)):
+        if type(x) is cls:
+            raise TypeError(
+                f"{where}: got the optimizer state ({article(cls.__name__)}) as {name} and {article(type(state).__name__)} as the "
+                "state; the arguments are update(grads, state, params)"
+            )
+    raise TypeError(
+        f"{where}: expected {article(cls.__name__)} (from this optimizer's init) as the state, got {describe(state)}; "
+        "was the state created by a different optimizer?"
+    )
 
 
 def describe(x: Any) -> str:
     if isinstance(x, Tensor):
         return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
+    if isinstance(x, torch.nn.Module):
+        return f"the module {type(x).__name__}"
     return type(x).__name__
 
 

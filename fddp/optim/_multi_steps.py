@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._base import GradientTransformation, GradientTransformationExtraArgs
-from ._checks import Params, Updates, check_dtypes, check_grads, check_state, flatten, zeros_count
+from ._checks import Params, Updates, check_dtypes, check_grads, check_state, flatten, init_leaves, zeros_count
 
 __all__ = ["AccumulateState", "accumulate"]
 
@@ -74,13 +74,13 @@ def accumulate(opt: GradientTransformation, every_k: int) -> GradientTransformat
     where = "accumulate.update"
 
     def init(params: Params) -> AccumulateState:
-        leaves, treedef = flatten(params)
+        leaves, treedef = init_leaves(params, "accumulate")
         zeros = optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
         return AccumulateState(zeros_count(leaves), zeros, opt.init(params))
 
     def update(grads: Updates, state: AccumulateState, params: Params | None = None, **extra_args: Any) -> tuple[Updates, AccumulateState]:
         # No fused step: the inner update runs on every call and its result is selected.
-        check_state(state, AccumulateState, where)
+        check_state(state, AccumulateState, where, grads=grads, params=params)
         sums, treedef = flatten(state.grad_sum)
         gs, _ = check_grads(grads, treedef, where)
         check_dtypes(gs, sums, treedef, where, "state.grad_sum")

@@ -23,6 +23,7 @@ from ._checks import (
     check_nonneg,
     check_state,
     flatten,
+    init_leaves,
     lr_at,
     module_aliases,
     params_leaves,
@@ -98,7 +99,7 @@ _WHERE = "sgd.update"
 
 
 def _init(cfg: _SGD, params: Params) -> SGDState:
-    leaves, treedef = flatten(params)
+    leaves, treedef = init_leaves(params, "sgd")
     buf: Any = ()
     if cfg.momentum:
         buf = optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
@@ -107,7 +108,7 @@ def _init(cfg: _SGD, params: Params) -> SGDState:
 
 def _leaves(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None, need_params: bool):
     """The inputs' leaves, checked: (treedef, grads, momentum buffers or None, params or None)."""
-    check_state(state, SGDState, _WHERE)
+    check_state(state, SGDState, _WHERE, grads=grads, params=params)
     if bool(cfg.momentum) != (not _is_empty(state.momentum_buffer)):
         raise TypeError(f"{_WHERE}: the state has no momentum buffer matching momentum={cfg.momentum!r}")
     if cfg.momentum:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from fddp import _dist
+from fddp._tree import BUFFERS_FIX, not_a_module
 from fddp.sync import _differentiable
 from fddp.sync._checksum import checksum, compare_replicas
 from fddp.sync._setup import SyncOptions, make_options, setup
@@ -103,6 +104,7 @@ def sync_buffers(
     """
     if mode not in _MODES:
         raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
+    not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
     if mode == "broadcast":
         return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
     _differentiable.refuse_under_transforms("sync_buffers")
@@ -141,7 +143,9 @@ def _verify(tree: Any, group: dist.ProcessGroup | None) -> None:
     sync = setup(tree, make_options("verify_replicas", group=group), "verify_replicas")
     compare_replicas(
         sync.leaves, sync.spec, group, "verify_replicas",
-        " Replicas that started equal drift apart when ranks apply different updates (a step skipped on one "
-        "rank, a non-deterministic op, buffers updated locally); a run that never called "
-        "fddp.broadcast(params) after fddp.functionalize starts from different random values.",
+        " Replicas start apart when fddp.broadcast(params) was not called after fddp.functionalize (DDP "
+        "broadcasts at construction) or the ranks loaded different checkpoints; they drift apart when ranks apply "
+        "different updates (a step skipped on one rank, gradients not averaged, a learning rate or a random draw "
+        "that depends on the rank, a non-deterministic op) or keep buffers of their own (BatchNorm statistics "
+        "without fddp.sync_buffers).",
     )  # fmt: skip

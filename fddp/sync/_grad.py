@@ -27,7 +27,7 @@ from fddp import _dist
 from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._reducer import SyncInfo
-from fddp.sync._setup import KEYWORDS, SyncOptions, as_weight, check_state, make_options, setup
+from fddp.sync._setup import KEYWORDS, SyncOptions, as_weight, check_dtypes, check_state, make_options, setup
 
 __all__ = ["grad", "grad_and_value"]
 
@@ -149,6 +149,7 @@ class _Transform:
     def __init__(self, fn: Callable, argnums: Any, has_aux: bool, what: str, **options: Any) -> None:
         self.fn, self.argnums, self.has_aux, self.what = fn, argnums, has_aux, what
         self.nums = _check_argnums(argnums, what)
+        self.tree_name = f"argument {self.nums[0]} (argnums={argnums!r})"  # for the message when it is a module
         _check_no_reserved_names(fn, what)
         unknown = sorted(set(options) - set(_BUILD_TIME))
         if unknown:
@@ -193,7 +194,7 @@ class _Transform:
                     f"fddp.{what}: argnums {self.argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments"
                 )
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
-        flat = tensor_leaves(tree, what)
+        flat = tensor_leaves(tree, what, name=self.tree_name)
         leaves = flat[0]
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*leaves):
             for i, t in enumerate(leaves):
@@ -214,6 +215,7 @@ class _Transform:
                 raise TypeError(
                     f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}"
                 )
+            check_dtypes(sync, what, self.compression)  # a complex leaf with compression='bf16'
             self.held = None  # freed before fn runs, as zero_grad(set_to_none=True) frees .grad
             inputs = [t.detach().requires_grad_() for t in leaves]
             reducer = sync.reducer(state)

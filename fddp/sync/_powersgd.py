@@ -169,6 +169,11 @@ class PowerSGD(CommHook):
 
     # --- the comm hook (see fddp.hooks) ---------------------------------------------------------
 
+    def cannot_carry(self, dtype: torch.dtype) -> str | None:
+        if dtype.is_complex:
+            return "its factors are computed with plain transposes (Q = M^T P), not the conjugate transposes complex matrices need"
+        return None
+
     def signature(self, state: Any) -> str:
         # Ranks that disagree on whether this step compresses would send buffers of different
         # sizes; the switch changes the string once, which costs one extra signature check.

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from fddp import _caches, _dist, _layout
 from fddp._layout import BucketPlan, module_aliases
-from fddp._tree import LeafSpec, definition_order, flatten, specs_of, structure_rows, tensor_leaves
+from fddp._tree import LeafSpec, definition_order, flatten, paths, specs_of, structure_rows, tensor_leaves
 from fddp.runtime import require_initialized
 from fddp.sync import _signature
 from fddp.sync._checksum import check_replicas
@@ -31,7 +31,19 @@ from fddp.sync._comm import Comm
 from fddp.sync._reducer import Reducer
 from fddp.sync.hooks import Cast, CommHook, Mean, WeightedMean
 
-__all__ = ["KEYWORDS", "SyncOptions", "Sync", "make_options", "setup", "plan_of", "as_hook", "as_weight", "check_state"]
+__all__ = [
+    "KEYWORDS",
+    "SyncOptions",
+    "Sync",
+    "make_options",
+    "setup",
+    "plan_of",
+    "as_hook",
+    "as_weight",
+    "check_state",
+    "check_dtypes",
+    "dtype_error",
+]
 
 _CAST_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _MEAN, _WEIGHTED_MEAN = Mean(), WeightedMean()
@@ -169,6 +181,41 @@ def check_state(options: SyncOptions, state: Any, what: str, compression: Any = 
             f"fddp.{what}: compression_state is only used by a stateful comm hook such as fddp.PowerSGD, "
             f"got compression={compression if compression is not None else hook!r}"
         )
+
+
+def check_dtypes(sync: "Sync", what: str, compression: Any = None) -> None:
+    """Raise a TypeError naming the first gradient the call cannot average (see :func:`dtype_error`).
+
+    Per bucket, not per leaf: a bucket holds one dtype, and a plan has a handful of buckets.
+    """
+    hook = sync.options.hook
+    bad = {b.dtype for b in sync.plan.buckets if not (b.dtype.is_floating_point or b.dtype.is_complex) or hook.cannot_carry(b.dtype)}
+    if bad:
+        first = next(t.dtype for t in sync.leaves if t.dtype in bad)  # the first in the tree, not in the plan
+        raise TypeError(dtype_error(first, sync.leaves, sync.spec, hook, what, compression))
+
+
+def dtype_error(
+    dtype: torch.dtype, leaves: list[torch.Tensor], spec: optree.PyTreeSpec, hook: CommHook, what: str, compression: Any = None
+) -> str:
+    """Words for a gradient dtype that ``hook`` cannot average: not floating point or complex (a
+    mean of integers is no integer; torch's gradients are floating point or complex), or one the
+    hook cannot send (a complex leaf in half precision). Names the first leaf of that dtype."""
+    i = next(i for i, t in enumerate(leaves) if t.dtype == dtype)
+    where = f"grad {paths(spec)[i]!r}"
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return (
+            f"fddp.{what}: gradients must be floating point or complex, but {where} is {dtype} (its parameter's "
+            "dtype); keep integer and bool tensors (step counters, masks) out of the tree you synchronise, or "
+            "make them identical on every rank with fddp.broadcast or fddp.sync_buffers(..., 'mean'), which "
+            "takes an integer's maximum"
+        )
+    shown = compression if compression is not None else hook
+    return (
+        f"fddp.{what}: compression={shown!r} cannot carry {where}, a {dtype} leaf: {hook.cannot_carry(dtype)}. "
+        "Synchronise complex gradients without compression (compression=None), in a call of their own if "
+        "the rest should stay compressed"
+    )
 
 
 class Sync:

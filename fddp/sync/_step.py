@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from fddp import _dist, _layout
-from fddp._tree import flatten, paths, specs_of, tensor_leaves
+from fddp._tree import flatten, not_a_module, paths, specs_of, tensor_leaves
 from fddp.sync import _differentiable
-from fddp.sync._setup import as_weight, check_state, make_options, setup
+from fddp.sync._setup import as_weight, check_dtypes, check_state, dtype_error, make_options, setup
 
 __all__ = ["ddp_step"]
 
@@ -24,6 +24,7 @@ def _grad_leaves(p_leaves: list[torch.Tensor], p_spec: optree.PyTreeSpec, p_spec
         return [None] * len(p_leaves)
     g_leaves, g_spec = flatten(grads)
     if g_spec != p_spec:
+        not_a_module(grads, "ddp_step", "grads")
         why = _layout.explain_split(p_spec, g_spec, "params", "grads")
         raise ValueError(
             "fddp.ddp_step: grads must have the same tree structure as params"
@@ -100,7 +101,8 @@ def ddp_step(
             contributes nothing, even NaN). The sum of weights rides in bucket 0's all-reduce (with
             half-precision buckets it travels first, alone, so that each rank can send
             ``w_r / W * g_r``, which cannot overflow fp16). ``info.weight`` is that sum, the same
-            on every rank: 0 when no rank had data (see :class:`fddp.Join`).
+            on every rank: 0 when no rank had data (see :class:`fddp.Join`), and the gradients are
+            then zeros, in every dtype and compression: the mean over no samples is taken as zero.
         compression: ``"bf16"`` or ``"fp16"`` (or :class:`fddp.Cast`) to send buckets in half
             precision (halving the bytes; divided before the sum, as torch's ``fp16_compress_hook``);
             a :class:`fddp.PowerSGD` to send low-rank approximations; any
@@ -127,10 +129,13 @@ def ddp_step(
     )  # fmt: skip
     w = None if weight is None else as_weight(weight, "ddp_step")
     check_state(options, compression_state, "ddp_step", compression)
-    p_leaves, p_spec = tensor_leaves(params, "ddp_step")
+    p_leaves, p_spec = tensor_leaves(params, "ddp_step", name="params")
     p_specs = specs_of(p_leaves)
     g_leaves = _grad_leaves(p_leaves, p_spec, p_specs, grads)
     if _differentiable.needed(g_leaves):
+        for d in {s[1] for s in p_specs}:  # leaf by leaf: this path is not the hot one
+            if not (d.is_floating_point or d.is_complex):
+                raise TypeError(dtype_error(d, p_leaves, p_spec, options.hook, "ddp_step", compression))
         if options.hook.shards:
             raise RuntimeError(
                 f"fddp.ddp_step: compression={options.hook!r} returns this rank's shards, which have no "
@@ -141,6 +146,7 @@ def ddp_step(
         return (out, info) if return_info else out
     with _dist.exclusive(options.group, "ddp_step"):
         sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs, replicas=True)
+        check_dtypes(sync, "ddp_step", compression)  # after the agreement: every rank raises alike
         reducer = sync.reducer(compression_state)
         reducer.push(g_leaves)
         flats, info = reducer.finish()

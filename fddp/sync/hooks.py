@@ -121,6 +121,11 @@ class CommHook:
         """A factor for the reducer to apply while it copies values into this bucket, or ``None``."""
         return None
 
+    def cannot_carry(self, dtype: torch.dtype) -> str | None:
+        """Why this hook cannot reduce buckets of ``dtype`` (for the error the front end raises), or
+        ``None`` when it can (the default)."""
+        return None
+
     def fill_dtype(self, comm: Comm, layout: Bucket) -> torch.dtype | None:
         """A dtype for the reducer to fill this bucket in (casting in the copy), or ``None`` for
         ``layout.dtype``. The buffer ``finish`` returns still has ``layout.dtype``."""
@@ -249,7 +254,7 @@ class WeightSum:
                 self.buf = comm.weight.reshape(1).to(device, copy=True)
                 self.work = comm.all_reduce(self.buf)
             comm.wait(self.work, "the all-reduce of the weights")
-            comm.weight_sum = self.buf[-1].to("cpu", torch.float64)
+            comm.weight_sum = self.buf[-1].real.to("cpu", torch.float64)  # .real: a complex bucket's weight
         return comm.weight_sum
 
 
@@ -261,6 +266,16 @@ def normalise_weight(flat: torch.Tensor, sums: WeightSum) -> None:
     """
     w = sums.comm.weight
     flat.mul_(w / sums.total(flat.device).clamp_min(_TINY))
+
+
+def weight_divisor(weight_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``W`` as the divisor of a bucket of ``dtype``, at least that dtype's smallest normal number.
+
+    ``W = 0`` (no rank had data) comes with an all-zero numerator (every rank zeroed its
+    contribution), and the mean over no samples is taken as zero: ``0 / tiny`` is 0, where ``0 / 0``
+    is NaN. The floor must be the bucket dtype's: float64's smallest normal rounds to 0 in float32.
+    """
+    return weight_sum.clamp_min(torch.finfo(dtype).tiny).to(dtype)
 
 
 def zero_if_weightless(flat: torch.Tensor, weight: torch.Tensor) -> None:
@@ -310,10 +325,9 @@ class WeightedMean(CommHook):
         if flat.dtype in LOW_PRECISION:
             return flat, sums  # sent as w_r / W * g_r: the sum is the mean
         if bucket.index == 0:
-            comm.weight_sum = sums.buf[-1].to(torch.float64)
+            comm.weight_sum = sums.buf[-1].real.to(torch.float64)  # .real: a complex bucket's weight
             flat = sums.buf[:-1]
-        # All ranks empty: every numerator is zero too, and the mean is taken as zero.
-        return flat.div_(comm.weight_sum.clamp_min(_TINY).to(flat.dtype)), sums
+        return flat.div_(weight_divisor(comm.weight_sum, flat.dtype)), sums
 
     def end(self, sums: Any) -> Any:
         if sums.comm.weight_sum is None:  # no buckets (an empty tree): the weight still travels
@@ -347,6 +361,11 @@ class Cast(CommHook):
 
     def signature(self, state: Any) -> str:
         return f"cast to {self.dtype}"
+
+    def cannot_carry(self, dtype: torch.dtype) -> str | None:
+        if dtype.is_complex:
+            return f"it sends each bucket as {self.dtype}, which has no imaginary part"
+        return None
 
     def begin(self, state: Any, comm: Comm) -> Any:
         return WeightSum(comm) if comm.weight is not None else None

@@ -27,6 +27,7 @@ from fddp.sync.hooks import (
     all_finite,
     nth,
     power_of_two,
+    weight_divisor,
     zero_if_weightless,
 )
 from fddp.zero import _layout as shard_layout
@@ -125,6 +126,9 @@ class ReduceScatter(CommHook):
         inner = "mean" if self.inner is None else self.inner.signature(state)
         return f"shards ({self.strategy}) of {inner}"
 
+    def cannot_carry(self, dtype: torch.dtype) -> str | None:
+        return None if self.inner is None else self.inner.cannot_carry(dtype)
+
     def _inner(self, comm: Comm) -> CommHook:
         if self.inner is not None:
             return self.inner
@@ -182,7 +186,7 @@ class ReduceScatter(CommHook):
         out[c.held :].zero_()  # the padding's sum is zero already; keep it exactly so
         if ws.sums is not None:
             if out.dtype not in LOW_PRECISION:
-                out.div_(ws.sums.total(out.device).clamp_min(_TINY).to(out.dtype))
+                out.div_(weight_divisor(ws.sums.total(out.device), out.dtype))
         elif not power_of_two(comm.world_size) and out.dtype not in LOW_PRECISION:
             out.div_(comm.world_size)
         return out, ws

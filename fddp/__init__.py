@@ -21,6 +21,8 @@ from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.runtime import clear_caches, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from fddp.sync import (
     Cast,
+    Int8,
+    Int8State,
     MismatchError,
     PowerSGD,
     PowerSGDState,
@@ -34,11 +36,14 @@ from fddp.sync import (
     verify_replicas,
 )
 from fddp import zero  # after fddp.sync, which it builds on
+from fddp import diloco  # after fddp.zero and fddp.optim, which it builds on
 
 __all__ = [
     "Cast",
     "DynamicLossScale",
     "GradAccumulator",
+    "Int8",
+    "Int8State",
     "Join",
     "LossScaleState",
     "MismatchError",
@@ -52,6 +57,7 @@ __all__ = [
     "clear_caches",
     "ddp_step",
     "device",
+    "diloco",
     "functionalize",
     "functionalize_with_buffers",
     "grad",

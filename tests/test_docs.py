@@ -22,9 +22,9 @@ def _public(module: types.ModuleType) -> list[tuple[str, object]]:
 
 
 def _documented_objects() -> list[tuple[str, object]]:
-    """Every public function and class of fddp, fddp.optim, fddp.checkpoint and fddp.zero."""
+    """Every public function and class of fddp, fddp.optim, fddp.checkpoint, fddp.zero and fddp.diloco."""
     out = []
-    for module in (fddp, fddp.optim, fddp.checkpoint, fddp.zero):
+    for module in (fddp, fddp.optim, fddp.checkpoint, fddp.zero, fddp.diloco):
         for name, obj in _public(module):
             if inspect.isfunction(obj) or inspect.isclass(obj):
                 out.append((name, obj))

@@ -449,3 +449,87 @@ def test_ranks_that_disagree_raise_mismatch_and_a_failed_sync_changes_nothing():
         for delay in (0, 1):
             message, unchanged = failed[delay]
             assert "injected failure" in message and unchanged
+
+
+# --- composition: ZeRO inside each worker, DiLoCo across workers -----------------------------------
+
+
+def _hybrid_worker(steps: int):
+    # Ranks {0, 1} and {2, 3} are two workers; each trains with ZeRO-2 over its own pair, and the
+    # outer step averages across the pairs, over {0, 2} and {1, 3}.
+    r = fddp.rank()
+    inner_groups = [tdist.new_group([0, 1]), tdist.new_group([2, 3])]
+    outer_groups = [tdist.new_group([0, 2]), tdist.new_group([1, 3])]
+    inner_g, outer_g = inner_groups[r // 2], outer_groups[r % 2]
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    worker_data = [_data(10 * (r // 2) + m, steps) for m in range(2)]  # both members' batches
+    mine = worker_data[r % 2]
+    adamw = fddp.optim.adamw(0.05)
+    outer = fddp.diloco.diloco(3, group=outer_g)
+
+    p, o = params, outer.init(params)
+    shards = fddp.zero.shard(p, group=inner_g)
+    s = adamw.init(shards)
+    for x, y in mine:
+        g = fddp.ddp_step(p, torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y), group=inner_g,
+                          compression=fddp.zero.ReduceScatter())  # fmt: skip
+        shards, s = fddp.optim.apply_gradients(adamw, g, s, shards)
+        p = fddp.zero.gather(shards).wait()
+        p, o = outer.step(p, o)
+        shards = fddp.zero.shard(p, group=inner_g)  # the outer step may have moved them
+
+    # The reference: one rank per worker, the worker's whole batch, no inner communication.
+    q, t, o2 = params, adamw.init(params), outer.init(params)
+    for (x0, y0), (x1, y1) in zip(*worker_data):
+        g = torch.func.grad(_loss, argnums=1)(apply_fn, q, torch.cat([x0, x1]), torch.cat([y0, y1]))
+        q, t = fddp.optim.apply_gradients(adamw, g, t, q)
+        q, o2 = outer.step(q, o2)
+    return p, q
+
+
+def test_zero_inside_each_worker_and_diloco_across_equals_one_rank_per_worker():
+    for p, q in run(_hybrid_worker, 4, 7):
+        for k in q:
+            torch.testing.assert_close(p[k], q[k], rtol=1e-4, atol=1e-5)
+
+
+# --- uneven data: weights, and rounds in which no rank had any -------------------------------------
+
+
+def _join_worker():
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    r = fddp.rank()
+    data = fddp.Join(_data(r, 4 if r == 0 else 2))  # rank 1 runs out after two steps
+    sgd = fddp.optim.sgd(0.1)
+    outer = fddp.diloco.diloco(2, fddp.optim.sgd(1.0, momentum=0.9))
+    p, s, o = params, sgd.init(params), outer.init(params)
+    seen = []
+    for _ in range(6):
+        batch = next(data)
+        if batch is not None:
+            g = torch.func.grad(_loss, argnums=1)(apply_fn, p, *batch)
+            p, s = fddp.optim.apply_gradients(sgd, g, s, p)
+        before = (p, o)
+        p, o, info = outer.step(p, o, weight=0 if batch is None else len(batch[0]), return_info=True)
+        if info.syncs:
+            seen.append((float(info.syncs[0].weight), before, (p, o)))
+    return seen
+
+
+def test_weights_average_what_each_rank_saw_and_a_round_without_data_changes_nothing():
+    outs = run(_join_worker, K)
+    (w1, _, _), (w2, before2, after2), (w3, before3, after3) = outs[0]
+    assert (w1, w2, w3) == (32.0, 16.0, 0.0)  # 2 x 8 samples on each rank, then rank 0's alone, then none
+    # Round 2: only rank 0 trained, so the weighted mean is its pseudo-gradient alone, and the
+    # new global parameters (outer SGD, lr 1, momentum: m = 0.9 m + d) follow from it.
+    p0 = before2[0]
+    for k in p0:
+        delta = before2[1].snapshot[k] - p0[k]
+        m = 0.9 * before2[1].outer_state[0].momentum_buffer[k] + delta
+        torch.testing.assert_close(after2[0][k], before2[1].snapshot[k] - m, rtol=1e-6, atol=1e-7)
+    # Round 3: no data anywhere: no outer step (the momentum would otherwise still move things).
+    assert _equal(after3[1].outer_state, before3[1].outer_state) and _equal(after3[1].snapshot, before3[1].snapshot)
+    for p_r, _ in [o[2][2] for o in outs]:
+        assert _equal(p_r, after3[1].snapshot)

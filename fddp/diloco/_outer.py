@@ -237,8 +237,7 @@ class DiLoCo:
         if weight is not None:
             w = _as_weight(weight)
             weights = tuple(a + w for a in weights)
-        due_merge = [p for p, f in enumerate(state.flights) if f.pending is not None or int(f.merge_at) >= 0]
-        due_merge = [p for p in due_merge if int(state.flights[p].merge_at) == t]
+        due_merge = [p for p, f in enumerate(state.flights) if int(f.merge_at) == t]
         due_launch = [p for p in range(self.fragments) if launches(t, p, self.fragments, self.every, self.delay)]
         count = torch.tensor(t, dtype=torch.int64)
         if not due_merge and not due_launch:

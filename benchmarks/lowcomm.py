@@ -281,7 +281,8 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
         # A relative 1e-4 of slack: fddp's every-step modes end on DDP's loss up to float rounding.
         reached = (t for t, loss in zip(r["time_s"], r["eval_loss"]) if loss <= target * (1 + 1e-4))
         hit = None if mode.startswith("paired") else next(reached, None)
-        at_n = next((l for s, l in zip(r["step"], r["eval_loss"]) if s >= ddp_steps), None)
+        # Paired modes share their batches with the floor beside them: their loss is not comparable.
+        at_n = None if mode.startswith("paired") else next((l for s, l in zip(r["step"], r["eval_loss"]) if s >= ddp_steps), None)
         out[mode] = {
             "time_to_target_s": hit,
             "ratio_to_ddp": None if hit is None else hit / ddp["total_s"],

@@ -146,3 +146,13 @@ def test_zero_loop_runs(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", block + proc.stderr
+
+
+def test_lowcomm_loop_runs(tmp_path: Path) -> None:
+    (block,) = _marked_blocks(ROOT / "docs" / "lowcomm.md", "run by tests/test_docs.py")
+    script = tmp_path / "lowcomm_loop.py"
+    # every=30 over the prelude's 5 batches would only count: sync every 2nd step instead.
+    script.write_text(PRELUDE + block.replace("every=30", "every=2") + CHECK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", block + proc.stderr

@@ -269,7 +269,7 @@ class DiLoCo:
 
         def merge(p: int) -> None:
             for i in frags[p].indices:
-                out[i] = snap[i].clone() if self.mixing == 0 else torch.lerp(snap[i], leaves[i], self.mixing)
+                out[i] = snap[i].clone() if self.mixing == 0 else torch.lerp(snap[i], leaves[i].detach(), self.mixing)
             flights[p] = _no_flight()
 
         for p in due_merge:
@@ -354,7 +354,7 @@ class DiLoCo:
         return sent
 
     def _fragments(self, params: Any) -> tuple[Fragment, ...]:
-        return _split_cached(optree.tree_structure(params, none_is_leaf=True), _specs(params), params, self.fragments)
+        return _split_of(optree.tree_structure(params, none_is_leaf=True), _specs(params), self.fragments)
 
     @functools.cached_property
     def _rows(self) -> list[tuple[str, str]]:
@@ -378,17 +378,11 @@ class DiLoCo:
             )
 
 
-_split_memo: dict[Any, tuple[Fragment, ...]] = {}
-
-
-def _split_cached(spec: Any, specs: tuple, params: Any, count: int) -> tuple[Fragment, ...]:
-    key = (spec, specs, count)
-    frags = _split_memo.get(key)
-    if frags is None:
-        if len(_split_memo) > 64:
-            _split_memo.clear()
-        frags = _split_memo[key] = split(params, count, _WHAT)
-    return frags
+@functools.lru_cache(maxsize=64)
+def _split_of(spec: Any, specs: tuple, count: int) -> tuple[Fragment, ...]:
+    """The fragments of trees of this structure and these leaf shapes and dtypes (cached)."""
+    like = optree.tree_unflatten(spec, [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs])
+    return split(like, count, _WHAT)
 
 
 def _specs(params: Any) -> tuple:

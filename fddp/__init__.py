@@ -13,7 +13,7 @@ Example:
     >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
 """
 
-from fddp import checkpoint, optim, scaling, zero
+from fddp import checkpoint, diloco, optim, scaling, zero
 from fddp._dist import Checks, checks, set_checks
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
@@ -22,6 +22,8 @@ from fddp.nonfinite import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.runtime import clear_caches, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from fddp.sync import (
     Cast,
+    Int8,
+    Int8State,
     MismatchError,
     PowerSGD,
     PowerSGDState,
@@ -40,6 +42,8 @@ __all__ = [
     "Checks",
     "DynamicLossScale",
     "GradAccumulator",
+    "Int8",
+    "Int8State",
     "Join",
     "LossScaleState",
     "MismatchError",
@@ -54,6 +58,7 @@ __all__ = [
     "clear_caches",
     "ddp_step",
     "device",
+    "diloco",
     "functionalize",
     "functionalize_with_buffers",
     "grad",

@@ -67,3 +67,23 @@ def test_checkpoint_benchmark_records_every_call(tmp_path: Path) -> None:
         for k in calls:
             assert res[f"{clock} ratio"][k] == res[f"{clock} verified"][k] / res[f"{clock} unverified"][k] > 0
     assert os.listdir(tmp_path) == ["checkpoint.json"]  # nothing left behind in --dir
+
+
+def test_lowcomm_benchmark_counts_one_hth_of_ddps_bytes(tmp_path: Path) -> None:
+    out = tmp_path / "lowcomm.json"
+    modes = ["ddp", "fddp_bf16", "diloco_H10", "stream_H10_int8"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(BENCHMARKS / "lowcomm.py")]
+    cmd += ["worker", "--out", str(out), "--modes", *modes, "--steps", "30", "--diloco-steps", "30", "--eval-every", "10",
+            "--fragments", "2", "--delay", "2", "--width", "64"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    res = json.loads(out.read_text())["results"]
+    assert set(res) == set(modes)
+    ddp = res["ddp"]["bytes_per_step"]
+    assert ddp == 4 * res["ddp"]["values"]  # every float32 gradient, every step
+    assert res["fddp_bf16"]["bytes_per_step"] / ddp == 0.5
+    assert res["diloco_H10"]["bytes_per_step"] / ddp == 0.1  # one all-reduce of the pseudo-gradients per 10 steps
+    # Three rounds of two fragments in int8 (1 byte a value, a 4-byte scale per 256): 1/10 of a quarter.
+    assert abs(res["stream_H10_int8"]["bytes_per_step"] / ddp / (0.1 * (1 + 4 / 256) / 4) - 1) < 0.01
+    assert all(len(r["eval_loss"]) == 3 for r in res.values())

@@ -28,9 +28,9 @@ def _public(module: types.ModuleType) -> list[tuple[str, object]]:
 
 
 def _documented_objects() -> list[tuple[str, object]]:
-    """Every public function and class of fddp, fddp.optim, fddp.checkpoint and fddp.zero."""
+    """Every public function and class of fddp, fddp.optim, fddp.checkpoint, fddp.zero and fddp.diloco."""
     out = []
-    for module in (fddp, fddp.optim, fddp.checkpoint, fddp.zero):
+    for module in (fddp, fddp.optim, fddp.checkpoint, fddp.zero, fddp.diloco):
         for name, obj in _public(module):
             if inspect.isfunction(obj) or inspect.isclass(obj):
                 out.append((name, obj))
@@ -283,3 +283,13 @@ def test_batchnorm_loop_matches_ddp_and_resumes(tmp_path: Path) -> None:
     # Every rank evaluated with rank 0's statistics, as under DDP.
     for k, v in results[0]["trained"]["buffers"].items():
         assert torch.equal(results[1]["trained"]["buffers"][k], v), k
+
+
+def test_lowcomm_loop_runs(tmp_path: Path) -> None:
+    (block,) = _marked_blocks(ROOT / "docs" / "lowcomm.md", "run by tests/test_docs.py")
+    script = tmp_path / "lowcomm_loop.py"
+    # every=30 over the prelude's 5 batches would only count: sync every 2nd step instead.
+    script.write_text(PRELUDE + block.replace("every=30", "every=2") + CHECK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", block + proc.stderr

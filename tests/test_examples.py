@@ -199,3 +199,16 @@ def test_zero_trains_sharded_and_resumes_on_one_process(tmp_path: Path) -> None:
     for h in one["history"]:
         assert h["loss"] == pytest.approx(two["history"][h["step"] - 1]["loss"], abs=1e-5), h
     assert one["test_acc"] == pytest.approx(two["test_acc"], abs=0.01)
+
+
+def test_diloco_streams_int8_fragments_checkpoints_mid_run_and_trains(tmp_path: Path) -> None:
+    # Streaming DiLoCo with int8 pseudo-gradients. H=20, F=2, tau=3: fragment 1 launches at 17, 37,
+    # 57 and merges 3 steps later, so the checkpoint after step 59 (half of 118) holds it in flight.
+    out = launch("diloco.py", "--steps", "118", "--every", "20", "--fragments", "2", "--delay", "3", "--mixing", "0.5",
+                 "--compression", "int8", "--out-dir", "run", tmp=tmp_path)  # fmt: skip
+    assert "final test accuracy" in out
+    m = read_outputs(tmp_path / "run")
+    assert m["world_size"] == 2 and m["test_acc"][-1] > 0.8, m["test_acc"]
+    assert m["test_loss"][-1] < m["test_loss"][0] / 2
+    # 9610 values: float32 would send 4 bytes of each every 20 steps; int8 (and a scale per 256) sends 1.
+    assert m["bytes"][-1] / 118 < 9610 * 4 / 20 / 3.5

@@ -11,6 +11,7 @@ each full one to the comm hook (``hooks``, ``_powersgd``), which issues its coll
 from fddp.sync import hooks
 from fddp.sync._collectives import broadcast, checksum, sync_buffers, verify_replicas
 from fddp.sync._grad import grad, grad_and_value
+from fddp.sync._int8 import Int8, Int8State
 from fddp.sync._powersgd import PowerSGD, PowerSGDState
 from fddp.sync._reducer import SyncInfo, Timeline
 from fddp.sync._setup import plan_of
@@ -20,6 +21,8 @@ from fddp.sync.hooks import Cast
 
 __all__ = [
     "Cast",
+    "Int8",
+    "Int8State",
     "MismatchError",
     "PowerSGD",
     "PowerSGDState",

@@ -1,0 +1,512 @@
+"""Low-communication training on slow links: time to accuracy of DDP, fddp every step and DiLoCo.
+
+    python benchmarks/lowcomm.py --hosts 4 --rate 100mbit
+    python benchmarks/lowcomm.py --hosts 2 --rate 1gbit
+    python benchmarks/lowcomm.py memory          # outer state per rank, 2 and 4 ranks, no test bed
+
+Makes a test bed (tools/cluster.py: network namespaces on a bridge, each host's link capped at
+``--rate`` both ways; needs root), measures the link, and runs every mode, one after the other, in
+one torchrun job with one rank per host. Writes ``benchmarks/results/lowcomm_<hosts>x1_<rate>.json``
+and ``.png`` (eval loss against wall time), and prints the table.
+
+The task: a student MLP (4 hidden layers of 512, GELU: 0.82M values, 3.3 MB in float32) learns a
+fixed random teacher's labels on 64-dimensional Gaussian inputs; fresh samples every step (no
+epochs, no overfitting), eval loss on 4096 held-out samples. Chosen because communication
+dominates at these rates with a step that costs milliseconds on a shared CPU core: each sample
+costs ~6 FLOPs per parameter, and DDP sends all 3.3 MB every step. (The LM example's
+transformer spends ~20x more compute per byte of gradients, so 4 processes on 2 cores would be
+compute-bound, not link-bound, before the link mattered.)
+
+Modes (AdamW inside every one, one learning-rate schedule: warmup, cosine to 0.1x by DDP's last step,
+then flat; 64 samples per rank per step):
+    floor           no communication at all: each rank trains alone (the compute floor)
+    ddp             torch DDP (gloo) + torch.optim.AdamW: the reference
+    fddp            fddp.ddp_step every step (plain, bf16, powersgd)
+    diloco_H<h>     fddp.diloco.diloco(every=h): outer Nesterov SGD (lr 0.7, momentum 0.5)
+    stream_H<h>     the same, streaming: fragments, delay, mixing (--fragments, --delay, --mixing)
+    ..._int8        pseudo-gradients sent as int8 with error feedback (fddp.Int8)
+    paired_...      the same for --paired-steps, each step preceded by a floor step on a copy of its own:
+                    the inner step between syncs against the no-communication floor, under the same load
+
+DDP's final eval loss after ``--steps`` steps is the target. Every DiLoCo mode runs
+``--diloco-steps`` (more: its steps are cheap) and reports its eval loss at DDP's sample count and
+the wall time at which it first evaluated at or below the target. The clock stops while a mode
+evaluates. Bytes are the payload each rank hands to collectives, per inner step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "benchmarks" / "results"
+
+D_IN, CLASSES, EVAL_N = 64, 10, 4096
+
+
+# ------------------------------------------------------------------------------- the task (per rank)
+
+
+def _task(args: argparse.Namespace):
+    import torch
+    from torch import nn
+
+    class MLP(nn.Sequential):
+        def __init__(self, width: int, layers: int) -> None:
+            mods: list[nn.Module] = [nn.Linear(D_IN, width), nn.GELU()]
+            for _ in range(layers - 1):
+                mods += [nn.Linear(width, width), nn.GELU()]
+            super().__init__(*mods, nn.Linear(width, CLASSES))
+
+    torch.manual_seed(1234)
+    teacher = nn.Sequential(nn.Linear(D_IN, 256), nn.Tanh(), nn.Linear(256, CLASSES))
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(999)
+    x_eval = torch.randn(EVAL_N, D_IN, generator=g)
+    with torch.no_grad():
+        y_eval = teacher(x_eval).argmax(1)
+
+    def batch(gen: "torch.Generator") -> tuple:
+        x = torch.randn(args.batch, D_IN, generator=gen)
+        with torch.no_grad():
+            return x, teacher(x).argmax(1)
+
+    def student() -> nn.Module:
+        torch.manual_seed(args.seed)
+        return MLP(args.width, args.layers)
+
+    return student, batch, (x_eval, y_eval)
+
+
+def _lr(step: Any, args: argparse.Namespace) -> Any:
+    """Linear warmup, cosine decay to ``--final-lr`` times the peak at DDP's last step, then flat:
+    every mode anneals by DDP's sample count, and the longer DiLoCo runs go on at the low rate."""
+    import torch
+
+    step = torch.as_tensor(step, dtype=torch.float64)
+    warm = (step + 1) / args.warmup
+    progress = ((step - args.warmup) / max(1, args.steps - args.warmup)).clamp(0.0, 1.0)
+    cosine = args.final_lr + (1 - args.final_lr) * 0.5 * (1 + torch.cos(math.pi * progress))
+    return args.lr * torch.where(step < args.warmup, warm, cosine)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank (under torchrun): every mode of ``--modes`` in turn; rank 0 writes ``--out``."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import fddp
+
+    torch.set_num_threads(1)
+    fddp.init()
+    rank, world = fddp.rank(), fddp.world_size()
+    student, batch, (x_eval, y_eval) = _task(args)
+    results: dict[str, Any] = {}
+
+    for mode in args.modes:
+        model = student()
+        apply_fn, params = fddp.functionalize(copy.deepcopy(model))
+        params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+        gen = torch.Generator().manual_seed(10_000 * (rank + 1) + args.seed)
+        loss_fn = lambda p, x, y: F.cross_entropy(apply_fn(p, x), y)  # noqa: E731
+        steps = args.diloco_steps if mode.startswith(("diloco", "stream", "floor")) else args.steps
+        steps = args.paired_steps if mode.startswith("paired") else steps
+        record: dict[str, Any] = {"step": [], "samples": [], "time_s": [], "eval_loss": []}
+        step_s: list[float] = []  # per inner step, between syncs
+        sync_s: list[float] = []
+        waits: list[float] = []
+        outer_s: list[float] = []  # outer.step alone, between syncs
+        floor_s: list[float] = []  # paired modes: the floor's step, interleaved with this mode's
+        flying_s: list[float] = []  # between syncs, with a fragment's all-reduce in flight
+        idle_s: list[float] = []  # between syncs, with nothing in flight
+        pair_ratios: list[float] = []  # paired modes: this mode's step over the floor's, step by step
+        sent = 0
+
+        @torch.no_grad()
+        def evaluate(p: Any) -> float:
+            return float(F.cross_entropy(apply_fn(p, x_eval), y_eval))
+
+        if mode == "ddp":
+            net = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+            opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
+            bucket_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+
+            def step(t: int) -> None:
+                nonlocal sent
+                for group in opt.param_groups:
+                    group["lr"] = float(_lr(t, args))
+                x, y = batch(gen)
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(net(x), y).backward()
+                opt.step()
+                sent += bucket_bytes
+
+            def global_params() -> Any:
+                return {k: v.detach() for k, v in net.module.named_parameters()}
+        else:
+            box: dict[str, Any] = {"p": params}
+            inner = fddp.optim.adamw(lambda count: _lr(count, args), weight_decay=0.0)
+            box["s"] = inner.init(params)
+            grad = torch.func.grad(loss_fn)
+            if mode.startswith("fddp"):
+                powersgd = fddp.PowerSGD(rank=args.powersgd_rank, start_iter=10)
+                compression = {"fddp": None, "fddp_bf16": "bf16", "fddp_powersgd": powersgd}[mode]
+                box["c"] = compression.init(params) if isinstance(compression, fddp.PowerSGD) else None
+                # The all-reduce of each bucket starts inside backward, as DDP's does.
+                synced = fddp.grad_and_value(loss_fn, compression=compression, return_info=True)
+
+                def step(t: int) -> None:
+                    nonlocal sent
+                    x, y = batch(gen)
+                    g, _, info = synced(box["p"], x, y, compression_state=box["c"])
+                    box["c"] = info.compression_state
+                    sent += info.bytes_sent
+                    box["p"], box["s"] = fddp.optim.apply_gradients(inner, g, box["s"], box["p"])
+
+                def global_params() -> Any:
+                    return box["p"]
+            else:
+                outer = None
+                if mode.startswith(("diloco", "stream", "paired")):
+                    h = int(mode.split("_H")[1].split("_")[0])
+                    compression = fddp.Int8() if mode.endswith("_int8") else None
+                    nesterov = fddp.optim.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
+                    if "stream" in mode:
+                        outer = fddp.diloco.diloco(h, nesterov, fragments=args.fragments, delay=args.delay,
+                                                   mixing=args.mixing, compression=compression)  # fmt: skip
+                    else:
+                        outer = fddp.diloco.diloco(h, nesterov, compression=compression)
+                    box["o"] = outer.init(params)
+                if mode.startswith("paired"):
+                    box["fp"], box["fs"] = params, inner.init(params)
+
+                def floor_step() -> float:
+                    """The floor's step on its own copy, next to this mode's: the same load."""
+                    x, y = batch(gen)
+                    t0 = time.perf_counter()
+                    box["fp"], box["fs"] = fddp.optim.apply_gradients(inner, grad(box["fp"], x, y), box["fs"], box["fp"])
+                    return time.perf_counter() - t0
+
+                def step(t: int) -> None:
+                    nonlocal sent
+                    paired = "fp" in box
+                    # Which of the two goes first alternates, so that neither always finds the caches warm.
+                    floor = floor_step() if paired and t % 2 == 0 else None
+                    x, y = batch(gen)
+                    flying = outer is not None and any(f.pending is not None for f in box["o"].flights)
+                    t0 = time.perf_counter()
+                    box["p"], box["s"] = fddp.optim.apply_gradients(inner, grad(box["p"], x, y), box["s"], box["p"])
+                    if outer is None:
+                        step_s.append(time.perf_counter() - t0)
+                        return
+                    t1 = time.perf_counter()
+                    box["p"], box["o"], info = outer.step(box["p"], box["o"], return_info=True)
+                    t2 = time.perf_counter()
+                    sent += info.bytes_sent
+                    if paired and floor is None:
+                        floor = floor_step()
+                    if info.launched or info.merged:
+                        sync_s.append(t2 - t0)
+                        if info.merged and outer.delay:
+                            waits.append(info.wait_s)
+                        return
+                    step_s.append(t2 - t0)
+                    outer_s.append(t2 - t1)
+                    (flying_s if flying else idle_s).append(t2 - t0)
+                    if paired:
+                        floor_s.append(floor)
+                        pair_ratios.append((t2 - t0) / floor)
+
+                def global_params() -> Any:
+                    return box["o"].snapshot if outer is not None else box["p"]
+
+        dist.barrier()
+        clock, sent_at_n = 0.0, None
+        for t in range(steps):
+            t0 = time.perf_counter()
+            step(t)
+            clock += time.perf_counter() - t0
+            if t + 1 == args.steps:
+                sent_at_n = sent
+            if (t + 1) % args.eval_every == 0 or t + 1 == steps:
+                record["step"].append(t + 1)
+                record["samples"].append((t + 1) * args.batch * world)
+                record["time_s"].append(clock)
+                record["eval_loss"].append(evaluate(global_params()))
+        dist.barrier()
+        record.update(
+            # Bytes per inner step over DDP's steps, a whole number of rounds of every H here.
+            steps=steps, bytes_per_step=(sent if sent_at_n is None else sent_at_n) / min(steps, args.steps), total_s=clock,
+            floor_paired_ms_median=1e3 * statistics.median(floor_s) if floor_s else None,
+            paired_ratio_median=statistics.median(pair_ratios) if pair_ratios else None,
+            step_ms_median=1e3 * statistics.median(step_s) if step_s else None,
+            sync_ms_median=1e3 * statistics.median(sync_s) if sync_s else None,
+            waits_ms=[1e3 * w for w in waits],
+            outer_step_us_median=1e6 * statistics.median(outer_s) if outer_s else None,
+            step_ms_in_flight=1e3 * statistics.median(flying_s) if flying_s else None,
+            step_ms_idle=1e3 * statistics.median(idle_s) if idle_s else None,
+            values=sum(p.numel() for p in params.values()),
+        )  # fmt: skip
+        results[mode] = record
+        if rank == 0:
+            print(f"{mode:<18} {steps:5d} steps {clock:8.1f} s  final eval loss {record['eval_loss'][-1]:.4f}  "
+                  f"{record['bytes_per_step'] / 1e3:9.1f} kB/step", flush=True)  # fmt: skip
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"results": results, "load_avg_end": os.getloadavg()}, indent=1))
+    fddp.shutdown()
+
+
+# ------------------------------------------------------------------------------- the report
+
+
+def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
+    """Per mode: time to DDP's final eval loss, eval loss at DDP's samples, ratios, bytes."""
+    ddp = res["ddp"]
+    target = ddp["eval_loss"][-1]
+    out = {}
+    for mode, r in res.items():
+        floor = r["floor_paired_ms_median"]
+        # A relative 1e-4 of slack: fddp's every-step modes end on DDP's loss up to float rounding.
+        reached = (t for t, loss in zip(r["time_s"], r["eval_loss"]) if loss <= target * (1 + 1e-4))
+        hit = None if mode.startswith("paired") else next(reached, None)
+        # Paired modes share their batches with the floor beside them: their loss is not comparable.
+        at_n = None if mode.startswith("paired") else next((loss for s, loss in zip(r["step"], r["eval_loss"]) if s >= ddp_steps), None)
+        out[mode] = {
+            "time_to_target_s": hit,
+            "ratio_to_ddp": None if hit is None else hit / ddp["total_s"],
+            "eval_loss_at_ddp_samples": at_n,
+            "loss_vs_ddp": None if at_n is None else at_n / target - 1,
+            "bytes_per_step": r["bytes_per_step"],
+            "bytes_ratio_to_ddp": r["bytes_per_step"] / ddp["bytes_per_step"],
+            "step_ms_median": r["step_ms_median"],
+            "step_vs_floor": None if r["paired_ratio_median"] is None else r["paired_ratio_median"] - 1,
+            "floor_paired_ms_median": floor,
+            "sync_ms_median": r["sync_ms_median"],
+            "max_wait_ms": max(r["waits_ms"]) if r["waits_ms"] else None,
+            "outer_step_us_median": r["outer_step_us_median"],
+            "step_ms_in_flight": r["step_ms_in_flight"],
+            "step_ms_idle": r["step_ms_idle"],
+        }
+    return {"target_eval_loss": target, "ddp_total_s": ddp["total_s"], "modes": out}
+
+
+def table(record: dict[str, Any]) -> str:
+    c, s = record["cluster"], record["summary"]
+    lines = [
+        f"{c['hosts']} hosts x 1 rank, links {c['rate']} each way (TCP measured {c['tcp_bps'] / 1e6:.0f} Mbit/s); "
+        f"{record['values'] / 1e6:.2f}M values ({4 * record['values'] / 2**20:.2f} MiB); target = DDP's final eval loss "
+        f"{s['target_eval_loss']:.4f} after {record['args']['steps']} steps ({s['ddp_total_s']:.1f} s); "
+        f"load average before {', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, after "
+        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} on {record['load_avg']['cpus']} CPUs",
+        "",
+        f"  {'mode':<20}{'steps':>6}{'time s':>9}{'to target s':>12}{'x DDP':>7}{'loss @N':>9}{'vs DDP':>8}"
+        f"{'kB/step':>10}{'x bytes':>9}{'step ms':>9}{'vs floor':>9}{'outer us':>9}{'sync ms':>9}{'max wait':>9}",
+    ]
+    def fmt(v: Any, f: str, scale: float = 1.0, unit: str = "") -> str:
+        return "" if v is None else format(scale * v, f) + unit
+
+    for mode, m in s["modes"].items():
+        r = record["results"][mode]
+        cells = [
+            f"{r['steps']:6d}", f"{r['total_s']:9.1f}", f"{fmt(m['time_to_target_s'], '.1f'):>12}",
+            f"{fmt(m['ratio_to_ddp'], '.3f'):>7}", f"{fmt(m['eval_loss_at_ddp_samples'], '.4f'):>9}",
+            f"{fmt(m['loss_vs_ddp'], '+.1f', 100, '%'):>8}", f"{m['bytes_per_step'] / 1e3:10.1f}",
+            f"{m['bytes_ratio_to_ddp']:9.4f}", f"{fmt(m['step_ms_median'], '.2f'):>9}",
+            f"{fmt(m['step_vs_floor'], '+.1f', 100, '%'):>9}", f"{fmt(m['outer_step_us_median'], '.0f'):>9}",
+            f"{fmt(m['sync_ms_median'], '.1f'):>9}", f"{fmt(m['max_wait_ms'], '.1f'):>9}",
+        ]  # fmt: skip
+        lines.append(f"  {mode:<20}" + "".join(cells))
+    lines.append(
+        "\nto target = wall time (eval excluded) until the eval loss first reaches DDP's final one; loss @N = eval "
+        "loss after DDP's number of samples; kB/step = bytes sent per rank per inner step over DDP's steps; step ms = "
+        "median inner step between syncs (vs floor, paired modes: the median over steps of its time over the "
+        "no-communication step interleaved with it); outer us = median outer.step call between syncs; max wait = the "
+        "longest a streaming merge waited for its fragment"
+    )
+    return "\n".join(lines)
+
+
+def plot(record: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for mode, r in record["results"].items():
+        if mode.startswith(("floor", "paired")):  # no communication; the floor's steps in the clock
+            continue
+        ax.plot(r["time_s"], r["eval_loss"], label=mode, lw=2 if mode == "ddp" else 1.2, color="black" if mode == "ddp" else None)
+    ax.axhline(record["summary"]["target_eval_loss"], color="gray", ls=":", lw=1, label="DDP's final eval loss")
+    c = record["cluster"]
+    ax.set(xscale="log", yscale="log", xlabel="wall time, s (log)", ylabel="eval loss (log)",
+           title=f"{c['hosts']} hosts, {c['rate']} links: eval loss against wall time")  # fmt: skip
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
+    from tools.cluster import Cluster, format_rate, measure_tcp, parse_rate, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"cannot make a test bed here: {reason}")
+    rate_bps = parse_rate(args.rate)
+    name = f"lowcomm_{args.hosts}x1_{format_rate(rate_bps)}"
+    out_json = Path(args.out_dir) / f"{name}.json"
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    raw = out_json.with_suffix(".raw.tmp")
+    load_before = os.getloadavg()
+    with Cluster(args.hosts, rate=args.rate) as c:
+        print(c.describe(), flush=True)
+        tcps = [measure_tcp(c, 0, 1, nbytes=8 << 20), measure_tcp(c, 1, 0, nbytes=8 << 20)]
+        print(f"TCP node0 <-> node1: {', '.join(f'{t / 1e6:.0f}' for t in tcps)} Mbit/s", flush=True)
+        argv = [str(ROOT / "benchmarks" / "lowcomm.py"), "worker", "--out", str(raw), *_worker_args(args)]
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        results = c.run_all([c.torchrun(h, argv) for h in c.hosts], timeout=args.timeout,
+                            envs=[{**c.env(h), **env} for h in c.hosts])  # fmt: skip
+        for r in results:
+            if r.returncode != 0:
+                raise SystemExit(f"the worker on {r.host.name} exited {r.returncode}:\n{r.output}")
+        print(results[0].output.strip(), flush=True)
+    res = json.loads(raw.read_text())
+    raw.unlink()
+    import torch
+
+    record = {
+        "command": " ".join(["python", "benchmarks/lowcomm.py", *sys.argv[1:]]),
+        "args": vars(args),
+        "torch": torch.__version__,
+        "cluster": {"hosts": args.hosts, "rate": format_rate(rate_bps), "rate_bps": rate_bps, "tcp_bps": max(tcps), "tcp_bps_all": tcps},
+        "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
+        "values": res["results"]["ddp"]["values"],
+        "results": res["results"],
+        "summary": summarise(res["results"], args.steps),
+    }
+    out_json.write_text(json.dumps(record, indent=1))
+    plot(record, out_json.with_suffix(".png"))
+    print()
+    print(table(record))
+    print(f"\nwrote {out_json} and {out_json.with_suffix('.png')}")
+    return record
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    keys = ["steps", "diloco_steps", "paired_steps", "batch", "lr", "outer_lr", "outer_momentum", "warmup", "final_lr", "width",
+            "layers", "eval_every", "seed", "fragments", "delay", "mixing", "powersgd_rank"]  # fmt: skip
+    out = ["--modes", *args.modes]
+    for k in keys:
+        out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    return out
+
+
+# ------------------------------------------------------------------------------- memory
+
+
+def memory_worker(args: argparse.Namespace) -> None:
+    """One rank: the outer state's bytes, replicated and sharded, counted as benchmarks/zero.py counts."""
+    import torch
+    from zero import nbytes
+
+    import fddp
+
+    torch.set_num_threads(1)
+    fddp.init()
+    student, _, _ = _task(args)
+    _, params = fddp.functionalize(student())
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+    p_bytes = nbytes(params)
+    rows = {}
+    for opt_name, opt in (("nesterov", fddp.optim.sgd(0.7, momentum=0.9, nesterov=True)), ("adamw", fddp.optim.adamw(1e-3))):
+        for shard in (False, True):
+            outer = fddp.diloco.diloco(2, opt, shard=shard)
+            state = outer.init(params)
+            p = {k: v + 0.01 for k, v in params.items()}
+            for _ in range(4):  # two syncs: the state as training leaves it
+                p, state = outer.step(p, state)
+            rows[f"{opt_name}{'_sharded' if shard else ''}"] = {
+                "snapshot": nbytes(state.snapshot), "outer_state": nbytes(state.outer_state),
+                "compression_state": nbytes(state.compression_state), "extra": nbytes(state),
+            }  # fmt: skip
+    if fddp.rank() == 0:
+        Path(args.out).write_text(json.dumps({"world": fddp.world_size(), "param_bytes": p_bytes, "rows": rows}))
+    fddp.shutdown()
+
+
+def run_memory(args: argparse.Namespace) -> None:
+    out = {}
+    for world in (2, 4):
+        tmp = Path(args.out_dir) / f"lowcomm_memory_{world}.tmp"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(ROOT / "benchmarks" / "lowcomm.py"), "memory-worker", "--out", str(tmp)]  # fmt: skip
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT / "benchmarks")
+        out[world] = json.loads(tmp.read_text())
+        tmp.unlink()
+    lines = ["outer state per rank (unique storages, as benchmarks/zero.py counts), P = the parameters' bytes"]
+    lines.append(f"  {'world':>5} {'outer optimizer':<18}{'snapshot':>10}{'opt state':>11}{'extra':>10}{'extra / P':>11}{'limit':>12}")
+    for world, r in out.items():
+        p = r["param_bytes"]
+        for name, m in r["rows"].items():
+            moments = 2 if name.startswith("adamw") else 1
+            limit = (1 + moments / world) if name.endswith("sharded") else (1 + moments)
+            lines.append(f"  {world:>5} {name:<18}{m['snapshot'] / p:10.3f}P{m['outer_state'] / p:10.3f}P"
+                         f"{m['extra']:10d}{m['extra'] / p:10.3f}P{limit:10.3f}P")  # fmt: skip
+    print("\n".join(lines))
+    path = Path(args.out_dir) / "lowcomm_memory.json"
+    path.write_text(json.dumps({"command": "python benchmarks/lowcomm.py memory", "worlds": out}, indent=1))
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------- command line
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", nargs="?", default="cluster", choices=["cluster", "worker", "memory", "memory-worker"])
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--rate", default="100mbit")
+    modes = ["floor", "ddp", "fddp", "fddp_bf16", "fddp_powersgd", "diloco_H10", "diloco_H30", "diloco_H100", "stream_H30",
+             "stream_H30_int8", "paired_H30", "paired_stream_H30_int8"]  # fmt: skip
+    p.add_argument("--modes", nargs="+", default=modes)
+    p.add_argument("--steps", type=int, default=300, help="steps of DDP and the every-step modes")
+    p.add_argument("--diloco-steps", type=int, default=600, help="inner steps of the DiLoCo modes and the floor")
+    p.add_argument("--paired-steps", type=int, default=300, help="steps of the paired (floor-interleaved) modes")
+    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every mode (DDP's best of 1, 2, 3e-3)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.5, help="its momentum (0.9, the paper's, overshoots in 10-30 outer steps)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--final-lr", type=float, default=0.1, help="the cosine's end, times --lr, reached at --steps")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--eval-every", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fragments", type=int, default=3, help="streaming: fragments")
+    p.add_argument("--delay", type=int, default=5, help="streaming: inner steps each fragment overlaps")
+    p.add_argument("--mixing", type=float, default=0.5, help="streaming: weight of the local values at a merge")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--out", default=None)
+    p.add_argument("--out-dir", default=str(RESULTS))
+    args = p.parse_args()
+    {"cluster": run_cluster, "worker": worker, "memory": run_memory, "memory-worker": memory_worker}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

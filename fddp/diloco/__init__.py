@@ -1,0 +1,30 @@
+"""Low-communication training: local SGD and (streaming, compressed) DiLoCo as a pure outer step.
+
+Each rank trains its own copy of the parameters for ``every`` inner steps without communicating;
+then the ranks average their *pseudo-gradients* (the snapshot taken at the last synchronisation
+minus their parameters) with fddp's bucketed all-reduce and any comm hook, and an outer optimizer
+(any ``fddp.optim`` transformation) steps the snapshot with the mean. One synchronisation every
+``every`` steps sends what data parallelism sends every step. Two lines join a local loop::
+
+    outer = fddp.diloco.diloco(every=50)       # outer SGD, Nesterov momentum 0.9, lr 0.7
+    state = outer.init(params)
+    for x, y in loader:
+        grads = torch.func.grad(loss_fn)(params, x, y)              # local: no communication
+        params, opt_state = fddp.optim.apply_gradients(inner, grads, opt_state, params)
+        params, state = outer.step(params, state)                   # syncs every 50th call
+
+``fddp.diloco.local_sgd(every=H)`` averages the parameters instead (outer SGD, learning rate 1).
+Streaming DiLoCo (``fragments=F, delay=tau, mixing=alpha``) synchronises ``F`` groups of leaves at
+staggered steps, each overlapping ``tau`` inner steps. The state (:class:`DiLoCoState`) is a
+pytree of tensors: :mod:`fddp.checkpoint` saves it, after :meth:`DiLoCo.settle` when a fragment
+is in flight, and a resumed run continues bitwise.
+
+Example:
+    >>> outer = fddp.diloco.local_sgd(every=8)
+    >>> state = outer.init(params)
+    >>> params, state = outer.step(params, state)
+"""
+
+from fddp.diloco._outer import DiLoCo, DiLoCoState, Flight, OuterInfo, diloco, local_sgd
+
+__all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "diloco", "local_sgd"]

@@ -1,0 +1,508 @@
+"""The outer step of local SGD and (streaming) DiLoCo: ``(params, state) -> (params, state)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+
+from fddp import _caches, optim, zero
+from fddp.diloco._plan import Fragment, describe, launches, split
+from fddp.optim import GradientTransformation
+from fddp.sync import Cast, SyncInfo, hooks
+from fddp.sync._inflight import InFlight, agree, start
+
+__all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "diloco", "local_sgd"]
+
+_WHAT = "diloco.step"
+_CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Flight(NamedTuple):
+    """One fragment's synchronisation between its launch and its merge.
+
+    Attributes:
+        launched_at: int64 scalar, the inner step it was launched at; -1 when none is in flight.
+        merge_at: int64 scalar, the inner step it merges at; -1 when none is in flight.
+        pending: the all-reduce on its way (``fddp.sync._inflight.InFlight``, not a tensor); ``None``
+            when none is in flight or once :meth:`DiLoCo.settle` has received it and applied the
+            outer step to the snapshot (only the merge into the local parameters waits then).
+
+    Example:
+        >>> in_flight = [f.pending is not None for f in state.flights]  # [False] * fragments once settled
+    """
+
+    launched_at: torch.Tensor
+    merge_at: torch.Tensor
+    pending: InFlight | None = None
+
+
+class DiLoCoState(NamedTuple):
+    """The outer state: a pytree of tensors that :mod:`fddp.checkpoint` saves and loads as it is
+    (after :meth:`DiLoCo.settle`, when a fragment is in flight).
+
+    Attributes:
+        count: int64 scalar, the inner steps taken so far.
+        snapshot: a tree shaped like the parameters: the global parameters, each fragment's as of
+            its last synchronisation (what to evaluate; the same on every rank).
+        outer_state: per fragment, the outer optimizer's state (over the fragment's tree, a dict
+            from leaf path to leaf; with ``shard=True``, over this rank's shards of it).
+        compression_state: per fragment, the comm hook's state (``None`` for a stateless hook).
+            Residuals differ between ranks: every rank saves its own to resume exactly.
+        weight: per fragment, this rank's ``weight=`` summed since the fragment's last launch
+            (float64 scalars; zeros when no weights are given).
+        flights: per fragment, its :class:`Flight`.
+    """
+
+    count: torch.Tensor
+    snapshot: Any
+    outer_state: tuple
+    compression_state: tuple
+    weight: tuple
+    flights: tuple
+
+
+class OuterInfo(NamedTuple):
+    """What one outer step did, returned with ``return_info=True``.
+
+    Attributes:
+        launched: the fragments whose synchronisation started at this step.
+        merged: the fragments merged into the parameters at this step.
+        syncs: the :class:`fddp.SyncInfo` of every synchronisation received at this step (bytes,
+            collectives, weight sum); those received by :meth:`DiLoCo.settle` are not repeated.
+        bytes_sent: the payload bytes of those synchronisations (with ``shard=True``, and the
+            all-gathers of the new shards).
+        wait_s: seconds this step spent waiting for synchronisations to arrive (0 when each had
+            landed during the inner steps it overlapped).
+
+    Example:
+        >>> params, state, info = outer.step(params, state, return_info=True)
+        >>> sent_per_step = info.bytes_sent  # 0 between synchronisations
+    """
+
+    launched: tuple[int, ...]
+    merged: tuple[int, ...]
+    syncs: tuple[SyncInfo, ...]
+    bytes_sent: int
+    wait_s: float
+
+
+def _no_flight() -> Flight:
+    return Flight(torch.tensor(-1, dtype=torch.int64), torch.tensor(-1, dtype=torch.int64), None)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DiLoCo:
+    """Local SGD and (streaming) DiLoCo as a pure outer step; make one with :func:`diloco` or
+    :func:`local_sgd`.
+
+    Every rank trains its own copy of the parameters with its own inner optimizer and no
+    communication; :meth:`step`, called after every inner step, synchronises every ``every``
+    steps. At a synchronisation the *pseudo-gradient* ``snapshot - params`` (the ground this rank
+    covered since the last one) is averaged over the ranks with fddp's bucketed all-reduce and
+    comm hooks (as :func:`fddp.ddp_step`), the outer optimizer steps the snapshot with it, and the
+    result becomes both the new snapshot and the parameters on every rank.
+
+    Streaming (``fragments > 1``): the leaves are cut into ``fragments`` contiguous groups of about
+    equal bytes, synchronised at staggered steps (fragment ``p`` every ``every`` steps, offset by
+    ``(p + 1) * every // fragments``), so the link carries ``1 / fragments`` of the bytes at a
+    time. With ``delay = tau > 0`` a fragment's all-reduce is started ``tau`` steps before its
+    merge and runs while those inner steps do; on arrival the outer step gives the fragment's new
+    global values ``g`` and the local ones become ``mixing * local + (1 - mixing) * g``.
+
+    Attributes:
+        every: ``H``, inner steps between two synchronisations of a fragment.
+        optimizer: the outer optimizer, any ``fddp.optim`` transformation.
+        compression: how pseudo-gradients travel: ``None``, ``"bf16"``, ``"fp16"``, or any
+            :class:`fddp.hooks.CommHook` (:class:`fddp.Int8`, :class:`fddp.PowerSGD`, yours).
+        fragments: ``F``, the number of fragments.
+        delay: ``tau``, inner steps a fragment's all-reduce overlaps, ``0 <= tau < every``.
+        mixing: the weight of the local values at a merge (``alpha``); 0 replaces them.
+        shard: keep the outer optimizer's state sharded over the ranks (reduce-scatter the
+            pseudo-gradients, step this rank's shard, all-gather: ``fddp.zero``'s cut).
+        group: the process group to average over (``None``: the default group).
+        bucket_cap_mb: bucket cap of the synchronisations, in MiB.
+        first_bucket_mb: cap of their first bucket, in MiB.
+
+    Example:
+        >>> outer = fddp.diloco.diloco(every=40, fragments=4, delay=5, mixing=0.5, compression=fddp.Int8())
+        >>> state = outer.init(params)
+        >>> params, state = outer.step(params, state)  # after each inner step
+    """
+
+    every: int
+    optimizer: GradientTransformation
+    compression: Any = None
+    fragments: int = 1
+    delay: int = 0
+    mixing: float = 0.0
+    shard: bool = False
+    group: dist.ProcessGroup | None = None
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, low in (("every", 1), ("fragments", 1), ("delay", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"fddp.diloco: {name} must be an int >= {low}, got {v!r}")
+        if self.fragments > self.every:
+            raise ValueError(
+                f"fddp.diloco: fragments={self.fragments} > every={self.every}: each fragment needs its own step "
+                "within every round; use fragments <= every"
+            )
+        if self.delay >= self.every:
+            raise ValueError(
+                f"fddp.diloco: delay={self.delay} must be < every={self.every}: a fragment must merge before its "
+                "next synchronisation starts"
+            )
+        if not 0.0 <= self.mixing <= 1.0:
+            raise ValueError(f"fddp.diloco: mixing must be in [0, 1], got {self.mixing!r}")
+        if not isinstance(self.optimizer, GradientTransformation):
+            raise TypeError(f"fddp.diloco: optimizer must be an fddp.optim transformation, got {type(self.optimizer).__name__}")
+        _hook(self.compression, False)  # raise now for a compression the sync would refuse
+
+    def __repr__(self) -> str:
+        return (
+            f"DiLoCo(every={self.every}, fragments={self.fragments}, delay={self.delay}, mixing={self.mixing}, "
+            f"compression={self.compression!r}, shard={self.shard})"
+        )
+
+    # --- the pure functions ------------------------------------------------------------------
+
+    def init(self, params: Any, /) -> DiLoCoState:
+        """Return the state before the first inner step: the snapshot is a copy of ``params``.
+
+        Call it on every rank with the same parameters (after :func:`fddp.broadcast`); with
+        ``shard=True`` it communicates (``fddp.zero.shard``'s check).
+
+        Example:
+            >>> outer = fddp.diloco.diloco(every=50)
+            >>> state = outer.init(params)
+        """
+        leaves, spec = _leaves(params, "diloco.init")
+        frags = self._fragments(params)
+        snapshot = [t.detach().clone() for t in leaves]
+        trees = [_fragment_tree(f, snapshot) for f in frags]
+        hook = _hook(self.compression, self.shard)
+        outer = []
+        for tree in trees:
+            if self.shard:
+                tree = zero.shard(tree, group=self.group, bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb)
+            outer.append(self.optimizer.init(tree))
+        comp = tuple(hook.init(tree) if _stateful(hook) else None for tree in trees)
+        weights = tuple(torch.zeros((), dtype=torch.float64) for _ in frags)
+        return DiLoCoState(
+            torch.tensor(0, dtype=torch.int64), optree.tree_unflatten(spec, snapshot), tuple(outer), comp, weights,
+            tuple(_no_flight() for _ in frags),
+        )  # fmt: skip
+
+    def step(self, params: Any, state: DiLoCoState, /, *, weight: float | torch.Tensor | None = None,
+             return_info: bool = False) -> Any:  # fmt: skip
+        """Count one inner step; synchronise the fragments that are due. Pure: nothing is modified.
+
+        Between synchronisations this only counts (a few microseconds). When a fragment is due:
+        its pseudo-gradient ``snapshot - params`` is averaged over the ranks (the weighted mean
+        with ``weight=``), the outer optimizer steps the snapshot with it, and the fragment's
+        parameters become the new global values (mixed with the local ones by ``mixing``). Every
+        rank must call ``step`` once per inner step. If a synchronisation fails (a peer lost, a
+        timeout, a hook's error) the error propagates and ``params`` and ``state`` are as they
+        were: nothing was written in place.
+
+        Args:
+            params: this rank's parameters after its inner step.
+            state: the outer state (from :meth:`init`, the previous step or a checkpoint).
+            weight: this inner step's weight on this rank, usually its number of samples (0 once
+                out of data). Pass it at every step or at none: a fragment's pseudo-gradients are
+                then averaged with the weights summed since its last launch.
+            return_info: also return an :class:`OuterInfo`.
+
+        Returns:
+            ``(params, state)``, or ``(params, state, info)`` with ``return_info``.
+
+        Example:
+            >>> for x, y in batches:
+            ...     grads = torch.func.grad(loss_fn)(params, x, y)  # local: no communication
+            ...     params, opt_state = fddp.optim.apply_gradients(inner, grads, opt_state, params)
+            ...     params, state = outer.step(params, state)
+        """
+        self._check_state(state)
+        t = int(state.count) + 1
+        weights = state.weight
+        if weight is not None:
+            w = _as_weight(weight)
+            weights = tuple(a + w for a in weights)
+        due_merge = [p for p, f in enumerate(state.flights) if int(f.merge_at) == t]
+        due_launch = [p for p in range(self.fragments) if launches(t, p, self.fragments, self.every, self.delay)]
+        count = torch.tensor(t, dtype=torch.int64)
+        if not due_merge and not due_launch:
+            new_state = state._replace(count=count, weight=weights)
+            return (params, new_state, OuterInfo((), (), (), 0, 0.0)) if return_info else (params, new_state)
+
+        leaves, spec = _leaves(params, _WHAT)
+        snap_leaves, snap_spec = optree.tree_flatten(state.snapshot, none_is_leaf=True)
+        if snap_spec != spec:
+            raise ValueError(
+                f"fddp.{_WHAT}: params and state.snapshot have different structures; make the state with "
+                f"outer.init(params) for these params.\n  params:   {spec}\n  snapshot: {snap_spec}"
+            )
+        frags = self._fragments(params)
+        out = list(leaves)
+        snap = list(snap_leaves)
+        outer, comp, flights = list(state.outer_state), list(state.compression_state), list(state.flights)
+        weights = list(weights)
+        syncs: list[SyncInfo] = []
+        wait_s, gathered = 0.0, 0
+
+        def receive(p: int, pending: InFlight) -> None:
+            nonlocal wait_s, gathered
+            t0 = time.perf_counter()
+            mean, info = pending.wait()
+            wait_s += time.perf_counter() - t0
+            syncs.append(info)
+            gathered += self._apply(p, frags[p], mean, info, snap, outer, comp)
+
+        def merge(p: int) -> None:
+            for i in frags[p].indices:
+                out[i] = snap[i].clone() if self.mixing == 0 else torch.lerp(snap[i], leaves[i].detach(), self.mixing)
+            flights[p] = _no_flight()
+
+        for p in due_merge:
+            if flights[p].pending is not None:
+                receive(p, flights[p].pending)
+            merge(p)
+        if due_launch:
+            agree(self._rows, self.group, _WHAT)
+        for p in due_launch:
+            tree = _fragment_tree(frags[p], snap)
+            pseudo = {path: torch.sub(snap[i], out[i].detach()) for path, i in zip(frags[p].paths, frags[p].indices)}
+            pending = start(
+                tree, pseudo, what=_WHAT, group=self.group, bucket_cap_mb=self.bucket_cap_mb,
+                first_bucket_mb=self.first_bucket_mb, weight=weights[p] if weight is not None else None,
+                compression=_hook(self.compression, self.shard), compression_state=comp[p],
+            )  # fmt: skip
+            weights[p] = torch.zeros((), dtype=torch.float64)
+            if self.delay == 0:
+                receive(p, pending)
+                merge(p)
+            else:
+                flights[p] = Flight(count, torch.tensor(t + self.delay, dtype=torch.int64), pending)
+        new_state = DiLoCoState(
+            count, optree.tree_unflatten(spec, snap), tuple(outer), tuple(comp), tuple(weights), tuple(flights)
+        )
+        new_params = optree.tree_unflatten(spec, out)
+        if not return_info:
+            return new_params, new_state
+        info = OuterInfo(tuple(due_launch), tuple(due_merge) + (tuple(due_launch) if self.delay == 0 else ()),
+                         tuple(syncs), sum(s.bytes_sent for s in syncs) + gathered, wait_s)  # fmt: skip
+        return new_params, new_state, info
+
+    def settle(self, state: DiLoCoState, /) -> DiLoCoState:
+        """Receive every fragment in flight and apply its outer step: a state of tensors only.
+
+        A state with a fragment in flight holds its all-reduce, which cannot be saved.
+        ``settle`` waits for it and steps the snapshot and the outer state with it as the merge
+        would; only the merge into the local parameters still waits for its step. Resuming from
+        the settled state gives bitwise the parameters an uninterrupted run gives. Every rank must
+        call it at the same step (the received values are the same everywhere). A state with
+        nothing in flight comes back as it is.
+
+        Example:
+            >>> state = outer.settle(state)
+            >>> fddp.checkpoint.save(path, {"params": params, "outer": state})
+        """
+        self._check_state(state)
+        if all(f.pending is None for f in state.flights):
+            return state
+        snap_leaves, spec = optree.tree_flatten(state.snapshot, none_is_leaf=True)
+        frags = self._fragments(state.snapshot)
+        snap = list(snap_leaves)
+        outer, comp, flights = list(state.outer_state), list(state.compression_state), list(state.flights)
+        for p, f in enumerate(flights):
+            if f.pending is not None:
+                mean, info = f.pending.wait()
+                self._apply(p, frags[p], mean, info, snap, outer, comp)
+                flights[p] = f._replace(pending=None)
+        return state._replace(snapshot=optree.tree_unflatten(spec, snap), outer_state=tuple(outer),
+                              compression_state=tuple(comp), flights=tuple(flights))  # fmt: skip
+
+    # --- the pieces ----------------------------------------------------------------------------
+
+    def _apply(self, p: int, frag: Fragment, mean: Any, info: SyncInfo, snap: list, outer: list, comp: list) -> int:
+        """Step fragment ``p`` of the snapshot with its mean pseudo-gradient (into ``snap``, ``outer``,
+        ``comp``); return the bytes this sent (the all-gather of the new shards, with ``shard``)."""
+        if _stateful(_hook(self.compression, self.shard)):
+            comp[p] = info.compression_state
+        if info.weight is not None and bool(info.weight == 0):
+            return 0  # no rank had data since the last launch: nothing to step (momentum would move)
+        tree = _fragment_tree(frag, snap)
+        sent = 0
+        if self.shard:
+            shards = zero.shard(tree, group=self.group, bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb)
+            shards, outer[p] = optim.apply_gradients(self.optimizer, mean, outer[p], shards)
+            new = zero.gather(shards).wait()
+            sent = sum(s.numel() * s.element_size() for s in shards.shards)
+        else:
+            new, outer[p] = optim.apply_gradients(self.optimizer, mean, outer[p], tree)
+        for path, i in zip(frag.paths, frag.indices):
+            snap[i] = new[path]
+        return sent
+
+    def _fragments(self, params: Any) -> tuple[Fragment, ...]:
+        return _split_of(optree.tree_structure(params, none_is_leaf=True), _specs(params), self.fragments)
+
+    @functools.cached_property
+    def _rows(self) -> list[tuple[str, str]]:
+        """The configuration as the ranks compare it (once per group, before the first launch)."""
+        return [
+            ("diloco every", str(self.every)),
+            ("diloco fragments", str(self.fragments)),
+            ("diloco delay", str(self.delay)),
+            ("diloco mixing", repr(self.mixing)),
+            ("diloco shard", str(self.shard)),
+            ("diloco optimizer", describe(self.optimizer)),
+        ]
+
+    def _check_state(self, state: Any) -> None:
+        if not isinstance(state, tuple) or getattr(type(state), "_fields", None) != DiLoCoState._fields:
+            raise TypeError(f"fddp.{_WHAT}: state must be the DiLoCoState from outer.init(params), got {type(state).__name__}")
+        if len(state.flights) != self.fragments or len(state.outer_state) != self.fragments:
+            raise ValueError(
+                f"fddp.{_WHAT}: the state has {len(state.flights)} fragments, this outer step {self.fragments}; "
+                "make the state with the same outer step's init(params)"
+            )
+
+
+@_caches.cached(maxsize=64)
+def _split_of(spec: Any, specs: tuple, count: int) -> tuple[Fragment, ...]:
+    """The fragments of trees of this structure and these leaf shapes and dtypes (cached)."""
+    like = optree.tree_unflatten(spec, [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs])
+    return split(like, count, _WHAT)
+
+
+def _specs(params: Any) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in optree.tree_leaves(params, none_is_leaf=True))
+
+
+def _leaves(params: Any, what: str) -> tuple[list[torch.Tensor], Any]:
+    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            path = "/".join(str(k) for k in optree.tree_paths(params, none_is_leaf=True)[i]) or "<root>"
+            got = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.dtype} tensor"
+            raise TypeError(f"fddp.{what}: every leaf must be a floating-point tensor, but leaf {path!r} is {got}")
+    return leaves, spec
+
+
+def _fragment_tree(frag: Fragment, leaves: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fragment as a tree: its leaves by path, in definition order (the order buckets fill)."""
+    return {path: leaves[i] for path, i in zip(frag.paths, frag.indices)}
+
+
+def _hook(compression: Any, shard: bool) -> Any:
+    """The comm hook the synchronisations use; with ``shard``, wrapped to return this rank's shards."""
+    if isinstance(compression, str) and compression in _CASTS:
+        compression = Cast(_CASTS[compression])
+    elif compression is not None and not isinstance(compression, hooks.CommHook):
+        raise ValueError(
+            f"fddp.diloco: compression must be None, 'bf16', 'fp16' or an fddp.hooks.CommHook (fddp.Int8, "
+            f"fddp.PowerSGD, ...), got {compression!r}"
+        )
+    if compression is not None and compression.shards:
+        raise ValueError(f"fddp.diloco: compression={compression!r} already shards; use shard=True with an unsharded hook")
+    return zero.ReduceScatter(inner=compression) if shard else compression
+
+
+def _stateful(hook: Any) -> bool:
+    return hook is not None and hook.stateful
+
+
+def _as_weight(weight: Any) -> torch.Tensor:
+    if isinstance(weight, torch.Tensor) and weight.requires_grad:
+        raise ValueError(f"fddp.{_WHAT}: weight must not require grad")
+    w = torch.as_tensor(weight, dtype=torch.float64).detach().cpu()
+    if w.numel() != 1 or not bool(w >= 0):
+        raise ValueError(f"fddp.{_WHAT}: weight must be a non-negative scalar (this step's sample count), got {weight!r}")
+    return w.reshape(())
+
+
+def diloco(
+    every: int,
+    optimizer: GradientTransformation | None = None,
+    *,
+    compression: Any = None,
+    fragments: int = 1,
+    delay: int = 0,
+    mixing: float = 0.0,
+    shard: bool = False,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> DiLoCo:
+    """DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): an outer optimizer on averaged
+    pseudo-gradients every ``every`` inner steps.
+
+    Args:
+        every: ``H``, inner steps between synchronisations (of each fragment).
+        optimizer: the outer optimizer; default the paper's, SGD with Nesterov momentum 0.9 and
+            learning rate 0.7 (``fddp.optim.sgd(0.7, momentum=0.9, nesterov=True)``).
+        compression: ``None``, ``"bf16"``, ``"fp16"`` or a comm hook (:class:`fddp.Int8`,
+            :class:`fddp.PowerSGD`, any :class:`fddp.hooks.CommHook`).
+        fragments: ``F`` for streaming: groups of leaves synchronised at staggered steps.
+        delay: ``tau``, inner steps each fragment's all-reduce overlaps before it merges.
+        mixing: ``alpha``, the weight of the local values when a fragment merges.
+        shard: keep the outer optimizer's state sharded (``fddp.zero``'s cut).
+        group: the process group (``None``: the default group).
+        bucket_cap_mb: the synchronisations' bucket cap, in MiB.
+        first_bucket_mb: their first bucket's cap, in MiB.
+
+    Returns:
+        A :class:`DiLoCo`: ``init(params)``, ``step(params, state)``, ``settle(state)``.
+
+    Example:
+        >>> outer = fddp.diloco.diloco(every=50)
+        >>> state = outer.init(params)
+        >>> params, state = outer.step(params, state)  # after each inner step
+    """
+    if optimizer is None:
+        optimizer = optim.sgd(0.7, momentum=0.9, nesterov=True)
+    return DiLoCo(every, optimizer, compression, fragments, delay, mixing, shard, group, bucket_cap_mb, first_bucket_mb)
+
+
+def local_sgd(
+    every: int,
+    *,
+    compression: Any = None,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> DiLoCo:
+    """Local SGD: average the parameters over the ranks every ``every`` inner steps.
+
+    DiLoCo with outer SGD at learning rate 1 and no momentum: the new parameters are
+    ``snapshot - mean(snapshot - params_r)``, the mean of every rank's parameters up to rounding
+    (torch's ``PeriodicModelAverager``, which, unlike this, skips every parameter whose ``.grad``
+    is ``None``).
+
+    Args:
+        every: inner steps between two averagings.
+        compression: how the differences travel (see :func:`diloco`).
+        group: the process group (``None``: the default group).
+        bucket_cap_mb: the synchronisations' bucket cap, in MiB.
+        first_bucket_mb: their first bucket's cap, in MiB.
+
+    Returns:
+        A :class:`DiLoCo`.
+
+    Example:
+        >>> outer = fddp.diloco.local_sgd(every=8)
+        >>> state = outer.init(params)
+        >>> params, state = outer.step(params, state)  # after each inner step
+    """
+    return diloco(every, optim.sgd(1.0), compression=compression, group=group, bucket_cap_mb=bucket_cap_mb,
+                  first_bucket_mb=first_bucket_mb)  # fmt: skip

@@ -1,0 +1,535 @@
+"""fddp.diloco: local SGD and (streaming) DiLoCo against references written independently of it.
+
+- H = 1 with inner SGD and outer SGD at learning rate 1: ``ddp_step`` + SGD.
+- local SGD: torch's ``PeriodicModelAverager`` on a module loop, and what torch does with
+  parameters whose ``.grad`` is None.
+- DiLoCo, streaming DiLoCo (fragments, delay, mixing), weighted and sharded: a one-process
+  simulator that runs every worker's inner steps under ``vmap`` and writes the outer step out
+  (float64).
+- checkpoints between a fragment's launch and its merge resume bitwise; ranks that disagree on the
+  schedule or the outer optimizer raise ``MismatchError``; a failed sync leaves everything as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import tempfile
+
+import optree
+import pytest
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import nn
+
+import fddp
+import fddp.checkpoint as ckpt
+from dist import run
+from fddp.diloco import _plan
+
+K = 2  # workers (gloo ranks) in the multi-process tests
+
+
+def _mlp(dtype=torch.float32, seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    # Two layers of 42 values each: two fragments of equal bytes, one layer each.
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).to(dtype)
+
+
+def _data(rank: int, steps: int, dtype=torch.float32, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(n, 6, generator=g, dtype=dtype), torch.randn(n, 6, generator=g, dtype=dtype)) for _ in range(steps)]
+
+
+def _loss(apply_fn, params, x, y):
+    return F.mse_loss(apply_fn(params, x), y)
+
+
+def _equal(a, b) -> bool:
+    la, sa = optree.tree_flatten(a, none_is_leaf=True)
+    lb, sb = optree.tree_flatten(b, none_is_leaf=True)
+    return sa == sb and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x is y for x, y in zip(la, lb)
+    )
+
+
+def _tensors(tree):
+    return [t.clone() if isinstance(t, torch.Tensor) else t for t in optree.tree_leaves(tree, none_is_leaf=True)]
+
+
+# --- one process: fragments, schedule, configuration --------------------------------------------
+
+
+def test_fragments_are_contiguous_in_definition_order_and_balanced():
+    params = {f"l{i}.{k}": torch.zeros(n) for i, n in enumerate([100, 10, 100, 10, 300]) for k in ("w",)}
+    params = {"l10.w": torch.zeros(50), **params}  # sorted order ('l0', 'l1', 'l10', ...) is not definition order
+    frags = _plan.split(params, 3, "t")
+    # Bytes 200, 400, 40, 400, 40, 1200: cuts nearest to 1/3 and 2/3 of 2280.
+    assert [f.paths for f in frags] == [("l10.w", "l0.w", "l1.w"), ("l2.w", "l3.w"), ("l4.w",)]
+    assert sum(f.nbytes for f in frags) == 4 * 570
+    assert [len(f.indices) for f in _plan.split(params, 6, "t")] == [1] * 6
+    with pytest.raises(ValueError, match="fragments=7 but the tree has only 6 leaves"):
+        _plan.split(params, 7, "t")
+
+
+def test_schedule_staggers_fragments_and_launches_delay_steps_early():
+    launch = lambda p, f, h, d: [t for t in range(1, 2 * h + 1) if _plan.launches(t, p, f, h, d)]  # noqa: E731
+    assert launch(0, 1, 4, 0) == [4, 8]
+    assert launch(0, 1, 4, 1) == [3, 7]
+    assert [launch(p, 4, 8, 0) for p in range(4)] == [[2, 10], [4, 12], [6, 14], [8, 16]]
+    assert [launch(p, 2, 4, 1) for p in range(2)] == [[1, 5], [3, 7]]
+
+
+def test_outer_optimizers_are_told_apart_by_their_settings():
+    d = _plan.describe
+    nesterov = lambda lr: fddp.optim.sgd(lr, momentum=0.9, nesterov=True)  # noqa: E731
+    assert d(nesterov(0.7)) == d(nesterov(0.7))
+    assert d(nesterov(0.7)) != d(nesterov(0.5))
+    assert d(fddp.optim.sgd(0.7)) != d(nesterov(0.7))
+    assert d(fddp.optim.adam(1e-3)) != d(fddp.optim.adamw(1e-3))
+    assert "0x" not in d(fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), nesterov(0.7)))  # no addresses
+
+
+def test_bad_configurations_say_what_is_wrong():
+    with pytest.raises(ValueError, match="delay=4 must be < every=4"):
+        fddp.diloco.diloco(4, delay=4)
+    with pytest.raises(ValueError, match="fragments=5 > every=4"):
+        fddp.diloco.diloco(4, fragments=5)
+    with pytest.raises(ValueError, match="compression must be None, 'bf16'"):
+        fddp.diloco.diloco(4, compression="int4")
+    with pytest.raises(ValueError, match="mixing must be in"):
+        fddp.diloco.diloco(4, mixing=1.5)
+    with pytest.raises(TypeError, match="fddp.optim transformation"):
+        fddp.diloco.diloco(4, optimizer=torch.optim.SGD)
+
+
+# --- H = 1: data parallelism ---------------------------------------------------------------------
+
+
+def _h1_worker(steps: int):
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    data = _data(fddp.rank(), steps)
+    sgd = fddp.optim.sgd(0.1)
+    # fddp.diloco: local SGD steps, every step averaged by the outer step (SGD, lr 1).
+    outer = fddp.diloco.diloco(1, fddp.optim.sgd(1.0))
+    p, s, o = params, sgd.init(params), outer.init(params)
+    for x, y in data:
+        p, s = fddp.optim.apply_gradients(sgd, torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y), s, p)
+        p, o = outer.step(p, o)
+    # The reference: ddp_step's mean gradient, then SGD.
+    q, t = params, sgd.init(params)
+    for x, y in data:
+        g = fddp.ddp_step(q, torch.func.grad(_loss, argnums=1)(apply_fn, q, x, y))
+        q, t = fddp.optim.apply_gradients(sgd, g, t, q)
+    return p, q, o.snapshot
+
+
+def test_h1_with_sgd_inside_and_outside_is_ddp_step_and_sgd():
+    for p, q, snap in run(_h1_worker, K, 5):
+        for k in q:
+            torch.testing.assert_close(p[k], q[k], rtol=1e-5, atol=1e-6)
+            assert torch.equal(p[k], snap[k])
+
+
+# --- local SGD: torch's PeriodicModelAverager ------------------------------------------------------
+
+
+class _Branchy(nn.Module):
+    """A layer used every step, one used on every other step only, one never used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.sometimes, self.never = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.sometimes(h) if use else h
+
+
+def _local_sgd_worker(steps: int, every: int):
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    data = _data(fddp.rank(), steps)
+    torch.manual_seed(1)
+    ref = _Branchy()
+    apply_fn, params = fddp.functionalize(copy.deepcopy(ref))
+    params = {k: v.detach().clone() for k, v in params.items()}
+    sgd = fddp.optim.sgd(0.1)
+    outer = fddp.diloco.local_sgd(every)
+    p, s, o = params, sgd.init(params), outer.init(params)
+    for t, (x, y) in enumerate(data):
+        g = torch.func.grad(lambda q: F.mse_loss(apply_fn(q, x, t % 2 == 0), y))(p)
+        p, s = fddp.optim.apply_gradients(sgd, g, s, p)
+        p, o = outer.step(p, o)
+
+    def torch_loop(set_to_none: bool):
+        model = copy.deepcopy(ref)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        # PeriodicModelAverager counts from 0 and averages when (step - warmup) % period == 0:
+        # warmup_steps = every - 1 averages after inner steps every, 2 * every, ... like fddp.
+        avg = PeriodicModelAverager(period=every, warmup_steps=every - 1)
+        for t, (x, y) in enumerate(data):
+            opt.zero_grad(set_to_none=set_to_none)
+            F.mse_loss(model(x, t % 2 == 0), y).backward()
+            opt.step()
+            avg.average_parameters(model.parameters())
+        return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    return p, torch_loop(False), torch_loop(True)
+
+
+def test_local_sgd_is_torchs_periodic_model_averager_and_averages_what_torch_skips():
+    # 8 steps, every 4: `sometimes` is used on steps 1, 3, 5, 7 only, so it is unused on the 4th and 8th, before each averaging.
+    outs = run(_local_sgd_worker, K, 8, 4)
+    for p, torch_zeros, _ in outs:
+        # With zero gradients instead of None (zero_grad(set_to_none=False)) torch averages every
+        # parameter, as fddp does.
+        for k in p:
+            torch.testing.assert_close(p[k], torch_zeros[k], rtol=1e-5, atol=1e-6)
+    for k in outs[0][0]:
+        assert torch.equal(outs[0][0][k], outs[1][0][k]), f"fddp's replicas differ at {k}"
+    # With torch's default zero_grad(set_to_none=True), `sometimes` has .grad None at every
+    # averaging step: get_params_to_average skips it, and the replicas keep their own values,
+    # although both trained it on the steps between. `never` is never averaged either; it never moved.
+    nones = [o[2] for o in outs]
+    assert not torch.equal(nones[0]["sometimes.weight"], nones[1]["sometimes.weight"])
+    assert torch.equal(nones[0]["a.weight"], nones[1]["a.weight"])
+    assert torch.equal(nones[0]["never.weight"], outs[0][0]["never.weight"])
+
+
+# --- DiLoCo against a one-process, vmap'd simulator of every worker --------------------------------
+
+CONFIGS = {
+    "diloco": dict(every=3, steps=8),
+    "streaming": dict(every=4, fragments=2, delay=1, mixing=0.5, steps=11),
+    "weighted": dict(every=3, steps=7, weighted=True),
+    "sharded": dict(every=3, steps=8, shard=True),
+    "int8": dict(every=3, steps=7, compression="int8"),
+}
+LR_OUT, MOMENTUM = 0.7, 0.9
+
+
+def _weights(rank: int, steps: int) -> list[float]:
+    return [float((3 * rank + t) % 4) for t in range(steps)]  # 0 for some steps: a rank out of data
+
+
+def _diloco_worker(names: list[str]):
+    out = {}
+    for name in names:
+        cfg = dict(CONFIGS[name])
+        steps, weighted = cfg.pop("steps"), cfg.pop("weighted", False)
+        if cfg.get("compression") == "int8":
+            cfg["compression"] = fddp.Int8(block=16)
+        apply_fn, params = fddp.functionalize(_mlp(torch.float64))
+        params = {k: v.detach().clone() for k, v in params.items()}
+        inner = fddp.optim.adamw(0.05, weight_decay=0.01)
+        outer = fddp.diloco.diloco(optimizer=fddp.optim.sgd(LR_OUT, momentum=MOMENTUM, nesterov=True), **cfg)
+        p, s, o = params, inner.init(params), outer.init(params)
+        ws = _weights(fddp.rank(), steps)
+        history = []
+        for t, (x, y) in enumerate(_data(fddp.rank(), steps, torch.float64)):
+            g = torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y)
+            p, s = fddp.optim.apply_gradients(inner, g, s, p)
+            p, o = outer.step(p, o, weight=ws[t] if weighted else None)
+            history.append((p, o.snapshot))
+        out[name] = history
+    return out
+
+
+def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
+    """Every worker's inner steps at once under vmap, and the outer steps written out, in float64."""
+    cfg = CONFIGS[name]
+    every, steps, frags = cfg["every"], cfg["steps"], cfg.get("fragments", 1)
+    delay, mixing = cfg.get("delay", 0), cfg.get("mixing", 0.0)
+    apply_fn, params = fddp.functionalize(_mlp(torch.float64))
+    params = {k: v.detach().clone() for k, v in params.items()}
+    keys = list(params)  # definition order: 0.weight, 0.bias, 2.weight, 2.bias
+    fragments = [keys[:2], keys[2:]] if frags == 2 else [keys]
+    inner = fddp.optim.adamw(0.05, weight_decay=0.01)
+    local = {k: v.expand(world, *v.shape).clone() for k, v in params.items()}
+    state = torch.func.vmap(inner.init)(local)
+    data = [_data(r, steps, torch.float64) for r in range(world)]
+    weights = torch.tensor([_weights(r, steps) for r in range(world)], dtype=torch.float64)
+
+    def inner_step(p, s, x, y):
+        updates, s = inner.update(torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y), s, p)
+        return fddp.optim.apply_updates(p, updates), s
+
+    snapshot = {k: v.clone() for k, v in params.items()}
+    momentum = {k: None for k in keys}
+    residual = [torch.zeros(world, sum(params[k].numel() for k in frag), dtype=torch.float64) for frag in fragments]
+    pseudo, window_start = {}, [0] * len(fragments)
+    history = []
+    for t in range(1, steps + 1):
+        x = torch.stack([data[r][t - 1][0] for r in range(world)])
+        y = torch.stack([data[r][t - 1][1] for r in range(world)])
+        local, state = torch.func.vmap(inner_step)(local, state, x, y)
+        for f, frag in enumerate(fragments):
+            merge_at = (f + 1) * every // len(fragments) % every
+            if (t + delay - merge_at) % every == 0:  # launch: every worker's pseudo-gradient
+                w = weights[:, window_start[f] : t].sum(1) if cfg.get("weighted") else None
+                window_start[f] = t
+                pseudo[f] = (t + delay, w, {k: snapshot[k] - local[k] for k in frag})
+            if f in pseudo and pseudo[f][0] == t:  # merge: the mean, the outer Nesterov step, the mix
+                _, w, deltas = pseudo.pop(f)
+                if cfg.get("compression") == "int8":
+                    means = _int8_mean(deltas, frag, residual, f, world)
+                elif w is not None:
+                    means = {k: (w.view(-1, *[1] * (deltas[k].dim() - 1)) * deltas[k]).sum(0) / w.sum() for k in frag}
+                else:
+                    means = {k: deltas[k].sum(0) / world for k in frag}
+                for k in frag:
+                    mean = means[k]
+                    momentum[k] = mean.clone() if momentum[k] is None else MOMENTUM * momentum[k] + mean
+                    snapshot[k] = snapshot[k] - LR_OUT * (mean + MOMENTUM * momentum[k])
+                    local[k] = mixing * local[k] + (1 - mixing) * snapshot[k]
+        history.append(({k: v.clone() for k, v in local.items()}, {k: v.clone() for k, v in snapshot.items()}))
+    return history
+
+
+def _int8_mean(deltas: dict, frag: list, residual: list, f: int, world: int, block: int = 16) -> dict:
+    """fddp.Int8 written out: one bucket (the fragment's leaves, last first), blocks of ``block``
+    with a scale shared by the workers, ``127 // world`` levels, the sum, the residual kept."""
+    order = frag[::-1]  # a bucket fills in reverse definition order
+    x = torch.cat([deltas[k].reshape(world, -1) for k in order], 1) + residual[f]
+    n = x.shape[1]
+    blocks = -(-n // block)
+    grid = torch.zeros(world, blocks * block, dtype=x.dtype)
+    grid[:, :n] = x
+    grid = grid.view(world, blocks, block)
+    levels = 127 // world
+    scale = grid.abs().amax(2).amax(0) / levels
+    q = torch.round(grid / scale.clamp_min(torch.finfo(scale.dtype).tiny)[:, None]).clamp(-levels, levels)
+    residual[f] = x - (q * scale[:, None]).reshape(world, -1)[:, :n]
+    mean = (q.sum(0) * (scale / world)[:, None]).reshape(-1)[:n]
+    out, at = {}, 0
+    for k in order:
+        numel = deltas[k][0].numel()
+        out[k] = mean[at : at + numel].view(deltas[k].shape[1:])
+        at += numel
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_diloco_equals_a_one_process_simulator_of_every_worker(name, _diloco_runs):
+    sim = _simulate(name, K)
+    tol = dict(rtol=1e-12, atol=1e-12)
+    for r, history in enumerate(_diloco_runs[name]):
+        assert len(history) == len(sim)
+        for t, ((p, snap), (p_sim, snap_sim)) in enumerate(zip(history, sim)):
+            for k in p:
+                torch.testing.assert_close(p[k], p_sim[k][r], **tol, msg=lambda m: f"step {t + 1}, rank {r}, {k}: {m}")
+                torch.testing.assert_close(snap[k], snap_sim[k], **tol, msg=lambda m: f"step {t + 1}, snapshot {k}: {m}")
+    final = _diloco_runs[name][0][-1][1]
+    assert all(torch.equal(final[k], _diloco_runs[name][1][-1][1][k]) for k in final), "snapshots differ between ranks"
+
+
+@pytest.fixture(scope="module")
+def _diloco_runs():
+    outs = run(_diloco_worker, K, list(CONFIGS))
+    return {name: [o[name] for o in outs] for name in CONFIGS}
+
+
+# --- checkpoints: mid-round and between a fragment's launch and its merge ---------------------------
+
+
+def _train(apply_fn, inner, outer, p, s, o, data, steps):
+    for t in steps:
+        x, y = data[t]
+        g = torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y)
+        p, s = fddp.optim.apply_gradients(inner, g, s, p)
+        p, o = outer.step(p, o)
+    return p, s, o
+
+
+def _resume_worker(directory: str, first: int, total: int):
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    data = _data(fddp.rank(), total)
+    inner = fddp.optim.adamw(0.05)
+    outer = fddp.diloco.diloco(4, fragments=2, delay=1, mixing=0.5, compression=fddp.Int8(block=16))
+    p, s, o = _train(apply_fn, inner, outer, params, inner.init(params), outer.init(params), data, range(first))
+    in_flight = [f.pending is not None for f in o.flights]
+    # The local parameters, the inner state and the residuals differ between ranks: each rank
+    # writes its own file, through a group of one.
+    own, _ = tdist.new_subgroups(group_size=1)
+    try:
+        ckpt.save(os.path.join(directory, f"unsettled{fddp.rank()}.pt"), {"outer": o}, group=own)
+        refused = None
+    except TypeError as e:
+        refused = str(e)
+    o = outer.settle(o)  # every rank, at the same step: the fragment in flight becomes tensors
+    path = os.path.join(directory, f"rank{fddp.rank()}.pt")
+    ckpt.save(path, {"params": p, "inner": s, "outer": o}, group=own)
+    before = _tensors((p, s, o))
+    straight = _train(apply_fn, inner, outer, p, s, o, data, range(first, total))
+    assert all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a is b for a, b in zip(before, _tensors((p, s, o)))
+    ), "training modified the state it was given"
+    like = {"params": params, "inner": inner.init(params), "outer": outer.init(params)}
+    loaded = ckpt.load(path, like=like)
+    resumed = _train(apply_fn, inner, outer, loaded["params"], loaded["inner"], loaded["outer"], data, range(first, total))
+    return in_flight, refused, straight, resumed
+
+
+@pytest.mark.parametrize("first", [5, 6])
+def test_a_checkpoint_between_launch_and_merge_resumes_bitwise(first):
+    # Fragment 0 launches at steps 1, 5, 9 and merges one step later; fragment 1 launches at 3, 7.
+    # After step 5 it is in flight; after step 6 nothing is, mid-round.
+    with tempfile.TemporaryDirectory() as d:
+        outs = run(_resume_worker, K, d, first, 12)
+    for in_flight, refused, straight, resumed in outs:
+        assert in_flight == ([True, False] if first == 5 else [False, False])
+        if first == 5:
+            assert refused is not None and "flights" in refused and "InFlight" in refused
+        assert _equal(straight, resumed)
+    assert not torch.equal(outs[0][2][2].compression_state[0].error["0.weight"], outs[1][2][2].compression_state[0].error["0.weight"])
+
+
+# --- bad input: ranks that disagree, syncs that fail ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fails(fddp.hooks.CommHook):
+    """The mean, then an error once the all-reduce has landed (on every rank: no one is left waiting)."""
+
+    def launch(self, state, bucket):
+        return bucket.comm.all_reduce(bucket.buffer), state
+
+    def finish(self, state, bucket, pending):
+        bucket.comm.wait(pending, "the all-reduce")
+        raise RuntimeError("injected failure")
+
+
+def _bad_input_worker():
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    data = _data(fddp.rank(), 8)
+    inner = fddp.optim.sgd(0.1)
+    r = fddp.rank()
+    nesterov = lambda lr: fddp.optim.sgd(lr, momentum=0.9, nesterov=True)  # noqa: E731
+    disagree = {
+        "every": [fddp.diloco.diloco(2), fddp.diloco.diloco(3)],
+        "fragments": [fddp.diloco.diloco(4), fddp.diloco.diloco(4, fragments=2)],
+        "optimizer": [fddp.diloco.diloco(2, nesterov(0.7)), fddp.diloco.diloco(2, nesterov(0.5))],
+    }
+    errors = {}
+    for name, outers in disagree.items():
+        outer = outers[r]
+        try:
+            _train(apply_fn, inner, outer, params, inner.init(params), outer.init(params), data, range(8))
+        except fddp.MismatchError as e:
+            errors[name] = str(e)
+    failed = {}
+    for delay in (0, 1):
+        outer = fddp.diloco.diloco(2, compression=_Fails(), delay=delay)
+        p, s, o = _train(apply_fn, inner, outer, params, inner.init(params), outer.init(params), data, range(1))
+        if delay:  # the launch at step 1 goes out; its merge at step 2 fails
+            assert o.flights[0].pending is not None
+        before = _tensors((p, o))
+        try:
+            outer.step(p, o)
+        except RuntimeError as e:
+            failed[delay] = (str(e), all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a is b
+                                         for a, b in zip(before, _tensors((p, o)))))  # fmt: skip
+    # The group still works: a sync after the failures.
+    fddp.ddp_step(params, params)
+    return errors, failed
+
+
+def test_ranks_that_disagree_raise_mismatch_and_a_failed_sync_changes_nothing():
+    for errors, failed in run(_bad_input_worker, K):
+        assert set(errors) == {"every", "fragments", "optimizer"}
+        assert "Option diloco every: rank 0 has 2, rank 1 has 3" in errors["every"]
+        assert "Option diloco fragments: rank 0 has 1, rank 1 has 2" in errors["fragments"]
+        assert "Option diloco optimizer" in errors["optimizer"] and "lr=0.7" in errors["optimizer"]
+        for delay in (0, 1):
+            message, unchanged = failed[delay]
+            assert "injected failure" in message and unchanged
+
+
+# --- composition: ZeRO inside each worker, DiLoCo across workers -----------------------------------
+
+
+def _hybrid_worker(steps: int):
+    # Ranks {0, 1} and {2, 3} are two workers; each trains with ZeRO-2 over its own pair, and the
+    # outer step averages across the pairs, over {0, 2} and {1, 3}.
+    r = fddp.rank()
+    inner_groups = [tdist.new_group([0, 1]), tdist.new_group([2, 3])]
+    outer_groups = [tdist.new_group([0, 2]), tdist.new_group([1, 3])]
+    inner_g, outer_g = inner_groups[r // 2], outer_groups[r % 2]
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    worker_data = [_data(10 * (r // 2) + m, steps) for m in range(2)]  # both members' batches
+    mine = worker_data[r % 2]
+    adamw = fddp.optim.adamw(0.05)
+    outer = fddp.diloco.diloco(3, group=outer_g)
+
+    p, o = params, outer.init(params)
+    shards = fddp.zero.shard(p, group=inner_g)
+    s = adamw.init(shards)
+    for x, y in mine:
+        g = fddp.ddp_step(p, torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y), group=inner_g,
+                          compression=fddp.zero.ReduceScatter())  # fmt: skip
+        shards, s = fddp.optim.apply_gradients(adamw, g, s, shards)
+        p = fddp.zero.gather(shards).wait()
+        p, o = outer.step(p, o)
+        shards = fddp.zero.shard(p, group=inner_g)  # the outer step may have moved them
+
+    # The reference: one rank per worker, the worker's whole batch, no inner communication.
+    q, t, o2 = params, adamw.init(params), outer.init(params)
+    for (x0, y0), (x1, y1) in zip(*worker_data):
+        g = torch.func.grad(_loss, argnums=1)(apply_fn, q, torch.cat([x0, x1]), torch.cat([y0, y1]))
+        q, t = fddp.optim.apply_gradients(adamw, g, t, q)
+        q, o2 = outer.step(q, o2)
+    return p, q
+
+
+def test_zero_inside_each_worker_and_diloco_across_equals_one_rank_per_worker():
+    for p, q in run(_hybrid_worker, 4, 7):
+        for k in q:
+            torch.testing.assert_close(p[k], q[k], rtol=1e-4, atol=1e-5)
+
+
+# --- uneven data: weights, and rounds in which no rank had any -------------------------------------
+
+
+def _join_worker():
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    r = fddp.rank()
+    data = fddp.Join(_data(r, 4 if r == 0 else 2))  # rank 1 runs out after two steps
+    sgd = fddp.optim.sgd(0.1)
+    outer = fddp.diloco.diloco(2, fddp.optim.sgd(1.0, momentum=0.9))
+    p, s, o = params, sgd.init(params), outer.init(params)
+    seen = []
+    for _ in range(6):
+        batch = next(data)
+        if batch is not None:
+            g = torch.func.grad(_loss, argnums=1)(apply_fn, p, *batch)
+            p, s = fddp.optim.apply_gradients(sgd, g, s, p)
+        before = (p, o)
+        p, o, info = outer.step(p, o, weight=0 if batch is None else len(batch[0]), return_info=True)
+        if info.syncs:
+            seen.append((float(info.syncs[0].weight), before, (p, o)))
+    return seen
+
+
+def test_weights_average_what_each_rank_saw_and_a_round_without_data_changes_nothing():
+    outs = run(_join_worker, K)
+    (w1, _, _), (w2, before2, after2), (w3, before3, after3) = outs[0]
+    assert (w1, w2, w3) == (32.0, 16.0, 0.0)  # 2 x 8 samples on each rank, then rank 0's alone, then none
+    # Round 2: only rank 0 trained, so the weighted mean is its pseudo-gradient alone, and the
+    # new global parameters (outer SGD, lr 1, momentum: m = 0.9 m + d) follow from it.
+    p0 = before2[0]
+    for k in p0:
+        delta = before2[1].snapshot[k] - p0[k]
+        m = 0.9 * before2[1].outer_state[0].momentum_buffer[k] + delta
+        torch.testing.assert_close(after2[0][k], before2[1].snapshot[k] - m, rtol=1e-6, atol=1e-7)
+    # Round 3: no data anywhere: no outer step (the momentum would otherwise still move things).
+    assert _equal(after3[1].outer_state, before3[1].outer_state) and _equal(after3[1].snapshot, before3[1].snapshot)
+    for p_r, _ in [o[2][2] for o in outs]:
+        assert _equal(p_r, after3[1].snapshot)

@@ -10,26 +10,11 @@ import optree
 import torch
 from torch import Tensor
 
+from . import _checks as checks
 from . import _flat as flat
 from . import _kernels
-from ._base import Applied, Apply, GradientTransformationExtraArgs
-from ._checks import (
-    Params,
-    ScalarOrSchedule,
-    Updates,
-    check_dtypes,
-    check_grads,
-    check_lr,
-    check_nonneg,
-    check_state,
-    flatten,
-    init_leaves,
-    lr_at,
-    module_aliases,
-    params_leaves,
-    paths_of,
-    zeros_count,
-)
+from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
+from ._checks import Params, ScalarOrSchedule, Updates
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -89,11 +74,12 @@ def adamw(
     """Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
     Args:
-        lr: learning rate, a float or a schedule (a function of the step count).
-        betas: coefficients of the running averages of the gradient and its square, each in [0, 1).
-        eps: term added to the denominator.
-        weight_decay: decoupled decay: params shrink by ``lr * weight_decay`` each step.
-        amsgrad: use the running maximum of the second moment (AMSGrad).
+        lr: as in :func:`adam`.
+        betas: as in :func:`adam`.
+        eps: as in :func:`adam`.
+        weight_decay: decoupled decay: params shrink by ``lr * weight_decay`` each step (where
+            :func:`adam`'s L2 penalty adds ``weight_decay * param`` to the gradient).
+        amsgrad: as in :func:`adam`.
 
     Returns:
         A ``GradientTransformationExtraArgs`` whose state is an ``AdamState``; ``apply_gradients``
@@ -133,9 +119,9 @@ class _Adam:
 def _make(
     name: str, lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float, amsgrad: bool, *, decoupled: bool
 ) -> GradientTransformationExtraArgs:
-    check_lr(lr, name)
-    check_nonneg(eps, "eps", name)
-    check_nonneg(weight_decay, "weight_decay", name)
+    checks.check_lr(lr, name)
+    checks.check_nonneg(eps, "eps", name)
+    checks.check_nonneg(weight_decay, "weight_decay", name)
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"{name}: invalid betas={betas!r}; expected a pair (beta1, beta2)")
     for i, b in enumerate(betas):
@@ -144,47 +130,41 @@ def _make(
     const_decay = _rounded_decays(1.0 - float(lr) * weight_decay) if decoupled and weight_decay and not callable(lr) else None
     kernel = getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
     cfg = _Adam(name, lr, float(betas[0]), float(betas[1]), eps, weight_decay, bool(amsgrad), decoupled, const_decay, kernel)
-    return GradientTransformationExtraArgs(functools.partial(_init, cfg), functools.partial(_update, cfg))
+    return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
 
 
 def _init(cfg: _Adam, params: Params) -> AdamState:
-    leaves, treedef = init_leaves(params, cfg.name)
+    leaves, treedef = checks.init_leaves(params, cfg.name)
 
     def zeros() -> Any:
         return optree.tree_unflatten(treedef, [torch.zeros_like(p, memory_format=torch.preserve_format) for p in leaves])
 
-    return AdamState(zeros_count(leaves), zeros(), zeros(), zeros() if cfg.amsgrad else ())
+    return AdamState(checks.zeros_count(leaves), zeros(), zeros(), zeros() if cfg.amsgrad else ())
 
 
 def _leaves(cfg: _Adam, grads: Updates, state: AdamState, params: Params | None, need_params: bool):
     """The inputs' leaves, checked: (treedef, grads, moments, max moments or None, params or None)."""
     where = cfg.where
-    check_state(state, AdamState, where, grads=grads, params=params)
+    checks.check_state(state, AdamState, where, grads=grads, params=params)
     if cfg.amsgrad != (not _is_empty(state.max_exp_avg_sq)):
         raise TypeError(f"{where}: the state was created with amsgrad={not cfg.amsgrad}, this optimizer has amsgrad={cfg.amsgrad}")
-    ms, treedef = flatten(state.exp_avg)
-    gs, _ = check_grads(grads, treedef, where)
-    vs = flatten(state.exp_avg_sq)[0]
-    vmaxs = flatten(state.max_exp_avg_sq)[0] if cfg.amsgrad else None
-    ps = params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
+    ms, treedef = checks.flatten(state.exp_avg)
+    gs, _ = checks.check_grads(grads, treedef, where)
+    vs = checks.flatten(state.exp_avg_sq)[0]
+    vmaxs = checks.flatten(state.max_exp_avg_sq)[0] if cfg.amsgrad else None
+    ps = checks.params_leaves(params, treedef, where, "weight_decay != 0") if need_params else None
     if ps is not None:
-        check_dtypes(gs, ps, treedef, where, "params")
+        checks.check_dtypes(gs, ps, treedef, where, "params")
     else:
-        check_dtypes(gs, ms, treedef, where, "state.exp_avg")
+        checks.check_dtypes(gs, ms, treedef, where, "state.exp_avg")
     return treedef, gs, ms, vs, vmaxs, ps
 
 
-def _update(
-    cfg: _Adam, grads: Updates, state: AdamState, params: Params | None = None, *, apply: Apply | None = None, **_: Any
-) -> tuple[Any, AdamState]:
-    if apply is not None:
-        out = _applied(cfg, grads, state, params, apply)
-        if out is not None:
-            return out
+def _update(cfg: _Adam, grads: Updates, state: AdamState, params: Params | None = None) -> tuple[Updates, AdamState]:
     wd = cfg.weight_decay
     treedef, gs, ms, vs, vmaxs, ps = _leaves(cfg, grads, state, params, bool(wd))
     count = state.count
-    lr_t = lr_at(cfg.lr, count)
+    lr_t = checks.lr_at(cfg.lr, count)
     # Bias corrections in float64 from the tensor step, as torch does in Python floats.
     t = (count + 1).to(torch.float64)
     bc1 = 1.0 - torch.pow(cfg.b1, t)
@@ -197,7 +177,7 @@ def _update(
     decay = _decay(lr_t, wd, count.device) if (cfg.decoupled and wd) else None
     leaves = [ms, gs, vs] + ([vmaxs] if cfg.amsgrad else []) + ([ps] if ps is not None else [])
     labels = ["exp_avg", "grads", "exp_avg_sq"] + (["max_exp_avg_sq"] if cfg.amsgrad else []) + ["params"]
-    step = flat.step_plan(*leaves, names=lambda: paths_of(treedef), labels=labels)
+    step = flat.step_plan(*leaves, names=lambda: checks.paths_of(treedef), labels=labels)
     scalars = _Scalars(step=step_size, eps_hat=eps_hat, decay=decay, rounded=cfg.const_decay)
     unit = functools.partial(_unit, b1=cfg.b1, b2=cfg.b2, l2=l2, scalars=scalars)
     m, v, vmax, u = flat.run(unit, step, [gs, ms, vs, vmaxs, ps], ms, 4)
@@ -219,17 +199,17 @@ def _applied(cfg: _Adam, grads: Updates, state: AdamState, params: Params, reque
     treedef, gs, ms, vs, vmaxs, ps = _leaves(cfg, grads, state, params, True)
     amsgrad = cfg.amsgrad
     step = flat.step_plan(
-        ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: paths_of(treedef),
+        ps, gs, ms, vs, *([vmaxs] if amsgrad else []), names=lambda: checks.paths_of(treedef),
         labels=("params", "grads", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), why=why,
     )  # fmt: skip
     if not _kernels.kernels_take(step, params, treedef):
         return flat.note(why, f"{cfg.name}: update + apply_updates (the fused kernel does not take these leaves)")
-    lr_t = lr_at(cfg.lr, state.count)
+    lr_t = checks.lr_at(cfg.lr, state.count)
     # The kernel reads the step count from a float tensor, as torch.optim keeps it (no sync).
     count = (state.count + 1).to(torch.float32)
     trees = [ps, ms, vs] + ([vmaxs] if amsgrad else [])
     # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
-    in_place = request.donate and flat.disjoint(gs, *trees) and not module_aliases(ps)
+    in_place = request.donate and flat.disjoint(gs, *trees) and not checks.module_aliases(ps)
     where = "in place on the donated params and state" if in_place else "on copies of params and state"
     flat.note(why, f"{cfg.name}: torch's fused kernel, {where}")
     bufs: list[list[Tensor]] = [[] for _ in trees]

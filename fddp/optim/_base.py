@@ -36,6 +36,7 @@ __all__ = [
     "EmptyState",
     "Apply",
     "Applied",
+    "FusedUpdate",
     "apply_updates",
     "apply_gradients",
     "chain",
@@ -120,6 +121,32 @@ class Applied(NamedTuple):
     """
 
     params: Params
+
+
+class FusedUpdate(NamedTuple):
+    """An ``update`` with a fused step: ``update(grads, state, params=None, *, apply=None)``.
+
+    With ``apply=`` (:class:`Apply`), ``applied(cfg, grads, state, params, apply)`` runs first and
+    its ``(Applied(new_params), new_state)`` is the answer, unless it returns ``None`` (these
+    inputs take no fused step); otherwise ``pure(cfg, grads, state, params)``, the pure update.
+    ``sgd``, ``adam`` and ``adamw`` are made this way.
+
+    Example:
+        >>> opt = GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
+    """
+
+    cfg: Any
+    pure: Callable[..., tuple[Updates, OptState]]
+    applied: Callable[..., tuple[Applied, OptState] | None]
+
+    def __call__(
+        self, grads: Updates, state: OptState, params: Params | None = None, *, apply: Apply | None = None, **_: Any
+    ) -> tuple[Any, OptState]:
+        if apply is not None:
+            out = self.applied(self.cfg, grads, state, params, apply)
+            if out is not None:
+                return out
+        return self.pure(self.cfg, grads, state, params)
 
 
 def apply_updates(params: Params, updates: Updates, /) -> Params:

@@ -10,26 +10,11 @@ import optree
 import torch
 from torch import Tensor
 
+from . import _checks as checks
 from . import _flat as flat
 from . import _kernels
-from ._base import Applied, Apply, GradientTransformationExtraArgs
-from ._checks import (
-    Params,
-    ScalarOrSchedule,
-    Updates,
-    check_dtypes,
-    check_grads,
-    check_lr,
-    check_nonneg,
-    check_state,
-    flatten,
-    init_leaves,
-    lr_at,
-    module_aliases,
-    params_leaves,
-    paths_of,
-    zeros_count,
-)
+from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
+from ._checks import Params, ScalarOrSchedule, Updates
 
 __all__ = ["SGDState", "sgd"]
 
@@ -73,17 +58,17 @@ def sgd(
         >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)
     """
-    check_lr(lr, "sgd")
-    check_nonneg(momentum, "momentum", "sgd")
-    check_nonneg(dampening, "dampening", "sgd")
-    check_nonneg(weight_decay, "weight_decay", "sgd")
+    checks.check_lr(lr, "sgd")
+    checks.check_nonneg(momentum, "momentum", "sgd")
+    checks.check_nonneg(dampening, "dampening", "sgd")
+    checks.check_nonneg(weight_decay, "weight_decay", "sgd")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(
             f"sgd: nesterov=True requires momentum > 0 and dampening == 0, got momentum={momentum!r}, "
             f"dampening={dampening!r}"
         )
     cfg = _SGD(lr, momentum, dampening, bool(nesterov), weight_decay)
-    return GradientTransformationExtraArgs(functools.partial(_init, cfg), functools.partial(_update, cfg))
+    return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,45 +84,39 @@ _WHERE = "sgd.update"
 
 
 def _init(cfg: _SGD, params: Params) -> SGDState:
-    leaves, treedef = init_leaves(params, "sgd")
+    leaves, treedef = checks.init_leaves(params, "sgd")
     buf: Any = ()
     if cfg.momentum:
         buf = optree.tree_unflatten(treedef, [torch.zeros_like(p) for p in leaves])
-    return SGDState(zeros_count(leaves), buf)
+    return SGDState(checks.zeros_count(leaves), buf)
 
 
 def _leaves(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None, need_params: bool):
     """The inputs' leaves, checked: (treedef, grads, momentum buffers or None, params or None)."""
-    check_state(state, SGDState, _WHERE, grads=grads, params=params)
+    checks.check_state(state, SGDState, _WHERE, grads=grads, params=params)
     if bool(cfg.momentum) != (not _is_empty(state.momentum_buffer)):
         raise TypeError(f"{_WHERE}: the state has no momentum buffer matching momentum={cfg.momentum!r}")
     if cfg.momentum:
-        bufs, treedef = flatten(state.momentum_buffer)
-        gs, _ = check_grads(grads, treedef, _WHERE)
+        bufs, treedef = checks.flatten(state.momentum_buffer)
+        gs, _ = checks.check_grads(grads, treedef, _WHERE)
     else:
         bufs = None
-        gs, treedef = check_grads(grads, None, _WHERE)
-    ps = params_leaves(params, treedef, _WHERE, "weight_decay != 0") if need_params else None
+        gs, treedef = checks.check_grads(grads, None, _WHERE)
+    ps = checks.params_leaves(params, treedef, _WHERE, "weight_decay != 0") if need_params else None
     if cfg.momentum:
-        check_dtypes(gs, bufs, treedef, _WHERE, "state.momentum_buffer")
+        checks.check_dtypes(gs, bufs, treedef, _WHERE, "state.momentum_buffer")
     elif params is not None:
-        check_dtypes(gs, ps if ps is not None else params_leaves(params, treedef, _WHERE, ""), treedef, _WHERE, "params")
+        checks.check_dtypes(gs, ps if ps is not None else checks.params_leaves(params, treedef, _WHERE, ""), treedef, _WHERE, "params")
     # Plain SGD called without params has nothing to compare with: its updates have the
     # gradients' dtype, and apply_updates casts them to the parameters'.
     return treedef, gs, bufs, ps
 
 
-def _update(
-    cfg: _SGD, grads: Updates, state: SGDState, params: Params | None = None, *, apply: Apply | None = None, **_: Any
-) -> tuple[Any, SGDState]:
-    if apply is not None:
-        out = _applied(cfg, grads, state, params, apply)
-        if out is not None:
-            return out
+def _update(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
     treedef, gs, bufs, ps = _leaves(cfg, grads, state, params, bool(cfg.weight_decay))
     momentum, dampening = cfg.momentum, cfg.dampening
     count = state.count
-    neg_lr = -lr_at(cfg.lr, count)
+    neg_lr = -checks.lr_at(cfg.lr, count)
     if not isinstance(neg_lr, Tensor):
         neg_lr = torch.tensor(neg_lr, dtype=torch.float64, device=count.device)
     # torch's first-step buffer is the raw gradient: with a zero buffer, ``0 * m + 1 * g == g``
@@ -147,7 +126,7 @@ def _update(
     mix = torch.where(first, 1.0, 1.0 - dampening).to(torch.float64) if dampening else 1.0
     ref = bufs if momentum else gs
     step = flat.step_plan(
-        ref, *([gs] if momentum else []), *([ps] if cfg.weight_decay else []), names=lambda: paths_of(treedef),
+        ref, *([gs] if momentum else []), *([ps] if cfg.weight_decay else []), names=lambda: checks.paths_of(treedef),
         labels=["momentum_buffer" if momentum else "grads"] + (["grads"] if momentum else []) + ["params"],
     )  # fmt: skip
     scalars = _Scalars(neg_lr, keep, mix)
@@ -175,16 +154,16 @@ def _applied(cfg: _SGD, grads: Updates, state: SGDState, params: Params, request
     treedef, gs, bufs, ps = _leaves(cfg, grads, state, params, True)
     momentum = cfg.momentum
     step = flat.step_plan(
-        ps, gs, *([bufs] if momentum else []), names=lambda: paths_of(treedef),
+        ps, gs, *([bufs] if momentum else []), names=lambda: checks.paths_of(treedef),
         labels=("params", "grads", "momentum_buffer"), why=why,
     )  # fmt: skip
     if step is None:
         return flat.note(why, "sgd: update + apply_updates")
-    lr_t = lr_at(cfg.lr, state.count)
+    lr_t = checks.lr_at(cfg.lr, state.count)
     donated = [ps] + ([bufs] if momentum else [])
     # A module's own parameters (fresh from fddp.functionalize) are copied, never donated.
     # Checked only when donating: the overlap check sorts every leaf's span.
-    in_place = request.donate and flat.disjoint(gs, *donated) and not module_aliases(ps)
+    in_place = request.donate and flat.disjoint(gs, *donated) and not checks.module_aliases(ps)
     if in_place and _FUSED_SGD is not None and _kernels.kernels_take(step, params, treedef):
         flat.note(why, "sgd: torch's fused kernel, in place on the donated params and momentum buffers")
         for group in step.groups:

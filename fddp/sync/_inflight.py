@@ -65,17 +65,7 @@ class InFlight:
 
 
 def start(
-    params: Any,
-    grads: Any,
-    /,
-    *,
-    what: str,
-    group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
-    weight: float | torch.Tensor | None = None,
-    compression: Any = None,
-    compression_state: Any = None,
+    params: Any, grads: Any, /, *, what: str, weight: float | torch.Tensor | None = None, compression_state: Any = None, **options: Any
 ) -> InFlight:
     """Start ``fddp.ddp_step(params, grads, ..., return_info=True)``; return at once.
 
@@ -88,19 +78,19 @@ def start(
         params: the tree that fixes the buckets.
         grads: a tree of tensors of the same structure (no ``None`` leaves).
         what: the public function's name, for messages (``"diloco.step"``).
-        group, bucket_cap_mb, first_bucket_mb, weight, compression, compression_state: as
-            :func:`fddp.ddp_step`.
+        weight: this rank's weight, as :func:`fddp.ddp_step`'s.
+        compression_state: a stateful hook's state, as :func:`fddp.ddp_step`'s.
+        **options: ``group``, ``bucket_cap_mb``, ``first_bucket_mb``, ``compression``: as
+            :func:`fddp.ddp_step`'s.
 
     Example:
         >>> pending = start(params, pseudo_grads, what="diloco.step")
         >>> mean, info = pending.wait()
     """
-    options = make_options(
-        what, group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
-        compression=compression, return_info=True, weighted=weight is not None,
-    )  # fmt: skip
+    sync_options = make_options(what, **options, return_info=True, weighted=weight is not None)
     w = None if weight is None else as_weight(weight, what)
-    check_state(options, compression_state, what, compression)
+    check_state(sync_options, compression_state, what, options.get("compression"))
+    options = sync_options
     with _dist.exclusive(options.group, what):  # the collectives are issued here; only their waits come later
         sync = setup(params, options, what, compression_state, weight=w)
         reducer = sync.reducer(compression_state)

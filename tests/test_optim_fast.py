@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.func import functional_call, grad, stack_module_state, vmap
 
+import fddp
 from fddp import clear_caches as release_buffers
 from fddp import optim
 from fddp.optim import _flat as flat
@@ -335,3 +336,61 @@ def test_without_torchs_fused_kernels_apply_gradients_is_update_then_apply(monke
         for k in params:
             torch.testing.assert_close(new[k], ref[k], rtol=1e-6, atol=1e-7)
             assert new[k].data_ptr() != params[k].data_ptr(), "updated in place without the fused kernel"
+
+
+# --- the fused step is part of the optimizer's value: wrappers keep it, and fast_path says why not -------
+
+
+def _logged(inner, calls: list, forward_extra: bool):
+    """A user's wrapper that counts steps; with ``forward_extra`` it forwards update's extra arguments."""
+
+    def update(grads, state, params=None, **extra_args):
+        calls.append(1)
+        return inner.update(grads, state, params, **(extra_args if forward_extra else {}))
+
+    make = optim.GradientTransformationExtraArgs if forward_extra else optim.GradientTransformation
+    return make(inner.init, update)
+
+
+def test_a_wrapper_that_forwards_extra_args_keeps_the_fused_step():
+    params = _params(_model())
+    g = grad(lambda p: functional_call(_model(), p, (_batch()[0],)).square().mean())(params)
+    opt = optim.sgd(0.05, momentum=0.9)
+    state = opt.init(params)
+    state = optim.apply_gradients(opt, g, state, params)[1]  # a momentum buffer to mix with
+    fused, _ = optim.apply_gradients(opt, g, state, params)
+    updates, _ = opt.update(g, state, params)
+    pure = optim.apply_updates(params, updates)
+    # The fused SGD step rounds g + momentum * b once, update + apply_updates twice: some values differ.
+    assert any(not torch.equal(fused[k], pure[k]) for k in params)
+    calls: list = []
+    kept, _ = optim.apply_gradients(_logged(opt, calls, True), g, state, params)
+    assert calls == [1] and all(torch.equal(kept[k], fused[k]) for k in params), "the wrapper lost the fused step"
+    assert "sgd: the step written straight into new flat buffers" in optim.fast_path(_logged(opt, [], True), g, state, params)
+    lost, _ = optim.apply_gradients(_logged(opt, calls, False), g, state, params)
+    assert all(torch.equal(lost[k], pure[k]) for k in params)  # a plain GradientTransformation: update + apply_updates
+    assert "plain GradientTransformation" in optim.fast_path(_logged(opt, [], False), g, state, params)
+    # chain keeps it too, for its last transformation.
+    chained = optim.chain(optim.clip_by_global_norm(1e9), opt)
+    c, _ = optim.apply_gradients(chained, g, (optim.EmptyState(), state), params)
+    assert all(torch.equal(c[k], fused[k]) for k in params)
+
+
+def test_a_tree_map_over_the_gradients_is_read_by_copy_and_fast_path_names_the_leaf():
+    fddp.init()
+    params = _params(_model())
+    loss = lambda p: functional_call(_model(), p, (_batch()[0],)).square().mean()  # noqa: E731
+    grads = fddp.grad(loss)(params)  # views of the sync's buckets, laid out with their plan
+    opt = optim.adamw(1e-3)
+    state = opt.init(params)
+    params, state = optim.apply_gradients(opt, grads, state, params)  # params and state now in that layout
+    grads = fddp.grad(loss)(params)
+    why = optim.fast_path(opt, grads, state, params)
+    assert "in the layout the inputs came in" in why and "copied" not in why, why
+    mapped = optree.tree_map(lambda t: t * 1.0, grads)
+    why = optim.fast_path(opt, mapped, state, params)
+    assert "grads: copied into flat buffers" in why and "'0.bias'" in why and "tree_map" in why, why
+    # Either way the step is the same, to the bit.
+    a, _ = optim.apply_gradients(opt, grads, state, params)
+    b, _ = optim.apply_gradients(opt, mapped, state, params)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -24,7 +24,7 @@ by ``2**-k`` is exact) and to a few ulps otherwise.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import optree
@@ -316,15 +316,38 @@ class _Call:
             if bucket.buffer.dtype in LOW_PRECISION:  # divided first, so the sum cannot overflow
                 bucket.buffer.div_(self.comm.world_size)
             return self.comm.all_reduce(bucket.buffer)
-        cfg, b, s = self.config, bucket.layout, _Bucket(bucket.buffer)
-        flat = s.flat
-        views = flat.split(b.numels)
-        if self.error is not None and not self.first:
-            if self.residuals is not None:
-                flat.add_(self.residuals[bucket.index])
-            else:
-                for v, leaf in zip(views, b.indices):
-                    v.add_(self.error[leaf].reshape(-1))
+        s = _Bucket(bucket.buffer)
+        views = s.flat.split(bucket.layout.numels)
+        self._add_residual(bucket, s.flat, views)
+        self._lay_out_factors(bucket.layout, s, views)
+        self._start_q(s)
+        for q in s.qs:
+            _orthogonalize(q, self.config.orthogonalization_epsilon)
+        for matrix, q, p in zip(s.matrices, s.qs, s.ps):
+            torch.bmm(matrix, q, out=p)
+        if s.uncompressed:
+            s.u_buf = _pool.new_buffer(sum(v.numel() for v in s.uncompressed), s.flat.dtype, s.flat.device)
+            torch.cat([v.reshape(-1) for v in s.uncompressed], out=s.u_buf)
+            s.u_work = self.comm.all_reduce(s.u_buf)
+        if s.matrices:
+            # P is orthogonalised after the sum, so it needs no division by the world size.
+            s.p_work = self.comm.all_reduce(s.p_buf)
+        return s
+
+    def _add_residual(self, bucket: GradBucket, flat: torch.Tensor, views: Sequence[torch.Tensor]) -> None:
+        """Error feedback: add last step's residual to this step's input."""
+        if self.error is None or self.first:
+            return
+        if self.residuals is not None:
+            flat.add_(self.residuals[bucket.index])
+        else:
+            for v, leaf in zip(views, bucket.layout.indices):
+                v.add_(self.error[leaf].reshape(-1))
+
+    def _lay_out_factors(self, b: Bucket, s: _Bucket, views: Sequence[torch.Tensor]) -> None:
+        """Sort the bucket's leaves into uncompressed ones and ``(1, n, m)`` matrices, and lay out
+        every matrix's ``P`` (``n x r``) and ``Q`` (``m x r``) in one buffer each."""
+        cfg = self.config
         # Group compressed matrices by shape, in first-seen order: torch's order, which fixes
         # which random numbers each fresh Q receives.
         groups: dict[tuple[int, int, int], list[tuple[int, int, torch.Tensor]]] = {}
@@ -336,8 +359,8 @@ class _Call:
             else:
                 groups.setdefault(nmr, []).append((k, leaf, v.view(1, nmr[0], nmr[1])))
         sizes = [(n, m, r) for (n, m, r), members in groups.items() for _ in members]
-        s.p_buf = torch.empty(sum(n * r for n, _, r in sizes), dtype=flat.dtype, device=flat.device)
-        s.q_buf = torch.empty(sum(m * r for _, m, r in sizes), dtype=flat.dtype, device=flat.device)
+        s.p_buf = torch.empty(sum(n * r for n, _, r in sizes), dtype=s.flat.dtype, device=s.flat.device)
+        s.q_buf = torch.empty(sum(m * r for _, m, r in sizes), dtype=s.flat.dtype, device=s.flat.device)
         p_at = q_at = 0
         for (n, m, r), members in groups.items():
             for k, leaf, matrix in members:
@@ -347,6 +370,9 @@ class _Call:
                 s.ps.append(s.p_buf[p_at : p_at + n * r].view(1, n, r))
                 s.qs.append(s.q_buf[q_at : q_at + m * r].view(1, m, r))
                 p_at, q_at = p_at + n * r, q_at + m * r
+
+    def _start_q(self, s: _Bucket) -> None:
+        """``Q`` before its orthogonalisation: last step's (warm start), or fresh random numbers."""
         if self.q is None or self.first:
             # One seed per bucket, drawn even when the bucket has nothing to compress, as torch does.
             seed, self.rng = _draw_seed(self.rng)
@@ -356,48 +382,46 @@ class _Call:
         else:
             for q, leaf in zip(s.qs, s.leaf_ids):
                 q.copy_(self.q[leaf].view(q.shape))
-        for q in s.qs:
-            _orthogonalize(q, cfg.orthogonalization_epsilon)
-        for matrix, q, p in zip(s.matrices, s.qs, s.ps):
-            torch.bmm(matrix, q, out=p)
-        if s.uncompressed:
-            s.u_buf = _pool.new_buffer(sum(v.numel() for v in s.uncompressed), flat.dtype, flat.device)
-            torch.cat([v.reshape(-1) for v in s.uncompressed], out=s.u_buf)
-            s.u_work = self.comm.all_reduce(s.u_buf)
-        if s.matrices:
-            # P is orthogonalised after the sum, so it needs no division by the world size.
-            s.p_work = self.comm.all_reduce(s.p_buf)
-        return s
 
     def finish(self, bucket: GradBucket, s: Any) -> Any:
         """First call: the uncompressed part and ``P``, then send ``Q``. Second call: decompress."""
-        comm, i, world = self.comm, bucket.index, self.comm.world_size
+        comm, world = self.comm, self.comm.world_size
         if not self.compressing:
-            comm.wait(s, f"the all-reduce of bucket {i}")
+            comm.wait(s, f"the all-reduce of bucket {bucket.index}")
             return bucket.buffer if bucket.buffer.dtype in LOW_PRECISION else bucket.buffer.div_(world)
         if s.round == 0:
             s.round = 1
-            # With error feedback the input stays in s.flat (it becomes the residual, in place);
-            # the result goes to a new buffer. Without, the result overwrites the input.
-            s.out = _layout.new_flat(bucket.layout) if self.new_error is not None else s.flat
-            if s.u_work is not None:
-                comm.wait(s.u_work, f"the uncompressed all-reduce of bucket {i}")
-                at = 0
-                u = s.u_buf.div_(world)
-                for v in s.uncompressed_out(bucket.layout):
-                    v.copy_(u[at : at + v.numel()])
-                    at += v.numel()
-            if s.p_work is not None:
-                comm.wait(s.p_work, f"the P all-reduce of bucket {i}")
-                for p in s.ps:
-                    _orthogonalize(p, self.config.orthogonalization_epsilon)
-                for matrix, p, q in zip(s.matrices, s.ps, s.qs):
-                    torch.bmm(matrix.transpose(1, 2), p, out=q)
-                s.q_work = comm.all_reduce(s.q_buf)
+            self._receive_p_send_q(bucket, s)
             return s  # another round: every bucket sends its Q before any waits for one
+        return self._receive_q(bucket, s)
+
+    def _receive_p_send_q(self, bucket: GradBucket, s: _Bucket) -> None:
+        """The uncompressed leaves' mean into place; ``P`` summed and orthogonalised; ``Q`` sent."""
+        comm, i = self.comm, bucket.index
+        # With error feedback the input stays in s.flat (it becomes the residual, in place);
+        # the result goes to a new buffer. Without, the result overwrites the input.
+        s.out = _layout.new_flat(bucket.layout) if self.new_error is not None else s.flat
+        if s.u_work is not None:
+            comm.wait(s.u_work, f"the uncompressed all-reduce of bucket {i}")
+            at = 0
+            u = s.u_buf.div_(comm.world_size)
+            for v in s.uncompressed_out(bucket.layout):
+                v.copy_(u[at : at + v.numel()])
+                at += v.numel()
+        if s.p_work is not None:
+            comm.wait(s.p_work, f"the P all-reduce of bucket {i}")
+            for p in s.ps:
+                _orthogonalize(p, self.config.orthogonalization_epsilon)
+            for matrix, p, q in zip(s.matrices, s.ps, s.qs):
+                torch.bmm(matrix.transpose(1, 2), p, out=q)
+            s.q_work = comm.all_reduce(s.q_buf)
+
+    def _receive_q(self, bucket: GradBucket, s: _Bucket) -> torch.Tensor:
+        """``Q``'s mean; the matrices rebuilt as ``P Q^T``; the residual and the warm start kept."""
+        i = bucket.index
         if s.q_work is not None:
-            comm.wait(s.q_work, f"the Q all-reduce of bucket {i}")
-            s.q_buf.div_(world)
+            self.comm.wait(s.q_work, f"the Q all-reduce of bucket {i}")
+            s.q_buf.div_(self.comm.world_size)
             for p, q, matrix in zip(s.ps, s.qs, s.matrices_out(bucket.layout)):
                 torch.bmm(p, q.transpose(1, 2), out=matrix)
         if self.new_error is not None:

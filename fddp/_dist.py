@@ -37,6 +37,8 @@ __all__ = [
     "wait",
     "exclusive",
     "agree",
+    "start_agreement",
+    "Agreement",
     "Agreed",
     "abandon",
     "digest",
@@ -285,7 +287,7 @@ def agree(
     name_difference: Callable[[Sequence[list[tuple]]], str],
     ask: bool = False,
 ) -> Agreed:
-    """Make every rank agree that it is about to run the same call.
+    """Make every rank agree that it is about to run the same call (:func:`start_agreement`, finished at once).
 
     Args:
         group: the process group.
@@ -303,50 +305,113 @@ def agree(
     Raises:
         MismatchError: on every rank, when the ranks' headers differ.
     """
+    return start_agreement(group, what, signature, rows, name_difference, ask).finish()
+
+
+def start_agreement(
+    group: dist.ProcessGroup | None,
+    what: str,
+    signature: int,
+    rows: Callable[[], list[tuple]],
+    name_difference: Callable[[Sequence[list[tuple]]], str],
+    ask: bool = False,
+) -> Agreement:
+    """Send this call's header and return at once (the arguments are :func:`agree`'s).
+
+    The call is numbered now; the caller must :meth:`Agreement.finish` it before this call's
+    other collectives on ``group``, and may poll :meth:`Agreement.ready` meanwhile.
+    """
     if torch.compiler.is_compiling():
-        return Agreed(False, False)
+        return Agreement(None, None, Agreed(False, False))
     st = _state(group)
     new = signature not in st.seen
     asked = ask and new
+    call = st.agreed
+    st.agreed += 1  # the call happens, if only to fail: the ranks stay numbered alike
     n = dist.get_world_size(group)
     if n > 1 and (_checks.agreement or new):
         thread = threading.current_thread().name
-        h = [signature, st.agreed, _name_digest(thread), _name_digest(what)]
+        h = [signature, call, _name_digest(thread), _name_digest(what)]
         t = torch.tensor(h + [int(new), int(asked)] + [-x for x in h], dtype=torch.int64, device=collective_device(group))
-        _exchange(t, group, what)
-        high, low = t[:4].tolist(), [-x for x in t[6:].tolist()]
-        if high != low:
-            _disagree(group, what, st, thread, rows, name_difference)
-        new, asked = bool(t[4].item()), bool(t[5].item())
-    elif n > 1:
-        asked = False  # a known tree with the agreement off: nothing every rank would do together
-    st.agreed += 1
+        a = Agreement(t, _exchange(t, group, what), None)
+        a.context = (group, what, st, signature, call, thread, rows, name_difference)
+        return a
     st.seen[signature] = None
     st.seen.move_to_end(signature)
     if len(st.seen) > _REMEMBERED:
         st.seen.popitem(last=False)
-    return Agreed(new, asked)
+    return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
 
 
-def _exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
-    """All-reduce the header (the maximum of every field and of its negation: min and max at once)."""
-    wait(dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group, async_op=True), group, what, "the agreement on this call")
+class Agreement:
+    """A call's agreement under way: its header is on the wire (made by :func:`start_agreement`).
+
+    ``fddp.grad_and_value`` starts it once the forward pass has run and finishes it only when
+    backward has a bucket to send, so that a rank whose peer is still in its forward pass goes on
+    with its backward instead of waiting for it.
+
+    Example:
+        >>> agreement = start_agreement(group, "grad_and_value", digest, rows, name_difference)
+        >>> ...  # work that issues no collective on group
+        >>> agreement.finish()  # before this call's first bucket
+    """
+
+    __slots__ = ("header", "work", "result", "context")
+
+    def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None) -> None:
+        self.header, self.work, self.result = header, work, result
+        self.context: tuple = ()
+
+    def ready(self) -> bool:
+        """Whether :meth:`finish` would return at once, without waiting, raising or asking for
+        further checks (the header came back, every rank sent the same, nobody asked)."""
+        if self.result is not None:
+            return not self.result.asked
+        if not self.work.is_completed():
+            return False
+        t = self.header
+        return t[:4].tolist() == [-x for x in t[6:].tolist()] and not t[5].item()
+
+    def finish(self) -> Agreed:
+        """Wait for the header; return what every rank learned.
+
+        Raises:
+            MismatchError: on every rank, when the ranks' headers differ.
+        """
+        if self.result is not None:
+            return self.result
+        group, what, st, signature, call, thread, rows, name_difference = self.context
+        wait(self.work, group, what, "the agreement on this call")
+        t = self.header
+        if t[:4].tolist() != [-x for x in t[6:].tolist()]:
+            _disagree(group, what, call, thread, rows, name_difference)
+        st.seen[signature] = None
+        st.seen.move_to_end(signature)
+        if len(st.seen) > _REMEMBERED:
+            st.seen.popitem(last=False)
+        self.result = Agreed(bool(t[4].item()), bool(t[5].item()))
+        return self.result
+
+
+def _exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Any:
+    """Start the all-reduce of the header (the maximum of every field and of its negation: min and
+    max at once); return its work."""
+    return dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
 
 def _disagree(
     group: dist.ProcessGroup | None,
     what: str,
-    st: _GroupState,
+    call: int,
     thread: str,
     rows: Callable[[], list[tuple]],
     name_difference: Callable[[Sequence[list[tuple]]], str],
 ) -> None:
     """Every rank is here together (the all-reduced header is the same everywhere): gather what
     each rank is doing and raise the same error on all of them."""
-    mine = {"what": what, "call": st.agreed, "thread": thread, "rows": rows()}
+    mine = {"what": what, "call": call, "thread": thread, "rows": rows()}
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    st.agreed += 1  # the call happened, if only to fail: the ranks stay numbered alike
     calls = [(e["call"], e["what"]) for e in everyone]
     if len(set(calls)) > 1:
         doing = "; ".join(f"rank {r} is at its call {c + 1} (fddp.{w})" for r, (c, w) in enumerate(calls))

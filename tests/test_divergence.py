@@ -93,6 +93,42 @@ def test_ranks_switching_between_checked_trees_raise_on_every_rank():
     assert "shape=(2, 3)" in messages[0] and "shape=(3, 2)" in messages[0], messages[0]
 
 
+# --- 2b. the agreement does not hold a rank back while its peer is still in its forward pass -----------
+
+
+def _skewed_worker():
+    import time
+
+    p = fddp.broadcast({"w": torch.ones(64, 64), "v": torch.ones(64)})
+    step = fddp.grad_and_value(lambda p, x, hook: ((hook(x @ p["w"]) + p["v"]) ** 2).sum())
+    x = torch.randn(8, 64)
+    stamps = {}
+
+    def stamp(g):
+        stamps.setdefault("backward", time.time())  # inside backward
+
+    def hook(h):
+        if h.requires_grad:
+            h.register_hook(stamp)
+        if fddp.rank() == 1:
+            time.sleep(2.0)  # a slow forward pass
+        stamps["forward end"] = time.time()
+        return h
+
+    step(p, x, hook)  # the first call: a new tree, agreed at once
+    stamps.clear()
+    grads, _ = step(p, x, hook)
+    return stamps, grads["w"].sum().item()
+
+
+def test_a_rank_runs_its_backward_while_its_peer_is_still_in_its_forward_pass():
+    (s0, g0), (s1, g1) = run(_skewed_worker, 2, timeout=60)
+    # Rank 0's backward ran during rank 1's 2-second forward: its agreement was sent, not waited
+    # for, and finished only when its first bucket had to go out; the mean is the same.
+    assert s0["backward"] < s1["forward end"] - 1.0, (s0, s1)
+    assert g0 == g1
+
+
 # --- 3. a rank one call behind ---------------------------------------------------------------------------
 
 

@@ -237,7 +237,9 @@ class _Transform:
                     _dist.abandon(options.group)  # the call counts: this rank's next header says so
                     raise
                 reducer.mark_backward()
-                sync.agree(replicas=True)
+                # Sent now and finished when backward has a bucket to send (or at the flush): a
+                # rank whose peer is still in its forward pass goes on with its backward meanwhile.
+                reducer.gate = sync.start_agreement(replicas=True)
                 if loss.requires_grad:
                     raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                     if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":

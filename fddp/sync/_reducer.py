@@ -127,6 +127,9 @@ class Reducer:
         self.working = hook.begin(state, comm)
         self.where = _where(plan)  # leaf -> (bucket, position): looked up once, not per leaf
         self.next = 0
+        # An agreement still under way (fddp._setup.PendingAgreement): no bucket goes out before
+        # it is finished, since the agreement is what makes the ranks' buckets match.
+        self.gate: Any = None
 
     def launch(self, i: int, flat: torch.Tensor) -> None:
         """Hand bucket ``i`` (``flat``, already scaled) to the hook."""
@@ -188,11 +191,16 @@ class Reducer:
         self.ready[leaf] = self.clock() - self.t0
         missing = s.missing
         missing.discard(leaf)
-        if not missing and b == self.next:
+        if (not missing and b == self.next) or self.gate is not None:  # with the agreement under way, poll it
             self._launch_ready()
 
     def flush(self) -> None:
-        """Complete with zeros the leaves that never arrived (unused this step), then launch."""
+        """Complete with zeros the leaves that never arrived (unused this step), finish the
+        agreement if it is still under way (it may raise), then launch."""
+        gate = self.gate
+        if gate is not None:
+            self.gate = None
+            gate.finish()
         for s in self.slots[self.next :]:
             if s.missing:
                 views = s.views if s.views is not None else s.open()
@@ -202,6 +210,14 @@ class Reducer:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
+        gate = self.gate
+        if gate is not None:
+            # Called from backward: finish the agreement only where that neither waits for a peer
+            # still in its forward pass nor raises inside autograd; else flush() finishes it.
+            if not gate.ready():
+                return
+            self.gate = None
+            gate.finish()
         slots = self.slots
         while self.next < len(slots) and not slots[self.next].missing:
             s = slots[self.next]

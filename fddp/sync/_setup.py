@@ -269,12 +269,12 @@ class Sync:
         ``fddp.broadcast`` since) also compares the leaves' checksums across the ranks, unless
         ``fddp.set_checks(replicas=False)``; return whether it did.
         """
+        return self.start_agreement(replicas=replicas).finish()
+
+    def start_agreement(self, *, replicas: bool = False) -> PendingAgreement:
+        """:meth:`agree`, started: the header is sent; finish it before this call's other collectives."""
         ask = replicas and _dist.checks().replicas and module_aliases(self.leaves)
-        agreed = _signature.check(self.digest, self.rows, self.options.group, self.what, ask)
-        self.new = agreed.new
-        if agreed.asked:
-            check_replicas(self.leaves, self.spec, self.options.group, self.what)
-        return agreed.asked
+        return PendingAgreement(self, _signature.start(self.digest, self.rows, self.options.group, self.what, ask))
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
@@ -284,6 +284,34 @@ class Sync:
         """The synchronised tree from the reduced buffers (the hook's ``tree``: views laid out for
         ``fddp.optim``, or a sharding hook's shards)."""
         return self.options.hook.tree(self.spec, self.comm, results, made)
+
+
+class PendingAgreement:
+    """A :class:`Sync`'s agreement under way (:meth:`Sync.start_agreement`).
+
+    Example:
+        >>> pending = sync.start_agreement(replicas=True)
+        >>> if pending.ready(): pending.finish()  # would not wait
+    """
+
+    __slots__ = ("sync", "agreement")
+
+    def __init__(self, sync: Sync, agreement: _dist.Agreement) -> None:
+        self.sync, self.agreement = sync, agreement
+
+    def ready(self) -> bool:
+        """Whether :meth:`finish` would return at once, with no wait, error or further check."""
+        return self.agreement.ready()
+
+    def finish(self) -> bool:
+        """Wait for the agreement (and, on a tree fresh from ``fddp.functionalize``, compare the
+        replicas); return whether the replicas were compared."""
+        sync = self.sync
+        agreed = self.agreement.finish()
+        sync.new = agreed.new
+        if agreed.asked:
+            check_replicas(sync.leaves, sync.spec, sync.options.group, sync.what)
+        return agreed.asked
 
 
 class _Record(NamedTuple):

@@ -22,7 +22,7 @@ from fddp import _caches, _dist
 from fddp._dist import MismatchError
 from fddp._tree import first_difference
 
-__all__ = ["MismatchError", "signature_digest", "check", "name_difference"]
+__all__ = ["MismatchError", "signature_digest", "check", "start", "name_difference"]
 
 _KEYS = 1024  # distinct call signatures whose digests are kept (a training loop needs a handful)
 _digests: "collections.OrderedDict[Hashable, int]" = collections.OrderedDict()
@@ -58,8 +58,16 @@ def check(
     Raises :class:`MismatchError` on every rank if the ranks' signatures (or call numbers, or
     threads) differ.
     """
+    return start(digest, rows, group, what, ask).finish()
+
+
+def start(
+    digest: int, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str, ask: bool = False
+) -> _dist.Agreement:
+    """:func:`check`, started: the header is sent, and the caller finishes the agreement
+    (:meth:`fddp._dist.Agreement.finish`) before the call's other collectives."""
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the header; a compiled step relies on its guards (a new tree
         # re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
-        return _dist.Agreed(False, False)
-    return _dist.agree(group, what, digest, rows, name_difference, ask)
+        return _dist.Agreement(None, None, _dist.Agreed(False, False))
+    return _dist.start_agreement(group, what, digest, rows, name_difference, ask)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import optree
 import optree.registry
@@ -108,6 +108,10 @@ class ShardLayout:
     align: int = ALIGN
     cuts: tuple[Cut, ...] = field(init=False, compare=False, hash=False, repr=False)
     buffers: tuple[tuple[torch.dtype, torch.device, int], ...] = field(init=False, compare=False, hash=False, repr=False)
+
+    # The ZeRO stage whose trees use this layout: 2 (buckets cut for the gradients' sync); stage 3's
+    # layout, fddp.zero.UnitLayout, is a subclass that records its units.
+    stage: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
         at: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -274,6 +278,13 @@ def explain(want: optree.PyTreeSpec, got: optree.PyTreeSpec, want_name: str = "t
     for x, y in zip(la, lb):
         if x.layout != y.layout:
             lx, ly = x.layout, y.layout
+            if lx.stage != ly.stage:
+                return (
+                    f"{want_name} is sharded for ZeRO stage {lx.stage} and {got_name} for stage {ly.stage}: stage 3's "
+                    "trees (fddp.zero.fully_shard: one bucket per unit) and stage 2's (fddp.zero.shard, "
+                    "ReduceScatter: the gradients' buckets) do not mix; take the gradients of fully_shard's "
+                    "apply_fn with torch.func.grad for its shards, or keep to stage 2 throughout"
+                )
             if (lx.world, lx.rank) != (ly.world, ly.rank):
                 return (
                     f"the trees are sharded for different world sizes or ranks ({lx!r} and {ly!r}); shards move "

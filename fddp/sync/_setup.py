@@ -183,6 +183,12 @@ def setup(tree: Any, options: SyncOptions, what: str, state: Any = None, *, memb
     require_initialized(what)
     leaves, spec = tensor_leaves(tree, what)
     if _shard.spec_has_sharded(spec):
+        if any(s.layout.stage == 3 for s in _shard.sharded_roots(tree)):
+            raise TypeError(
+                f"fddp.{what}: got fully sharded parameters (ZeRO stage 3, fddp.zero.fully_shard); their "
+                "gradients need no sync here: differentiate a loss that calls fully_shard's apply_fn with "
+                "torch.func.grad (or grad_and_value, .backward()) and the gradient shards come out averaged"
+            )
         raise TypeError(
             f"fddp.{what}: got a sharded tree (fddp.zero.Sharded: this rank's slices of the buckets, which "
             "differ between ranks by design); synchronise the full tree instead, e.g. the parameters "

@@ -27,5 +27,19 @@ Example:
 from fddp._shard import ShardLayout, Sharded
 from fddp.sync.hooks import ReduceScatter
 from fddp.zero._api import Gathered, gather, shard
+from fddp.zero._gather import Counters
+from fddp.zero._stage3 import FullyShardedForward, UnitLayout, fully_shard, unshard
 
-__all__ = ["Gathered", "ReduceScatter", "ShardLayout", "Sharded", "gather", "shard"]
+__all__ = [
+    "Counters",
+    "FullyShardedForward",
+    "Gathered",
+    "ReduceScatter",
+    "ShardLayout",
+    "Sharded",
+    "UnitLayout",
+    "fully_shard",
+    "gather",
+    "shard",
+    "unshard",
+]

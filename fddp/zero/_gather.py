@@ -1,0 +1,472 @@
+"""The all-gather of a bucket's shards as a differentiable function, and its transpose.
+
+Gathering bucket ``k`` of a :class:`fddp.zero.Sharded` tree is linear in the shards, so its
+derivatives are collectives too, as JAX's ``all_gather`` transposes to ``psum_scatter``:
+
+- **forward**: every rank's shard of the bucket, all-gathered into the bucket's flat buffer (its
+  first ``B`` elements: the padding is cut off);
+- **backward**: the cotangents of that buffer, reduced over the ranks and cut to this rank's
+  shard (a reduce-scatter), with ``fddp.ddp_step``'s mean: scaled by ``1/n`` before the sum for a
+  power-of-two ``n``, else summed, then divided. The gradient shards are the mean over the ranks
+  of their local gradients (the gradient of the mean of the ranks' objectives), equal to stage 2's
+  where the sums run in the same order. With a replica group (hybrid sharding) the shard is then
+  all-reduced across the replicas, ``n`` being all the ranks of both groups;
+- **invariant** gathers differentiate this rank's objective alone, the other ranks' shards held
+  constant: the cotangent's slice, no collective (per-sample gradients, where a sum over ranks
+  would add unrelated samples together);
+- **forward mode**: the tangents' shards, all-gathered;
+- **vmap**: the members stacked in one buffer, one collective for all of them.
+
+The collectives run on plain tensors, below every torch.func level, in the Functions' ``forward``;
+everything above is functorch's (``_Gather`` and ``_Reduce`` are ``autograd.Function``\\ s with
+``setup_context``, ``backward``, ``jvp`` and ``vmap`` rules, as ``fddp.sync._differentiable._Mean``).
+
+A :class:`Pipeline` (one per call of a fully sharded forward) makes the collectives asynchronous:
+it starts the gathers of the next ``depth`` buckets before the current one computes (and of the
+previous ones in backward), and lets up to ``depth`` reductions run behind the backward pass; a
+:class:`_Boundary` on the shards waits for the last of them before their gradients leave backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from typing import Any, Sequence
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+from fddp import _shard
+from fddp._pool import new_buffer
+from fddp.sync._comm import Comm
+
+__all__ = ["Counters", "GatherCall", "Pipeline", "gather_bucket", "boundary", "plain"]
+
+_functorch = torch._C._functorch
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # divided before the sum, as fddp.hooks.Mean does
+
+
+def _eager(method: Any) -> Any:
+    """Run ``method`` below every torch.func level: the pipeline's buffers are plain tensors that
+    it fills in place (a grad transform would refuse writes into tensors it did not make)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with temporarily_clear_interpreter_stack():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every torch.func wrapper of ``t`` (batch dimensions where they lie)."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
+@dataclasses.dataclass
+class Counters:
+    """What a fully sharded tree's collectives moved, and the most memory its full buckets held.
+
+    Attributes:
+        gathers: all-gathers of parameter (or tangent) shards.
+        gathered_bytes: bytes this rank sent into them (its shards).
+        reduces: reductions of cotangents (one per bucket and backward pass).
+        reduced_bytes: bytes this rank handed to them within the shard group.
+        replica_bytes: bytes handed to the all-reduces across the replica group (hybrid sharding).
+        prefetch_hits: gathers found already in flight when their bucket was needed.
+        prefetch_misses: gathers started only when needed (the first bucket, an unpredicted order).
+        live_bytes: bytes of gathered buckets and reduction buffers alive now.
+        peak_bytes: the most ``live_bytes`` has been (reset it to measure a step).
+
+    Example:
+        >>> apply_fn.counters.peak_bytes = 0
+        >>> loss = loss_fn(shards, x, y)
+        >>> apply_fn.counters.peak_bytes  # the full buckets' bytes at the fullest moment
+    """
+
+    gathers: int = 0
+    gathered_bytes: int = 0
+    reduces: int = 0
+    reduced_bytes: int = 0
+    replica_bytes: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    live_bytes: int = 0
+    peak_bytes: int = 0
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Count ``t``'s bytes as live until it is freed."""
+        n = t.numel() * t.element_size()
+        self.live_bytes += n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(t, self._free, n)
+
+    def _free(self, n: int) -> None:
+        self.live_bytes -= n
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A collective in flight: its work handle and the buffers it reads or writes."""
+
+    key: Any
+    buf: torch.Tensor
+    work: Any
+    batch: tuple[int, ...]
+    out: torch.Tensor | None = None
+    phase: int = 1  # reductions: 1 = within the shard group, 2 = across the replicas, 3 = done
+
+
+class _Comms:
+    """A layout's groups as fddp ``Comm`` handles (counted, waited with errors that name the call)."""
+
+    def __init__(self, lay: _shard.ShardLayout, what: str) -> None:
+        self.lay = lay
+        self.shard = Comm(lay.group, what, lay.plan) if lay.world > 1 else None
+        replica_group = getattr(lay, "replica_group", None)
+        self.replicas = getattr(lay, "replicas", 1)
+        self.replica = Comm(replica_group, what, lay.plan) if self.replicas > 1 else None
+        self.n = lay.world * self.replicas
+        self.pow2 = self.n & (self.n - 1) == 0
+
+
+class Pipeline:
+    """The collectives of one call of a fully sharded forward (and of its backward): asynchronous.
+
+    Gathers: :meth:`gather` returns bucket ``k``'s full buffer, from a gather already in flight when
+    one was started for this very shard tensor, and then starts the next ``depth`` of ``order``
+    (forward) or of the reversed forward sequence (backward). Reductions: :meth:`reduce` starts one
+    and returns this rank's shard buffer, which its wait fills; at most ``depth`` more stay in
+    flight, and :meth:`finish_reduces` (the shards' boundary in backward) waits for them all.
+    A bucket gathered twice in one forward is reduced synchronously: autograd adds its two
+    gradients as soon as both exist, before the boundary.
+    """
+
+    def __init__(
+        self, lay: _shard.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
+        order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(),
+    ) -> None:  # fmt: skip
+        self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
+        self.comms = _Comms(lay, what)
+        self.plains = [plain(s) for s in shards]
+        self.order = list(order)  # the predicted forward sequence of buckets
+        self.remat = remat  # buckets gathered again in backward
+        self.gathers: dict[int, _Pending] = {}
+        self.reduces: collections.deque[_Pending] = collections.deque()
+        self.seq: list[int] = []  # the forward sequence, as it happened
+        self.repeated: set[int] = set()  # buckets gathered more than once in it
+        self.cursor = 0
+        self.back: list[int] | None = None  # the backward sequence, once backward starts
+        self.bcursor = 0
+
+    # -- gathers --------------------------------------------------------------------------------
+
+    def _start_gather(self, k: int, shard: torch.Tensor) -> _Pending:
+        lay, comms = self.lay, self.comms
+        batch = tuple(shard.shape[:-1])
+        src = shard.contiguous()
+        if comms.shard is None:
+            return _Pending(_key(shard), src, None, batch)
+        buf = new_buffer(lay.world * src.numel(), src.dtype, src.device)
+        self.counters.hold(buf)
+        work = comms.shard.all_gather_into(buf, src.reshape(-1))
+        self.counters.gathers += 1
+        self.counters.gathered_bytes += src.numel() * src.element_size()
+        return _Pending(_key(shard), buf, work, batch)
+
+    def _finish_gather(self, k: int, p: _Pending) -> torch.Tensor:
+        lay = self.lay
+        b, c = lay.plan.buckets[k], lay.cuts[k]
+        if p.work is not None:
+            self.comms.shard.wait(p.work, f"the all-gather of bucket {k} (of {len(lay.cuts)})")
+        m = 1
+        for d in p.batch:
+            m *= d
+        if p.work is None:  # one rank: the shard is the bucket, padded
+            return p.buf.view(*p.batch, c.size)[..., : b.numel]
+        if m == 1:
+            return p.buf[: b.numel].view(*p.batch, b.numel)
+        # Rank-major (world, members, shard) -> members, world * shard: one copy.
+        full = p.buf.view(lay.world, m, c.size).transpose(0, 1).reshape(m, lay.world * c.size)[:, : b.numel]
+        return full.reshape(*p.batch, b.numel)
+
+    @_eager
+    def gather(self, k: int, shard: torch.Tensor, backward: bool) -> torch.Tensor:
+        """Bucket ``k``'s full flat buffer, gathered from ``shard`` (plain, ``(*batch, size)``)."""
+        p = self.gathers.pop(k, None)
+        if p is not None and p.key == _key(shard):
+            self.counters.prefetch_hits += 1
+        else:
+            if p is not None:  # started for another tensor: let it land, unused
+                self._finish_gather(k, p)
+            self.counters.prefetch_misses += 1
+            p = self._start_gather(k, shard)
+        if backward:
+            self._prefetch_backward(k)
+        else:
+            self.seq.append(k)
+            self._prefetch_forward(k)
+        return self._finish_gather(k, p)
+
+    @_eager
+    def gather_now(self, k: int, shard: torch.Tensor) -> torch.Tensor:
+        """Bucket ``k``'s full buffer from ``shard``, gathered now, outside the prefetch order."""
+        return self._finish_gather(k, self._start_gather(k, shard))
+
+    def _prefetch(self, ks: Sequence[int]) -> None:
+        for j in ks:
+            if j not in self.gathers:
+                self.gathers[j] = self._start_gather(j, self.plains[j])
+
+    def _prefetch_forward(self, k: int) -> None:
+        order, at = self.order, self.cursor
+        while at < len(order) and order[at] != k:
+            at += 1
+        if at == len(order):  # not where predicted: prefetch nothing until the sequence is back
+            return
+        self.cursor = at + 1
+        self._prefetch(order[self.cursor : self.cursor + self.depth])
+
+    @_eager
+    def end_forward(self, will_backward: bool) -> None:
+        """The forward is over: let unused gathers land; start backward's first gathers."""
+        for k in list(self.gathers):
+            self._finish_gather(k, self.gathers.pop(k))
+        self.back = [k for k in reversed(self.seq) if k in self.remat]
+        self.repeated = {k for k, n in collections.Counter(self.seq).items() if n > 1}
+        if will_backward:
+            self._prefetch(self.back[: self.depth])
+
+    def _prefetch_backward(self, k: int) -> None:
+        back = self.back if self.back is not None else []
+        at = self.bcursor
+        while at < len(back) and back[at] != k:
+            at += 1
+        if at == len(back):
+            return
+        self.bcursor = at + 1
+        self._prefetch(back[self.bcursor : self.bcursor + self.depth])
+
+    # -- reductions -----------------------------------------------------------------------------
+
+    @_eager
+    def reduce(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """Start reducing ``ct`` (plain, ``(*batch, B)``); return this rank's shard buffer for it."""
+        lay, comms, counters = self.lay, self.comms, self.counters
+        b, c = lay.plan.buckets[k], lay.cuts[k]
+        batch = tuple(ct.shape[:-1])
+        out = torch.zeros(*batch, c.size, dtype=ct.dtype, device=ct.device)
+        if invariant:
+            out[..., : c.held].copy_(ct[..., c.lo : c.hi])
+            return out
+        m = 1
+        for d in batch:
+            m *= d
+        buf = new_buffer(m * b.numel, ct.dtype, ct.device).view(*batch, b.numel)
+        counters.hold(buf)
+        if comms.pow2:
+            torch.mul(ct, 1.0 / comms.n, out=buf)  # 2**-k commutes with rounding: ddp_step's mean
+        elif ct.dtype in LOW_PRECISION:
+            torch.div(ct, comms.n, out=buf)  # a half-precision sum could overflow where the mean would not
+        else:
+            buf.copy_(ct)
+        counters.reduces += 1
+        work = None
+        if comms.shard is not None:
+            counters.reduced_bytes += buf.numel() * buf.element_size()
+            work = comms.shard.all_reduce(buf)
+        p = _Pending(k, buf, work, batch, out)
+        for older in self.reduces:
+            if older.phase == 1:
+                self._advance(older)
+        self.reduces.append(p)
+        while len(self.reduces) > self.depth:
+            self._finish(self.reduces.popleft())
+        return out
+
+    def _advance(self, p: _Pending) -> None:
+        """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
+        lay, comms = self.lay, self.comms
+        c = lay.cuts[p.key]
+        if p.work is not None:
+            comms.shard.wait(p.work, f"the reduction of bucket {p.key}'s gradients (of {len(lay.cuts)})")
+        p.out[..., : c.held].copy_(p.buf[..., c.lo : c.hi])
+        p.buf, p.work, p.phase = None, None, 2
+        if comms.replica is not None:
+            self.counters.replica_bytes += p.out.numel() * p.out.element_size()
+            p.work = comms.replica.all_reduce(p.out)
+
+    def _finish(self, p: _Pending) -> None:
+        comms = self.comms
+        if p.phase == 1:
+            self._advance(p)
+        if p.work is not None:
+            comms.replica.wait(p.work, f"the all-reduce of bucket {p.key}'s gradient shard across the replicas")
+        if not comms.pow2 and p.out.dtype not in LOW_PRECISION:
+            p.out.div_(comms.n)
+        p.work, p.phase = None, 3
+
+    @_eager
+    def finish_reduces(self) -> None:
+        """Wait for every reduction in flight: the gradient shards are complete after this."""
+        while self.reduces:
+            self._finish(self.reduces.popleft())
+
+    @_eager
+    def reduce_now(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """:meth:`reduce`, waited for before it returns."""
+        out = self.reduce(k, ct, invariant)
+        self.finish_reduces()
+        return out
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GatherCall:
+    """One bucket's gather, everything but the tensor: the bucket, the pipeline, the variant.
+
+    ``backward`` marks the gathers made again in backward (rematerialisation), which prefetch in
+    the backward order; ``sync`` the reductions that must not wait behind the others.
+    """
+
+    pipe: Pipeline
+    k: int
+    invariant: bool = False
+    backward: bool = False
+    sync: bool = False
+
+    def again(self) -> "GatherCall":
+        """The same bucket's gather in backward (prefetching backward's order)."""
+        return dataclasses.replace(self, backward=True)
+
+    def plain_call(self) -> "GatherCall":
+        """For tangents: synchronous, outside the prefetch order."""
+        return dataclasses.replace(self, backward=True, sync=True)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(call: GatherCall, shard: torch.Tensor) -> torch.Tensor:
+        if call.sync:
+            return call.pipe.gather_now(call.k, shard)
+        return call.pipe.gather(call.k, shard, call.backward)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> tuple:
+        return None, _Reduce.apply(ctx.call, ct)
+
+    @staticmethod
+    def jvp(ctx: Any, _call_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        if tangent is None:
+            return None
+        return _Gather.apply(ctx.call.plain_call(), tangent)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: GatherCall, shard: torch.Tensor) -> tuple:
+        # Apply again below this level, members first: one collective carries all of them.
+        return _Gather.apply(call, shard.movedim(in_dims[1], 0)), 0
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(call: GatherCall, ct: torch.Tensor) -> torch.Tensor:
+        pipe = call.pipe
+        if call.sync or call.k in pipe.repeated:
+            return pipe.reduce_now(call.k, ct, call.invariant)
+        return pipe.reduce(call.k, ct, call.invariant)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, _ct: torch.Tensor) -> tuple:
+        raise RuntimeError(
+            "fddp.zero: the gradient of a fully sharded forward is not differentiable again (double "
+            "backward, grad of grad); forward-over-reverse (torch.func.jvp of torch.func.grad) works"
+        )
+
+    @staticmethod
+    def jvp(ctx: Any, _call_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        if tangent is None:
+            return None
+        return _Reduce.apply(ctx.call.plain_call(), tangent)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: GatherCall, ct: torch.Tensor) -> tuple:
+        return _Reduce.apply(call, ct.movedim(in_dims[1], 0)), 0
+
+
+class _Boundary(torch.autograd.Function):
+    """The identity on a call's shards; in backward it waits for the reductions still in flight."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(pipe: Pipeline, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(s.view_as(s) for s in shards)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.pipe = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
+        ctx.pipe.finish_reduces()
+        return (None, *cts)
+
+    @staticmethod
+    def jvp(ctx: Any, _pipe_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        return tuple(tangents)
+
+
+def boundary(pipe: Pipeline, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The shards, through the call's backward boundary (see :class:`_Boundary`)."""
+    return _Boundary.apply(pipe, *shards)
+
+
+def gather_bucket(pipe: Pipeline, k: int, shard: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
+    """Bucket ``k``'s full flat buffer: a differentiable all-gather of ``shard`` (see the module)."""
+    return _Gather.apply(GatherCall(pipe, k, invariant), shard)
+
+
+def check_groups(group: dist.ProcessGroup | None, replica_group: dist.ProcessGroup | None, what: str) -> tuple[int, int, int]:
+    """Validate hybrid sharding's groups; return ``(world, rank, replicas)``.
+
+    Every rank must be in both groups; the replica group must not be the shard group, and the two
+    groups' sizes must multiply to at most the default group's (each rank one shard of one replica).
+    """
+    for name, g in (("group", group), ("replica_group", replica_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"fddp.{what}: {name} must be a torch.distributed.ProcessGroup or None, got {type(g).__name__}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < 0 or rank < 0:
+        raise ValueError(f"fddp.{what}: this rank (global rank {dist.get_rank()}) is not in `group`")
+    if replica_group is None:
+        return world, rank, 1
+    if replica_group is group or (group is None and replica_group is dist.group.WORLD):
+        raise ValueError(f"fddp.{what}: replica_group is the shard group; pass two different groups (shard within one, replicate across the other)")
+    replicas, r = dist.get_world_size(replica_group), dist.get_rank(replica_group)
+    if replicas < 0 or r < 0:
+        raise ValueError(f"fddp.{what}: this rank (global rank {dist.get_rank()}) is not in `replica_group`")
+    total = dist.get_world_size()
+    if world * replicas > total:
+        raise ValueError(
+            f"fddp.{what}: a shard group of {world} ranks times a replica group of {replicas} is "
+            f"{world * replicas} ranks, more than the {total} there are; each rank holds one shard of one replica "
+            "(e.g. shard within a host, replicate across hosts: groups of ranks_per_host and of hosts)"
+        )
+    return world, rank, replicas

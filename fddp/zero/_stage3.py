@@ -1,0 +1,823 @@
+"""ZeRO stage 3: fully sharded parameters, gathered unit by unit inside a pure forward.
+
+:func:`fully_shard` cuts a module's trainable parameters into *units* (transformer blocks, the
+embedding, the head: submodules whose forward uses only their own parameters), lays each unit's
+parameters out as one bucket per dtype, in forward order, and cuts every bucket across the ranks
+exactly as stage 2 cuts its buckets (``fddp._shard.cut``: 64-element blocks, zero padding). The
+shards are a :class:`fddp.zero.Sharded` whose layout (a :class:`UnitLayout`) records the units,
+so ``fddp.optim``, ``save_sharded`` and ``load_sharded`` take them as they take stage 2's.
+
+The returned ``apply_fn(shards, *args)`` runs the module with, for each unit, its parameters
+all-gathered just before the unit runs and let go right after (``fddp.zero._gather``: a
+differentiable gather whose backward reduce-scatters). In backward each unit's parameters are
+gathered again and the unit recomputed (:class:`_Remat`): torch.func has no saved-tensor hooks
+(pytorch #122729), so the unit's call is one ``autograd.Function`` that saves only its inputs and
+its shards, and whose backward re-gathers and differentiates the unit with ``torch.func.vjp``;
+its forward-mode rule does the same with ``torch.func.jvp``, and its vmap rule is functorch's
+(every collective inside has its own). Parameters that no unit holds form the *root* unit,
+gathered at the start of the call and kept until backward (as FSDP2 keeps its root's).
+
+The gathers are prefetched (the next ``prefetch`` buckets start before the current unit runs, in
+the order the previous call ran them; in backward, the previous ones), the reductions run behind
+the backward pass, and with a ``replica_group`` (hybrid sharding) each shard is all-reduced across
+the replicas after its reduce-scatter within the shard group.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from typing import Any, Callable, ClassVar, Iterable, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
+from torch import nn
+from torch.autograd import forward_ad
+
+from fddp import _layout, _shard
+from fddp._tree import paths
+from fddp.sync._differentiable import active_transforms
+from fddp.sync._signature import check_signature, count_call, wait
+from fddp.zero import _gather
+from fddp.zero._gather import Counters, GatherCall, Pipeline
+
+__all__ = ["UnitLayout", "FullyShardedForward", "fully_shard", "unshard"]
+
+_functorch = torch._C._functorch
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+# ------------------------------------------------------------------------------------- the layout
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class UnitLayout(_shard.ShardLayout):
+    """A stage-3 shard layout: stage 2's cut of a plan whose buckets are the units' parameters.
+
+    Attributes:
+        units: the units' names (``""``: the root unit), in forward order.
+        unit_buckets: per unit, the indices of its buckets (one per dtype and device) in ``plan``.
+        replica_group: hybrid sharding's replica group (``None``: no replicas).
+        replicas: the size of ``replica_group`` (1 without one).
+
+    Example:
+        >>> apply_fn, shards = fddp.zero.fully_shard(model)
+        >>> shards.layout.units  # ('embed', 'encoder.layers.0', ..., 'head')
+    """
+
+    units: tuple[str, ...] = ()
+    unit_buckets: tuple[tuple[int, ...], ...] = ()
+    replica_group: Any = None
+    replicas: int = 1
+
+    stage: ClassVar[int] = 3
+
+    def __repr__(self) -> str:
+        hybrid = f", replicas={self.replicas}" if self.replicas > 1 else ""
+        return (
+            f"UnitLayout(world={self.world}, rank={self.rank}{hybrid}, units={len(self.units)}, "
+            f"buckets={len(self.plan.buckets)}, leaves={self.plan.num_leaves}, elements={self.numel})"
+        )
+
+    def describe(self) -> list[tuple]:
+        """The layout as signature rows: the cut, the units and their leaves (not the rank)."""
+        names = paths(self.spec)
+        rows: list[tuple] = [("shard layout", f"stage 3, world={self.world} replicas={self.replicas} align={self.align}", None)]
+        for u, ks in zip(self.units, self.unit_buckets):
+            for k in ks:
+                b, c = self.plan.buckets[k], self.cuts[k]
+                shown = [names[i] for i in b.indices]
+                leaves = ", ".join(shown) if len(shown) <= 3 else f"{len(shown)} leaves: {shown[0]} ... {shown[-1]}"
+                rows.append((f"unit {u or '<root>'!r} bucket {k}", f"{b.numel} elements of {b.dtype} ({leaves}), shards of {c.size}", None))
+        return rows
+
+    def check_group(self, what: str) -> None:
+        """Raise unless this process holds these shards' place: rank, world size, replica group size."""
+        n, r = (dist.get_world_size(self.group), dist.get_rank(self.group)) if dist.is_initialized() else (1, 0)
+        replicas = dist.get_world_size(self.replica_group) if self.replicas > 1 and dist.is_initialized() else 1
+        if (n, r, replicas) != (self.world, self.rank, self.replicas):
+            hybrid = f" (x {self.replicas} replicas)" if self.replicas > 1 else ""
+            now = f" (x {replicas} replicas)" if replicas > 1 else ""
+            raise RuntimeError(
+                f"fddp.{what}: these stage-3 shards were made for rank {self.rank} of {self.world} ranks{hybrid}, but "
+                f"this process is rank {r} of {n}{now}. Shards move between world sizes only through a checkpoint: "
+                "fddp.checkpoint.save_sharded(directory, tree) on the old ranks, then, on the new ones, "
+                "fddp.checkpoint.load_sharded(directory, like) with `like` made by fddp.zero.fully_shard(model) "
+                "(and opt.init of its shards), which reshards."
+            )
+
+
+def _torch_flatten(s: _shard.Sharded) -> tuple[list[Any], Any]:
+    return list(s.shards), s.layout
+
+
+def _torch_unflatten(children: Iterable[Any], layout: Any) -> _shard.Sharded:
+    return _shard.Sharded(tuple(children), layout)
+
+
+# torch.func's transforms (grad, vjp, jvp, vmap) find tensors with torch's own pytrees, not optree's:
+# registered there too, a Sharded is differentiated and batched shard by shard.
+if _shard.Sharded not in torch_pytree.SUPPORTED_NODES:
+    torch_pytree.register_pytree_node(
+        _shard.Sharded, _torch_flatten, _torch_unflatten, serialized_type_name="fddp.zero.Sharded"
+    )
+
+
+def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequence[Any]) -> None:
+    """Raise ``fddp.MismatchError`` on every rank of each group unless its ranks hold the same rows."""
+    for g in groups:
+        check_signature((what, key, id(g)), rows, g, what)
+
+
+# ---------------------------------------------------------------------------------------- the units
+
+
+@dataclasses.dataclass(eq=False)
+class _Unit:
+    """One unit: its module, its buckets, and the module slots its parameters go into."""
+
+    name: str
+    module: nn.Module
+    leaves: list[int]  # leaf indices (tree-flatten order), in the module's definition order
+    buckets: tuple[int, ...] = ()
+    # (module, attribute, position of the bucket among the unit's, position of the leaf in it)
+    slots: list[tuple[nn.Module, str, int, int]] = dataclasses.field(default_factory=list)
+    forward: Callable[..., Any] | None = None  # the module's own forward, bound
+
+
+class _Released(nn.Parameter):
+    """What a module holds in place of a parameter that :func:`fully_shard` took: shape and dtype only.
+
+    A ``Parameter`` (``load_state_dict(..., assign=True)`` replaces it), with no storage, that
+    refuses every operation with an error that says where the values are.
+    """
+
+    @staticmethod
+    def __new__(cls, name: str, like: torch.Tensor) -> "_Released":
+        r = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device, requires_grad=like.requires_grad)
+        r._fddp_name = name
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        name = next((a._fddp_name for a in optree.tree_leaves((args, kwargs)) if isinstance(a, _Released)), "?")
+        raise RuntimeError(
+            f"fddp.zero.fully_shard: parameter {name!r} lives in the shards now, and the module holds no "
+            f"value for it ({func} was called on it). Run the module through the apply_fn fully_shard "
+            "returned; a parameter used outside its unit's forward must be in a unit that encloses "
+            "that use; to write trained values back, fddp.zero.gather(shards).wait() gives the full "
+            "tree, for model.load_state_dict(tree, strict=False, assign=True)"
+        )
+
+    def __repr__(self) -> str:  # no dispatch: shown in a debugger
+        return f"<released parameter {self._fddp_name!r} of shape {tuple(self.shape)}, in fddp.zero shards>"
+
+
+def _resolve(model: nn.Module, units: Any, trainable: dict[int, list[str]], what: str) -> list[tuple[str, nn.Module]]:
+    """The unit modules ``units`` names, outermost, in definition order; ``""`` for the root if listed."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    holds = {n: any(id(p) in trainable for p in m.parameters()) for n, m in model.named_modules()}
+    if units is None:
+        return _default_units(model, holds)
+    if isinstance(units, (str, nn.Module, type)) or not isinstance(units, Sequence):
+        raise TypeError(
+            f"fddp.{what}: units must be a list of submodule names, submodules or module classes (or None "
+            f"for one unit per block), got {type(units).__name__}"
+        )
+    chosen: list[str] = []
+    for item in units:
+        if isinstance(item, str):
+            if item and item not in holds:
+                raise ValueError(f"fddp.{what}: units names {item!r}, which is not a submodule of {type(model).__name__}")
+            if item and not holds[item]:
+                raise ValueError(f"fddp.{what}: unit {item!r} holds no trainable parameters")
+            chosen.append(item)
+        elif isinstance(item, nn.Module):
+            if id(item) not in names:
+                raise ValueError(f"fddp.{what}: units holds a {type(item).__name__} that is not a submodule of the model")
+            chosen.append(names[id(item)])
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            chosen += [n for n, m in model.named_modules() if isinstance(m, item) and n and holds[n]]
+        else:
+            raise TypeError(f"fddp.{what}: units holds {item!r}; expected submodule names, submodules or module classes")
+    repeated = [n for n, c in collections.Counter(chosen).items() if c > 1]
+    if repeated:
+        raise ValueError(f"fddp.{what}: unit {repeated[0] or '<root>'!r} is listed twice")
+    # Nested class matches keep the outermost; named units must not nest.
+    outer = [n for n in chosen if n and not any(o and n.startswith(o + ".") for o in chosen)]
+    nested = [n for n in chosen if n and n not in outer]
+    explicit = {x if isinstance(x, str) else names.get(id(x)) for x in units if not isinstance(x, type)}
+    for n in nested:
+        if n in explicit:
+            o = next(o for o in outer if n.startswith(o + "."))
+            raise ValueError(f"fddp.{what}: units must not nest: {n!r} is inside unit {o!r}")
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    out = sorted(set(outer), key=order.__getitem__)
+    return ([("", model)] if "" in chosen else []) + [(n, model.get_submodule(n)) for n in out]
+
+
+def _default_units(model: nn.Module, holds: dict[str, bool]) -> list[tuple[str, nn.Module]]:
+    """One unit per block: each child of a ModuleList / Sequential / ModuleDict, and each other
+    module that owns parameters itself (with its whole subtree), found from the root down; the
+    root's own parameters (and nothing else) are left for the root unit."""
+    out: list[tuple[str, nn.Module]] = []
+
+    def walk(name: str, m: nn.Module) -> None:
+        for child, sub in m.named_children():
+            full = f"{name}.{child}" if name else child
+            if not holds.get(full, False):
+                continue
+            if isinstance(sub, _CONTAINERS):
+                walk(full, sub)
+            elif isinstance(m, _CONTAINERS) or any(True for _ in sub.parameters(recurse=False)):
+                out.append((full, sub))
+            else:
+                walk(full, sub)
+
+    walk("", model)
+    return out
+
+
+def _plan_units(units: list[_Unit], specs: list[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> _layout.BucketPlan:
+    """One bucket per unit and (dtype, device), units in forward order; inside a bucket the leaves
+    lie in reverse definition order, as in stage 2's buckets (a one-unit tree is stage 2's one bucket)."""
+    buckets = []
+    for u in units:
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i in u.leaves:
+            groups.setdefault(specs[i][1:], []).append(i)
+        ks = []
+        for (dtype, device), idx in groups.items():
+            idx = idx[::-1]
+            numels = tuple(_numel(specs[i][0]) for i in idx)
+            offsets = tuple(sum(numels[:j]) for j in range(len(numels)))
+            ks.append(len(buckets))
+            buckets.append(_layout.Bucket(tuple(idx), tuple(specs[i][0] for i in idx), numels, offsets, dtype, device))
+        u.buckets = tuple(ks)
+    return _layout.BucketPlan(tuple(buckets), len(specs))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ----------------------------------------------------------------------------- the unit as a Function
+
+
+def _forward_mode() -> bool:
+    """Whether forward-mode AD is on (a dual level, or a torch.func.jvp transform): save for jvp."""
+    if forward_ad._current_level >= 0:
+        return True
+    return torch._C._are_functorch_transforms_active() and _functorch.TransformType.Jvp in active_transforms()
+
+
+@dataclasses.dataclass(eq=False)
+class _UnitCall:
+    """One call of one unit: the non-tensor arguments, the output's structure, the RNG state."""
+
+    owner: "FullyShardedForward"
+    unit: _Unit
+    calls: tuple[GatherCall, ...]
+    in_spec: Any
+    in_leaves: list[Any]
+    in_pos: tuple[int, ...]
+    out_spec: Any = None
+    out_leaves: list[Any] | None = None
+    out_pos: tuple[int, ...] = ()
+    rng: torch.Tensor | None = None
+
+    @property
+    def nb(self) -> int:
+        return len(self.calls)
+
+    def run(self, fulls: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The unit's forward on these full buckets and tensor arguments; its output's tensors."""
+        leaves = list(self.in_leaves)
+        for p, t in zip(self.in_pos, tensors):
+            leaves[p] = t
+        args, kwargs = torch_pytree.tree_unflatten(leaves, self.in_spec)
+        with self.owner._swapped(self.unit, fulls):
+            out = self.unit.forward(*args, **kwargs)
+        out_leaves, self.out_spec = torch_pytree.tree_flatten(out)
+        self.out_pos = tuple(i for i, t in enumerate(out_leaves) if isinstance(t, torch.Tensor))
+        self.out_leaves = [None if i in self.out_pos else t for i, t in enumerate(out_leaves)]
+        return tuple(out_leaves[i] for i in self.out_pos)
+
+    def rebuild(self, outs: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.out_leaves)
+        for p, t in zip(self.out_pos, outs):
+            leaves[p] = t
+        return torch_pytree.tree_unflatten(leaves, self.out_spec)
+
+
+@contextlib.contextmanager
+def _rng(state: torch.Tensor | None):
+    """Run with the CPU random state the forward saw (a unit with dropout recomputes the same mask)."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        yield
+
+
+class _Remat(torch.autograd.Function):
+    """A unit's call that keeps neither its full parameters nor its activations for backward.
+
+    ``apply(ucall, *shards, *fulls, *tensors)``: ``fulls`` are the gathered buckets (the gradient
+    flows to them, and from there through the gather's backward to the shards); ``shards`` ride
+    along only to be gathered again in backward.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(ucall: _UnitCall, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        nb = ucall.nb
+        ucall.rng = torch.get_rng_state()
+        outs = ucall.run(args[nb : 2 * nb], args[2 * nb :])
+        # An output that is an input would make autograd treat it as a view of it: a copy instead.
+        return tuple(o.clone() if any(o is a for a in args) else o for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ucall = inputs[0]
+        nb = ucall.nb
+        ctx.ucall = ucall
+        ctx.set_materialize_grads(False)
+        saved = (*inputs[1 : 1 + nb], *inputs[1 + 2 * nb :])
+        ctx.save_for_backward(*saved)
+        if _forward_mode():
+            ctx.save_for_forward(*saved)
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor | None) -> tuple:
+        ucall = ctx.ucall
+        nb = ucall.nb
+        saved = ctx.saved_tensors
+        shards, tensors = saved[:nb], list(saved[nb:])
+        live = [j for j, ct in enumerate(cts) if ct is not None]
+        if not live:
+            return (None,) * (1 + 2 * nb + len(tensors))
+        fulls = tuple(_gather._Gather.apply(c.again(), s.detach()) for c, s in zip(ucall.calls, shards))
+        needs = ctx.needs_input_grad[1 + 2 * nb :]
+        diff = [i for i, t in enumerate(tensors) if needs[i] and (t.is_floating_point() or t.is_complex())]
+
+        def f(fulls_: tuple, diff_: tuple) -> tuple:
+            ts = list(tensors)
+            for i, t in zip(diff, diff_):
+                ts[i] = t
+            with _rng(ucall.rng):
+                outs = ucall.run(fulls_, ts)
+            return tuple(outs[j] for j in live)
+
+        with torch.enable_grad():
+            _, vjp_fn = torch.func.vjp(f, fulls, tuple(tensors[i] for i in diff))
+            g_fulls, g_diff = vjp_fn(tuple(cts[j] for j in live))
+        grads: list[Any] = [None] * len(tensors)
+        for i, g in zip(diff, g_diff):
+            grads[i] = g
+        return (None, *([None] * nb), *g_fulls, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _ucall_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        ucall = ctx.ucall
+        nb = ucall.nb
+        saved = ctx.saved_tensors
+        shards, tensors = saved[:nb], list(saved[nb:])
+        fulls = tuple(_gather._Gather.apply(c.plain_call(), s) for c, s in zip(ucall.calls, shards))
+        t_fulls = tuple(torch.zeros_like(f) if t is None else t for f, t in zip(fulls, tangents[nb : 2 * nb]))
+        diff = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+        t_tensors = tangents[2 * nb :]
+        t_diff = tuple(torch.zeros_like(tensors[i]) if t_tensors[i] is None else t_tensors[i] for i in diff)
+
+        def f(fulls_: tuple, diff_: tuple) -> tuple:
+            ts = list(tensors)
+            for i, t in zip(diff, diff_):
+                ts[i] = t
+            with _rng(ucall.rng):
+                return ucall.run(fulls_, ts)
+
+        _, t_out = torch.func.jvp(f, (fulls, tuple(tensors[i] for i in diff)), (t_fulls, t_diff))
+        return tuple(t if t.is_floating_point() or t.is_complex() else None for t in t_out)
+
+
+# -------------------------------------------------------------------------------- the sharded forward
+
+
+def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether a backward or forward-mode pass may follow (then the collectives are differentiable)."""
+    if torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+
+
+class FullyShardedForward:
+    """The module as a pure function of its shards: ``apply_fn(shards, *args, **kwargs)``.
+
+    Made by :func:`fully_shard`; returns what ``model(*args, **kwargs)`` returns, computed with the
+    parameters in ``shards``, gathered unit by unit. Differentiable with ``torch.func.grad``,
+    ``vjp``, ``jvp``, ``vmap`` (ensembles of stacked shards, per-sample gradients), plain
+    ``.backward()`` and ``torch.autograd.grad``: the gradient of the shards is this rank's shard of
+    the mean over the ranks of their gradients, the same as stage 2's ``ReduceScatter`` gives.
+
+    Attributes:
+        layout: the shards' :class:`UnitLayout`.
+        units: the units' names, in forward order (``""``: the root unit).
+        prefetch: how many buckets' gathers run ahead of the one in use.
+        remat: whether units are gathered again and recomputed in backward (else autograd keeps
+            each unit's full parameters from the forward until backward).
+        counters: a :class:`fddp.zero.Counters` of what the collectives moved.
+
+    Example:
+        >>> apply_fn, shards = fddp.zero.fully_shard(model)
+        >>> loss = lambda s, x, y: F.cross_entropy(apply_fn(s, x), y)
+        >>> grads, value = torch.func.grad_and_value(loss)(shards, x, y)
+    """
+
+    def __init__(self, model: nn.Module, layout: UnitLayout, units: list[_Unit], prefetch: int, remat: bool, invariant: bool) -> None:
+        self.model, self.layout, self._units = model, layout, units
+        self.units = layout.units
+        self.prefetch, self.remat, self.invariant = prefetch, remat, invariant
+        self.counters = Counters()
+        self._root = next((u for u in units if u.name == ""), None)
+        self._order: list[int] = [k for u in units for k in u.buckets]  # refined by each call
+        self._remat_buckets = frozenset(k for u in units if u.name for k in u.buckets) if remat else frozenset()
+        self._run: _Call | None = None
+
+    def __repr__(self) -> str:
+        return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat})"
+
+    def _check(self, shards: Any) -> None:
+        lay = self.layout
+        if not isinstance(shards, _shard.Sharded):
+            raise TypeError(
+                f"fddp.zero.fully_shard's apply_fn: expected the fddp.zero.Sharded that fully_shard returned (or "
+                f"the optimizer's new shards of it), got {type(shards).__name__}"
+            )
+        got = shards.layout
+        if got is not lay and got != lay:
+            if getattr(got, "stage", 2) != 3:
+                raise ValueError(
+                    "fddp.zero.fully_shard's apply_fn: these shards are stage 2's (fddp.zero.shard: buckets cut "
+                    "for the gradients' sync), not this forward's units; pass the shards fully_shard returned"
+                )
+            got.check_group("zero.fully_shard")
+            raise ValueError(
+                f"fddp.zero.fully_shard's apply_fn: these shards have another layout ({got!r}) than this "
+                f"forward's ({lay!r}): they come from another fully_shard call (other units, groups or model)"
+            )
+        lay.check_group("zero.fully_shard")
+        for k, (b, c, t) in enumerate(zip(lay.plan.buckets, lay.cuts, shards.shards)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (c.size,) or t.dtype != b.dtype:
+                got_t = f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"fddp.zero.fully_shard's apply_fn: shard {k} (unit {self._unit_of(k)!r}) must be a tensor of "
+                    f"shape ({c.size},) and dtype {b.dtype}; got {got_t}"
+                )
+
+    def _unit_of(self, k: int) -> str:
+        return next(u.name for u in self._units if k in u.buckets) or "<root>"
+
+    @contextlib.contextmanager
+    def _swapped(self, unit: _Unit, fulls: Sequence[torch.Tensor]):
+        """The unit's parameter slots hold views of ``fulls`` for the block."""
+        lay = self.layout
+        views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
+        saved = []
+        for module, attr, j, pos in unit.slots:
+            saved.append(module._parameters[attr])
+            module._parameters[attr] = views[j][pos]
+        try:
+            yield
+        finally:
+            for (module, attr, _, _), old in zip(unit.slots, saved):
+                module._parameters[attr] = old
+
+    def __call__(self, shards: _shard.Sharded, /, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("fddp.zero.fully_shard's apply_fn cannot run under torch.compile; call it eagerly")
+        if self._run is not None:
+            raise RuntimeError("fddp.zero.fully_shard's apply_fn: called again while running (from another thread, or from inside the module)")
+        self._check(shards)
+        lay = self.layout
+        count_call(lay.group, "zero.fully_shard")
+        differentiated = _differentiated(shards.shards)
+        pipe = Pipeline(lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets)
+        leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
+        run = _Call(self, pipe, leaves, differentiated)
+        patched = [u for u in self._units if u.name]
+        self._run = run
+        try:
+            for u in patched:
+                u.module.forward = _patched_forward(self, u)
+            root = self._root
+            if root is None:
+                out = self.model(*args, **kwargs)
+            else:
+                fulls = [run.gather(k) for k in root.buckets]
+                with self._swapped(root, fulls):
+                    del fulls
+                    out = self.model(*args, **kwargs)
+        finally:
+            for u in patched:
+                u.module.__dict__.pop("forward", None)
+            self._run = None
+        pipe.end_forward(will_backward=differentiated)
+        self._order = pipe.seq or self._order
+        return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One call of a :class:`FullyShardedForward`: its pipeline and its shards as the units see them."""
+
+    owner: FullyShardedForward
+    pipe: Pipeline
+    leaves: Sequence[torch.Tensor]
+    differentiated: bool
+
+    def gather(self, k: int) -> torch.Tensor:
+        call = GatherCall(self.pipe, k, self.owner.invariant)
+        if not self.differentiated:
+            return _gather._Gather.forward(call, _gather.plain(self.leaves[k]))
+        return _gather._Gather.apply(call, self.leaves[k])
+
+
+def _patched_forward(owner: FullyShardedForward, unit: _Unit) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        run = owner._run
+        if run is None:  # called outside apply_fn (the module's own forward is patched only during it)
+            return unit.forward(*args, **kwargs)
+        flat, spec = torch_pytree.tree_flatten((args, kwargs))
+        pos = tuple(i for i, t in enumerate(flat) if isinstance(t, torch.Tensor))
+        calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
+        ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
+        fulls = [run.gather(k) for k in unit.buckets]
+        tensors = [flat[i] for i in pos]
+        if run.differentiated and owner.remat:
+            shards = [run.leaves[k] for k in unit.buckets]
+            outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
+        else:
+            outs = ucall.run(fulls, tensors)
+        del fulls
+        return ucall.rebuild(outs)
+
+    return forward
+
+
+# --------------------------------------------------------------------------------- the public calls
+
+
+def fully_shard(
+    model: nn.Module,
+    /,
+    *,
+    units: Sequence[str | nn.Module | type] | None = None,
+    group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
+    prefetch: int = 1,
+    remat: bool = True,
+    invariant: bool = False,
+) -> tuple[FullyShardedForward, _shard.Sharded]:
+    """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
+
+    ``shards`` is this rank's ``1/N`` of every unit's parameters, a :class:`fddp.zero.Sharded` that
+    ``fddp.optim``, :func:`fddp.zero.gather`, ``fddp.checkpoint.save_sharded`` and ``load_sharded``
+    take as they take stage 2's. ``apply_fn(shards, *args, **kwargs)`` returns what
+    ``model(*args, **kwargs)`` would, gathering each unit's parameters just before the unit runs
+    and letting them go after it; differentiate it with ``torch.func.grad`` (or ``vjp``, ``jvp``,
+    ``vmap``, ``.backward()``, ``torch.autograd.grad``) and the gradient is this rank's shard of the
+    mean over the ranks of their gradients, what stage 2's ``ReduceScatter`` gives, ready for
+    ``fddp.optim.apply_gradients(opt, grads, state, shards)``. No full tree is ever built.
+
+    The module keeps its frozen parameters and buffers; its trainable parameters are released
+    (the module holds shape-only placeholders that refuse to compute): the shards are the
+    parameters now. The values need not be the same on every rank beforehand: each rank
+    contributes its own slices and every rank computes with the same gathered values (with a
+    replica group, the first replica's shards are broadcast to the others).
+
+    A *unit* is a submodule whose forward uses only its own parameters (a transformer block, an
+    embedding, a head), run through its ``__call__``. ``units=None`` takes one per block: the
+    children of every ``ModuleList`` / ``Sequential`` / ``ModuleDict``, and every other module that
+    owns parameters itself (with its whole subtree); parameters in no unit form the root unit,
+    gathered for the whole forward (as FSDP2's root). Every rank must run the units in the same
+    order (they do when they run the same code).
+
+    Args:
+        model: the module; its trainable parameters (``requires_grad=True``) are taken.
+        units: the units: submodule names (``""``: the root, for parameters in no other unit),
+            submodules, or module classes (every outermost submodule of the class); ``None``: one
+            per block, as above. A parameter must belong to exactly one unit (tied weights: put the
+            modules that share them in one unit).
+        group: the process group to shard over (``None``: the default group).
+        replica_group: hybrid sharding: replicate the shards across this group (e.g. shard within
+            a host, replicate across hosts); gradients are reduce-scattered within ``group`` and
+            all-reduced across ``replica_group``.
+        prefetch: how many buckets' all-gathers run ahead of the one in use (0: none).
+        remat: gather each unit again in backward and recompute it, instead of keeping its full
+            parameters and activations from the forward.
+        invariant: gradients of this rank's objective alone, the other ranks' shards held
+            constant: each bucket's cotangent is cut to this rank's slice, with no reduction
+            (per-sample gradients; see :func:`unshard`).
+
+    Returns:
+        ``(apply_fn, shards)``: a :class:`FullyShardedForward` and this rank's shards.
+
+    Raises:
+        fddp.MismatchError: on every rank, if ranks' units, trees or groups differ.
+        ValueError: on every rank, for a unit list that misses or repeats a parameter, or names
+            what is not a submodule.
+
+    Example:
+        >>> apply_fn, shards = fddp.zero.fully_shard(model)  # one unit per block
+        >>> opt_state = opt.init(shards)
+        >>> grads, loss = torch.func.grad_and_value(loss_fn)(shards, x, y)  # loss_fn calls apply_fn
+        >>> shards, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, shards)
+    """
+    what = "zero.fully_shard"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fddp.{what}: expected a torch.nn.Module, got {type(model).__name__}")
+    for name, v in (("remat", remat), ("invariant", invariant)):
+        if not isinstance(v, bool):
+            raise TypeError(f"fddp.{what}: {name} must be True or False, got {v!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
+    if not dist.is_initialized():
+        raise RuntimeError(f"fddp.{what}: no process group; call fddp.init() first")
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(f"fddp.{what} cannot run inside a torch.func transform; shard once, before the transforms")
+    world, rank, replicas = _gather.check_groups(group, replica_group, what)
+    groups = [group] + ([replica_group] if replica_group is not None else [])
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    trainable: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            trainable.setdefault(id(p), []).append(n)
+    leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
+    flat_names = list(paths(spec))
+    index = {n: i for i, n in enumerate(flat_names)}
+
+    # Everything that can be wrong with the units is found here, and agreed on, before any
+    # raise: a rank alone with a bad list would otherwise leave its peers waiting.
+    problem: Exception | None = None
+    units_: list[_Unit] = []
+    try:
+        units_ = _units(model, units, params, trainable, index, what)
+        if not units_:
+            raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
+    except (TypeError, ValueError) as e:
+        problem = e
+    if problem is not None:
+        verdict = [("fully_shard units", f"{type(problem).__name__}: {problem}", None)]
+        _agree(what, ("error", str(problem)), lambda: verdict, groups)
+        raise problem
+
+    specs = [(tuple(t.shape), t.dtype, t.device) for t in leaves]
+    plan = _plan_units(units_, specs)
+    lay = UnitLayout(
+        plan, spec, world, rank, group, _shard.ALIGN, units=tuple(u.name for u in units_),
+        unit_buckets=tuple(u.buckets for u in units_), replica_group=replica_group, replicas=replicas,
+    )  # fmt: skip
+    count_call(group, what)
+    _agree(what, lay, lay.describe, [group])
+    if replica_group is not None:  # the replicas of one shard must hold the same place in their groups
+        _agree(what, (lay, "replica"), lambda: lay.describe() + [("shard rank", str(rank), None)], [replica_group])
+
+    out = _shard.new_shards(lay)
+    for leaf, pieces in zip(leaves, _shard.leaf_pieces(lay)):
+        for k, a, x, n in pieces:
+            out[k][x : x + n].copy_(leaf.reshape(-1)[a : a + n])
+    if replica_group is not None:
+        _broadcast_replicas(lay, out)
+    del leaves
+
+    # The module's slots: every name of every trainable parameter, each unit's own.
+    for u in units_:
+        u.forward = u.module.forward
+        for j, k in enumerate(u.buckets):
+            for pos, i in enumerate(plan.buckets[k].indices):
+                for n in trainable[id(params[flat_names[i]])]:
+                    prefix, _, attr = n.rpartition(".")
+                    u.slots.append((model.get_submodule(prefix), attr, j, pos))
+    for p_id, names_ in trainable.items():
+        like = params[names_[0]]
+        ghost = _Released(names_[0], like)
+        for n in names_:
+            prefix, _, attr = n.rpartition(".")
+            model.get_submodule(prefix)._parameters[attr] = ghost
+    return FullyShardedForward(model, lay, units_, prefetch, remat, invariant), _shard.Sharded(out, lay)
+
+
+def _units(
+    model: nn.Module, units: Any, params: dict[str, torch.Tensor], trainable: dict[int, list[str]], index: dict[str, int], what: str
+) -> list[_Unit]:
+    """Resolve the units; check that every trainable parameter lies in exactly one."""
+    chosen = _resolve(model, units, trainable, what)
+    explicit_root = any(n == "" for n, _ in chosen)
+    owner: dict[int, str] = {}
+    out = []
+    for name, m in chosen:
+        if name == "":
+            continue
+        ids = []
+        for n, p in m.named_parameters(remove_duplicate=False):
+            if id(p) not in trainable:
+                continue
+            if id(p) in owner and owner[id(p)] != name:
+                raise ValueError(
+                    f"fddp.{what}: parameter {trainable[id(p)][0]!r} is in units {owner[id(p)]!r} and {name!r} "
+                    "(a weight tied between them); put the modules that share it into one unit"
+                )
+            if id(p) not in owner:
+                owner[id(p)] = name
+                ids.append(id(p))
+        out.append(_Unit(name, m, [index[trainable[i][0]] for i in ids]))  # definition order
+    left = [ns[0] for i, ns in trainable.items() if i not in owner]  # definition order
+    # A parameter also reached under another name outside its unit is tied across the boundary.
+    for i, ns in trainable.items():
+        if i in owner:
+            outside = [n for n in ns if not (n.startswith(owner[i] + "."))]
+            if outside:
+                raise ValueError(
+                    f"fddp.{what}: parameter {ns[0]!r} of unit {owner[i]!r} is also {outside[0]!r}, outside it (a tied "
+                    "weight); put the modules that share it into one unit"
+                )
+    if left:
+        if units is not None and not explicit_root:
+            shown = ", ".join(repr(n) for n in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+            raise ValueError(
+                f"fddp.{what}: parameters {shown} are in no unit; add their modules to units, or '' (the root) "
+                "to gather them for the whole forward"
+            )
+        out.insert(0, _Unit("", model, [index[n] for n in left]))
+    return out
+
+
+def _broadcast_replicas(lay: UnitLayout, shards: list[torch.Tensor]) -> None:
+    """Give every replica the first replica's shards (one broadcast per flat buffer)."""
+    bases = {}
+    for t in shards:
+        base = t._base if t._base is not None else t
+        bases[id(base)] = base
+    src = dist.get_global_rank(lay.replica_group, 0)
+    for base in bases.values():
+        work = dist.broadcast(base, src=src, group=lay.replica_group, async_op=True)
+        wait(work, lay.replica_group, "zero.fully_shard", "the broadcast of the first replica's shards")
+
+
+_UNSHARD = Counters()
+
+
+def unshard(shards: _shard.Sharded, /, *, invariant: bool = False) -> Any:
+    """The full tree of ``shards``, as a differentiable function of them (one all-gather per bucket).
+
+    The gather ``fddp.zero.gather`` does, made differentiable: its backward reduce-scatters the
+    cotangents into gradient shards with ``fddp.ddp_step``'s mean (for stage 2's shards, in stage
+    2's very buckets: the gradients equal ``ReduceScatter``'s to the bit), its forward mode gathers
+    the tangents, and under ``vmap`` one collective carries every member. Works on any sharded tree
+    (``fddp.zero.shard``'s or ``fully_shard``'s); it holds the whole tree at once, where
+    ``fully_shard``'s ``apply_fn`` holds a unit at a time.
+
+    With ``invariant=True`` the gradient is that of this rank's objective alone (the other ranks'
+    shards held constant): each cotangent's slice, with no collective. That is what per-sample
+    gradients need when every rank of the group differentiates the same samples: ``vmap(grad)``
+    gives each rank its slice of every sample's gradient, and one all-reduce of the per-sample
+    squared norms then clips them exactly (DP-SGD; ``tests/test_stage3.py``).
+
+    Args:
+        shards: a :class:`fddp.zero.Sharded` made on this group.
+        invariant: differentiate this rank's objective alone (see above).
+
+    Returns:
+        The full tree; its leaves are views of one gathered buffer per bucket.
+
+    Example:
+        >>> shards = fddp.zero.shard(params)
+        >>> grads = torch.func.grad(lambda s: loss_fn(fddp.zero.unshard(s), x, y))(shards)
+    """
+    if not isinstance(shards, _shard.Sharded):
+        raise TypeError(f"fddp.zero.unshard: expected a fddp.zero.Sharded, got {type(shards).__name__}")
+    if not isinstance(invariant, bool):
+        raise TypeError(f"fddp.zero.unshard: invariant must be True or False, got {invariant!r}")
+    lay = shards.layout
+    lay.check_group("zero.unshard")
+    count_call(lay.group, "zero.unshard")
+    _agree("zero.unshard", lay, lay.describe, [lay.group])
+    n = len(lay.cuts)
+    differentiated = _differentiated(shards.shards)
+    pipe = Pipeline(lay, "zero.unshard", shards.shards, n, range(n), _UNSHARD)
+    leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
+    fulls = []
+    for k in range(n):
+        call = GatherCall(pipe, k, invariant)
+        fulls.append(_gather._Gather.apply(call, leaves[k]) if differentiated else _gather._Gather.forward(call, _gather.plain(leaves[k])))
+    pipe.end_forward(will_backward=False)
+    return optree.tree_unflatten(lay.spec, _layout.unflatten(lay.plan, fulls))

@@ -110,7 +110,7 @@ def test_unit_rules_and_their_errors():
     tied.head.weight = tied.tokens.weight  # tied across two units
     with pytest.raises(ValueError, match=r"'tokens.weight' .*(is also 'head.weight'|in units).*one unit"):
         fddp.zero.fully_shard(tied)
-    for bad, message in (({"prefetch": -1}, "prefetch must be"), ({"remat": 1}, "remat must be True or False")):
+    for bad, message in (({"prefetch": -1}, "prefetch must be"), ({"remat": True}, "remat must be 'params', 'unit' or None")):
         with pytest.raises((TypeError, ValueError), match=message):
             fddp.zero.fully_shard(_model("mlp"), **bad)
 
@@ -225,10 +225,10 @@ def _reference_mean(seed, loss, batches):
     return {k: sum(g[k] for g in gs) / len(gs) for k in p}
 
 
-def _transforms_worker():
+def _transforms_worker(remat):
     rank, n = fddp.rank(), fddp.world_size()
     out = {}
-    apply_fn, shards = fddp.zero.fully_shard(_flow(0))
+    apply_fn, shards = fddp.zero.fully_shard(_flow(0), remat=remat)
     # grad of a loss with torch.func.jvp inside (forward-over-reverse through the gathers).
     g = fddp.zero.gather(grad(lambda s: _meanflow(apply_fn, s, *_flow_data(rank)))(shards)).wait()
     out["meanflow"] = _max_diff(g, _reference_mean(0, _meanflow, [_flow_data(q) for q in range(n)]))
@@ -240,7 +240,7 @@ def _transforms_worker():
     ry, rty = jvp(lambda p: ref_fn(p, z, t), (ref_p,), (fddp.zero.gather(tangent).wait(),))
     out["jvp"] = max((y - ry).abs().max().item(), (ty - rty).abs().max().item())
     # An ensemble of 3 stacked members under vmap(grad) and grad(vmap): one collective per bucket.
-    members = [fddp.zero.fully_shard(_flow(10 + m))[1] for m in range(3)]
+    members = [fddp.zero.fully_shard(_flow(10 + m), remat=remat)[1] for m in range(3)]
     stacked = fddp.zero.Sharded([torch.stack([s.shards[k] for s in members]) for k in range(len(shards.shards))], shards.layout)
     batches = [_flow_data(100 * m + rank) for m in range(3)]
     zs, vs, ts, rs = (torch.stack([b[i] for b in batches]) for i in range(4))
@@ -258,7 +258,7 @@ def _transforms_worker():
     out["grad_of_vmap"] = max((a - b).abs().max().item() for a, b in zip(gv.shards, ge.shards))
     # Per-sample gradients with invariant gathers (DP-SGD): every rank differentiates the same
     # samples and gets its slice of each; one all-reduce of the squared norms clips them exactly.
-    inv_fn, inv = fddp.zero.fully_shard(_flow(0), invariant=True)
+    inv_fn, inv = fddp.zero.fully_shard(_flow(0), invariant=True, remat=remat)
     z, v, t, _ = _flow_data(7, n=6)
     per = vmap(grad(lambda s, *b: ((inv_fn(s, b[0][None], b[2][None]) - b[1][None]) ** 2).mean()), in_dims=(None, 0, 0, 0))(inv, z, v, t)
     sq = sum((g_ ** 2).sum(-1) for g_ in per.shards)
@@ -281,11 +281,13 @@ def _transforms_worker():
     return out
 
 
-def test_transforms_against_one_process_float64():
-    for r in run(_transforms_worker, 3, timeout=300):
+@pytest.mark.parametrize("remat", ["params", "unit", None])
+def test_transforms_against_one_process_float64(remat):
+    for r in run(_transforms_worker, 3, remat, timeout=300):
         assert r["meanflow"] <= 1e-13 and r["jvp"] <= 1e-13 and r["ensemble"] <= 1e-13, r
         assert r["grad_of_vmap"] <= 1e-13, r
-        assert r["ensemble_gathers"] == 2 * 5, r  # 5 units, gathered in forward and again in backward
+        # 5 units, one collective each for all members, in forward and (but with remat=None) backward
+        assert r["ensemble_gathers"] == (5 if remat is None else 10), r
         assert r["dpsgd"] <= 1e-13 and 0 < r["dpsgd_clipped"] < 6, r
         assert r["unshard_equal"], r
 
@@ -305,7 +307,10 @@ def _hybrid_worker(directory: str):
     flat_fn, flat = fddp.zero.fully_shard(_model("transformer"))
     out["same_start"] = _max_diff(fddp.zero.gather(hyb).wait(), fddp.zero.gather(flat).wait())
     x, y = _batch("transformer", rank)
-    gh = fddp.zero.gather(grad(lambda s: _loss(hyb_fn, s, x, y))(hyb)).wait()
+    g_func = grad(lambda s: _loss(hyb_fn, s, x, y))(hyb)
+    g_fddp, _ = fddp.grad_and_value(lambda s: _loss(hyb_fn, s, x, y))(hyb)  # autograd: no torch.func levels
+    out["grad_and_value_equal"] = all(torch.equal(a, b) for a, b in zip(g_func.shards, g_fddp.shards))
+    gh = fddp.zero.gather(g_func).wait()
     out["grads_vs_flat"] = _max_diff(gh, fddp.zero.gather(grad(lambda s: _loss(flat_fn, s, x, y))(flat)).wait())
     hyb_fn.counters = fddp.zero.Counters()
     opt = fddp.optim.sgd(0.05, momentum=0.9)
@@ -336,7 +341,7 @@ def test_hybrid_sharding_and_checkpoints_across_layouts(tmp_path):
     directory = str(tmp_path / "ckpt")
     results = run(_hybrid_worker, 4, directory, timeout=300)
     for r, _ in results:
-        assert r["same_start"] == 0.0, r
+        assert r["same_start"] == 0.0 and r["grad_and_value_equal"], r
         # Two sums (within a host, across hosts) against gloo's one ring over four: rounding.
         assert r["grads_vs_flat"] <= 1e-7 and r["hybrid_vs_flat"] <= 1e-6, r
         # Per backward pass, each bucket whole within the host, its shard (half of it, padded to
@@ -374,6 +379,7 @@ def _errors_worker():
         "stage3_state_stage2_grads": lambda: fddp.optim.apply_gradients(opt, g2, opt.init(shards), shards),
         "stage2_state_stage3_grads": lambda: fddp.optim.apply_gradients(opt, g3, opt.init(sh2), sh2),
         "stage3_to_stage2_step": lambda: fddp.grad_and_value(lambda p: _loss(fn2, p, x, y), compression=fddp.zero.ReduceScatter())(shards),
+        "stage3_to_ddp_step": lambda: fddp.ddp_step(shards, g3),
         "stage2_to_stage3_forward": lambda: apply_fn(sh2, x),
     }.items():
         try:
@@ -396,6 +402,7 @@ def test_bad_input_fails_on_every_rank():
         assert "in no unit" in r["one_rank_bad"] or "MismatchError" in r["one_rank_bad"], r
         assert "stage 2" in r["stage3_state_stage2_grads"] and "stage 3" in r["stage3_state_stage2_grads"], r
         assert "stage 3" in r["stage2_state_stage3_grads"], r
-        assert "fully sharded parameters (ZeRO stage 3" in r["stage3_to_stage2_step"], r
+        assert "fully sharded parameters (fddp.zero.fully_shard) take no compression" in r["stage3_to_stage2_step"], r
+        assert "fully sharded parameters (ZeRO stage 3" in r["stage3_to_ddp_step"], r
         assert "stage 2's" in r["stage2_to_stage3_forward"], r
         assert "of 4 ranks" in r["other_world"] and "load_sharded" in r["other_world"], r

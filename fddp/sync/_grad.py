@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
+from fddp import _shard
 from fddp._tree import paths
 from fddp.sync import _differentiable
 from fddp.sync._reducer import SyncInfo
@@ -184,6 +185,8 @@ class _Transform:
             if not -len(args) <= a < len(args):
                 raise ValueError(f"fddp.{what}: argnums {self.argnums!r} refers to argument {a}, but fn got {len(args)} positional arguments")
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
+        if _fully_sharded(tree):
+            return self._fully_sharded(args, kwargs, tree, options, state)
         sync = setup(tree, options, what, state)
         if not all(b.dtype.is_floating_point or b.dtype.is_complex for b in sync.plan.buckets):  # per bucket, not per leaf
             i = next(i for i, t in enumerate(sync.leaves) if not (t.is_floating_point() or t.is_complex()))
@@ -224,6 +227,46 @@ class _Transform:
         reducer.flush()
         flats, info = reducer.finish()
         return sync.unflatten(flats, reducer.made_views(flats)), _detached(out), info
+
+
+    def _fully_sharded(self, args: tuple, kwargs: dict, tree: Any, options: SyncOptions, state: Any) -> tuple[Any, Any, SyncInfo]:
+        """ZeRO stage 3's shards (``fddp.zero.fully_shard``): the backward of the gathers inside
+        ``fn`` already averages their gradients, so this is autograd alone, with no sync."""
+        what = self.what
+        if self.compression is not None or options.weight is not None or options.check_finite or state is not None:
+            raise TypeError(
+                f"fddp.{what}: fully sharded parameters (fddp.zero.fully_shard) take no compression, weight=, "
+                "check_finite or compression_state: their gradients are averaged by the gathers' backward"
+            )
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        inputs = [t.detach().requires_grad_() for t in leaves]
+        views = optree.tree_unflatten(spec, inputs)
+        call_args = list(args)
+        if isinstance(self.argnums, int):
+            call_args[self.nums[0]] = views
+        else:
+            for a, v in zip(self.nums, views):
+                call_args[a] = v
+        with torch.enable_grad():
+            out = self.fn(*call_args, **kwargs)
+            loss = _loss_of(out, self.has_aux, what)
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+        return optree.tree_unflatten(spec, grads), _detached(out), SyncInfo(None, None, 0, 0)
+
+
+def _fully_sharded(tree: Any) -> bool:
+    """Whether ``tree`` holds ZeRO stage 3's shards; raise if it mixes them with other leaves."""
+    roots = _shard.sharded_roots(tree) if not isinstance(tree, _shard.Sharded) else [tree]
+    stage3 = [r for r in roots if r.layout.stage == 3]
+    if not stage3:
+        return False
+    if sum(len(r.shards) for r in stage3) != optree.tree_structure(tree, none_is_leaf=True).num_leaves:
+        raise TypeError(
+            "fddp.grad_and_value: the differentiated arguments mix fully sharded parameters (fddp.zero.fully_shard) "
+            "with other tensors, whose gradients would need a sync those do not: differentiate them separately"
+        )
+    return True
 
 
 def _detached(out: Any) -> Any:

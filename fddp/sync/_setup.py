@@ -186,8 +186,8 @@ def setup(tree: Any, options: SyncOptions, what: str, state: Any = None, *, memb
         if any(s.layout.stage == 3 for s in _shard.sharded_roots(tree)):
             raise TypeError(
                 f"fddp.{what}: got fully sharded parameters (ZeRO stage 3, fddp.zero.fully_shard); their "
-                "gradients need no sync here: differentiate a loss that calls fully_shard's apply_fn with "
-                "torch.func.grad (or grad_and_value, .backward()) and the gradient shards come out averaged"
+                "gradients need no sync: differentiate a loss that calls fully_shard's apply_fn with "
+                "fddp.grad_and_value or torch.func.grad, and the gradient shards come out averaged"
             )
         raise TypeError(
             f"fddp.{what}: got a sharded tree (fddp.zero.Sharded: this rank's slices of the buckets, which "

@@ -44,22 +44,38 @@ from fddp import _shard
 from fddp._pool import new_buffer
 from fddp.sync._comm import Comm
 
-__all__ = ["Counters", "GatherCall", "Pipeline", "gather_bucket", "boundary", "plain"]
+__all__ = ["Counters", "GatherCall", "Pipeline", "boundary", "constants", "gather_bucket", "plain", "refill_before_backward"]
 
 _functorch = torch._C._functorch
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # divided before the sum, as fddp.hooks.Mean does
 
 
 def _eager(method: Any) -> Any:
-    """Run ``method`` below every torch.func level: the pipeline's buffers are plain tensors that
-    it fills in place (a grad transform would refuse writes into tensors it did not make)."""
+    """Run ``method`` below every torch.func level and outside autograd: the pipeline's buffers are
+    plain tensors that it and the backend fill in place (a grad transform would refuse writes into
+    tensors it did not make, and autograd views made by a collective in one grad mode and written
+    by its wait in another)."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with temporarily_clear_interpreter_stack():
+        with temporarily_clear_interpreter_stack(), torch.no_grad():
             return method(*args, **kwargs)
 
     return wrapper
+
+
+def constants(tensors: Sequence[Any]) -> bool:
+    """Whether ``tensors`` (``None`` allowed) are constants for every active torch.func transform and
+    for autograd: then a backward may compute on them eagerly, outside autograd and torch.func.
+
+    No tensor is wrapped by a transform, and none requires grad, except where a torch.func
+    transform runs: its backward differentiates with ``create_graph=True`` below its own level, so
+    its plain cotangents require grad for no one (a transform outside it would have wrapped them).
+    A plain ``.backward(create_graph=True)`` keeps the graph (and double backward then raises).
+    """
+    if any(t is not None and _functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return False
+    return torch._C._are_functorch_transforms_active() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -100,15 +116,34 @@ class Counters:
     live_bytes: int = 0
     peak_bytes: int = 0
 
-    def hold(self, t: torch.Tensor) -> None:
-        """Count ``t``'s bytes as live until it is freed."""
-        n = t.numel() * t.element_size()
-        self.live_bytes += n
+    def hold(self, t: torch.Tensor) -> "_Held":
+        """Count ``t``'s bytes as live until it is freed or released."""
+        held = _Held(self, t.untyped_storage().nbytes())
+        self.live_bytes += held.n
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(t, self._free, n)
+        weakref.finalize(t, held.release)
+        return held
 
-    def _free(self, n: int) -> None:
-        self.live_bytes -= n
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """One buffer's bytes in :attr:`Counters.live_bytes`: dropped when it is freed or released."""
+
+    counters: Counters
+    n: int
+    live: bool = True
+
+    def release(self) -> None:
+        if self.live:
+            self.counters.live_bytes -= self.n
+            self.live = False
+
+    def again(self) -> None:
+        if not self.live:
+            c = self.counters
+            c.live_bytes += self.n
+            c.peak_bytes = max(c.peak_bytes, c.live_bytes)
+            self.live = True
 
 
 @dataclasses.dataclass(eq=False)
@@ -121,6 +156,31 @@ class _Pending:
     batch: tuple[int, ...]
     out: torch.Tensor | None = None
     phase: int = 1  # reductions: 1 = within the shard group, 2 = across the replicas, 3 = done
+    held: "_Held | None" = None  # the gathered buffer's bytes in the counters
+    refill: "_Released | None" = None  # a gather back into a released bucket's own memory
+
+
+@dataclasses.dataclass(eq=False)
+class _Released:
+    """A bucket whose full buffer's memory was given back after the forward (``remat="params"``):
+    autograd still holds views of it, and backward gathers the bucket into it again."""
+
+    full: torch.Tensor  # the plain full buffer autograd's saved views look into
+    base: torch.Tensor | None  # the all-gather buffer it is a view of, or None (a copy of one)
+    nbytes: int
+    shard: torch.Tensor
+    held: "_Held | None"
+    version: int = 0  # the version counter autograd saw, restored after each gather into it
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        if self.held is not None:
+            self.held.release()
+
+    def restore(self) -> None:
+        self.full.untyped_storage().resize_(self.nbytes)
+        if self.held is not None:
+            self.held.again()
 
 
 class _Comms:
@@ -150,9 +210,15 @@ class Pipeline:
 
     def __init__(
         self, lay: _shard.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
-        order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(),
+        order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
+        # remat="params": the buckets' memory is given back after their unit's forward and gathered
+        # into again in backward (their buffers are then not the pool's, which reuses memory).
+        self.release_after_forward = release
+        self.released: dict[int, _Released] = {}
+        self.done: dict[int, _Released] = {}  # gathered into again, until their gradient is reduced
+        self.last: dict[int, _Pending] = {}  # each bucket's latest forward gather
         self.comms = _Comms(lay, what)
         self.plains = [plain(s) for s in shards]
         self.order = list(order)  # the predicted forward sequence of buckets
@@ -173,12 +239,14 @@ class Pipeline:
         src = shard.contiguous()
         if comms.shard is None:
             return _Pending(_key(shard), src, None, batch)
-        buf = new_buffer(lay.world * src.numel(), src.dtype, src.device)
-        self.counters.hold(buf)
+        n = lay.world * src.numel()
+        own = self.release_after_forward and k in self.remat
+        buf = torch.empty(n, dtype=src.dtype, device=src.device) if own else new_buffer(n, src.dtype, src.device)
+        held = self.counters.hold(buf)
         work = comms.shard.all_gather_into(buf, src.reshape(-1))
         self.counters.gathers += 1
         self.counters.gathered_bytes += src.numel() * src.element_size()
-        return _Pending(_key(shard), buf, work, batch)
+        return _Pending(_key(shard), buf, work, batch, held=held)
 
     def _finish_gather(self, k: int, p: _Pending) -> torch.Tensor:
         lay = self.lay
@@ -211,8 +279,63 @@ class Pipeline:
             self._prefetch_backward(k)
         else:
             self.seq.append(k)
+            self.last[k] = p
             self._prefetch_forward(k)
         return self._finish_gather(k, p)
+
+    @_eager
+    def release(self, k: int, full: torch.Tensor) -> None:
+        """Give back bucket ``k``'s full buffer's memory (``full``, plain) after its unit's forward."""
+        p = self.last.pop(k, None)
+        if p is None or p.work is None and self.comms.shard is None:
+            return  # one rank: the full buffer is the shard itself
+        base = p.buf if full.untyped_storage().data_ptr() == p.buf.untyped_storage().data_ptr() else None
+        r = _Released(full, base, full.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
+        r.free()
+        self.released[k] = r
+
+    def _start_refill(self, k: int, r: _Released) -> _Pending:
+        r.restore()
+        if r.base is not None:  # gather straight into the memory autograd's views look into
+            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1))
+            self.counters.gathers += 1
+            self.counters.gathered_bytes += r.shard.numel() * r.shard.element_size()
+            p = _Pending(None, r.base, work, tuple(r.shard.shape[:-1]))
+        else:
+            p = self._start_gather(k, r.shard)
+        p.refill = r
+        return p
+
+    @_eager
+    def refill(self, ks: Sequence[int]) -> None:
+        """Before these buckets' unit runs backward: their released memory, gathered into again."""
+        for k in ks:
+            r = self.released.pop(k, None)
+            if r is None:
+                continue
+            p = self.gathers.pop(k, None)
+            if p is None or p.refill is not r:
+                self.counters.prefetch_misses += 1
+                p = self._start_refill(k, r)
+            else:
+                self.counters.prefetch_hits += 1
+            full = self._finish_gather(k, p)
+            if r.base is None:
+                r.full.copy_(full)
+            # The values autograd saved its views of, back: give them back the version counter it
+            # checks, as FSDP does for its unsharded parameters. (Not at the launch: gloo's thread
+            # copies into the buffer, bumping the counter, until the wait.)
+            torch._C._autograd._unsafe_set_version_counter((r.full,), (r.version,))
+            self.done[k] = r
+            self._prefetch_backward(k)
+
+    @_eager
+    def release_again(self, k: int) -> None:
+        """Bucket ``k``'s unit has run backward: give its memory back again (a second backward gathers again)."""
+        r = self.done.pop(k, None)
+        if r is not None:
+            r.free()
+            self.released[k] = r
 
     @_eager
     def gather_now(self, k: int, shard: torch.Tensor) -> torch.Tensor:
@@ -222,7 +345,8 @@ class Pipeline:
     def _prefetch(self, ks: Sequence[int]) -> None:
         for j in ks:
             if j not in self.gathers:
-                self.gathers[j] = self._start_gather(j, self.plains[j])
+                r = self.released.get(j)
+                self.gathers[j] = self._start_gather(j, self.plains[j]) if r is None else self._start_refill(j, r)
 
     def _prefetch_forward(self, k: int) -> None:
         order, at = self.order, self.cursor
@@ -238,6 +362,7 @@ class Pipeline:
         """The forward is over: let unused gathers land; start backward's first gathers."""
         for k in list(self.gathers):
             self._finish_gather(k, self.gathers.pop(k))
+        self.last.clear()
         self.back = [k for k in reversed(self.seq) if k in self.remat]
         self.repeated = {k for k, n in collections.Counter(self.seq).items() if n > 1}
         if will_backward:
@@ -265,6 +390,13 @@ class Pipeline:
         if invariant:
             out[..., : c.held].copy_(ct[..., c.lo : c.hi])
             return out
+        # One full-size reduction in flight (it overlaps the next unit's backward): the one before
+        # this lands first, keeping its shard; across replicas, `depth` shards stay in flight.
+        for older in self.reduces:
+            if older.phase == 1:
+                self._advance(older)
+        while len(self.reduces) > self.depth:
+            self._finish(self.reduces.popleft())
         m = 1
         for d in batch:
             m *= d
@@ -282,12 +414,7 @@ class Pipeline:
             counters.reduced_bytes += buf.numel() * buf.element_size()
             work = comms.shard.all_reduce(buf)
         p = _Pending(k, buf, work, batch, out)
-        for older in self.reduces:
-            if older.phase == 1:
-                self._advance(older)
         self.reduces.append(p)
-        while len(self.reduces) > self.depth:
-            self._finish(self.reduces.popleft())
         return out
 
     def _advance(self, p: _Pending) -> None:
@@ -366,7 +493,13 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> tuple:
-        return None, _Reduce.apply(ctx.call, ct)
+        call = ctx.call
+        if constants((ct,)):  # torch.func.grad's backward, .backward(): reduce without the Function
+            out = _Reduce.forward(call, ct.detach())
+        else:
+            out = _Reduce.apply(call, ct)
+        call.pipe.release_again(call.k)
+        return None, out
 
     @staticmethod
     def jvp(ctx: Any, _call_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
@@ -431,6 +564,36 @@ class _Boundary(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, _pipe_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
         return tuple(tangents)
+
+
+class _Refill(torch.autograd.Function):
+    """The identity on a unit's outputs; in backward, before the unit's own, it gathers the unit's
+    released buckets back into their memory (and starts the previous unit's)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(pipe: Pipeline, ks: tuple[int, ...], *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.pipe, ctx.ks = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor | None) -> tuple:
+        ctx.pipe.refill(ctx.ks)
+        return (None, None, *cts)
+
+    @staticmethod
+    def jvp(ctx: Any, _pipe_tangent: Any, _ks_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        return tuple(tangents)
+
+
+def refill_before_backward(pipe: Pipeline, ks: tuple[int, ...], outs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A unit's outputs, through :class:`_Refill` for its buckets ``ks``."""
+    return _Refill.apply(pipe, ks, *outs)
 
 
 def boundary(pipe: Pipeline, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

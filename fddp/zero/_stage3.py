@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 from torch import nn
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad
 
 from fddp import _layout, _shard
@@ -301,10 +302,10 @@ class _UnitCall:
         leaves = list(self.in_leaves)
         for p, t in zip(self.in_pos, tensors):
             leaves[p] = t
-        args, kwargs = torch_pytree.tree_unflatten(leaves, self.in_spec)
+        args, kwargs = _unflatten_call(leaves, self.in_spec)
         with self.owner._swapped(self.unit, fulls):
             out = self.unit.forward(*args, **kwargs)
-        out_leaves, self.out_spec = torch_pytree.tree_flatten(out)
+        out_leaves, self.out_spec = _flatten_out(out)
         self.out_pos = tuple(i for i, t in enumerate(out_leaves) if isinstance(t, torch.Tensor))
         self.out_leaves = [None if i in self.out_pos else t for i, t in enumerate(out_leaves)]
         return tuple(out_leaves[i] for i in self.out_pos)
@@ -313,7 +314,41 @@ class _UnitCall:
         leaves = list(self.out_leaves)
         for p, t in zip(self.out_pos, outs):
             leaves[p] = t
-        return torch_pytree.tree_unflatten(leaves, self.out_spec)
+        return _unflatten_out(leaves, self.out_spec)
+
+
+# A unit's arguments and results, flattened to find their tensors: directly when they are flat
+# (tensors and plain constants: the common case, a tenth of torch's pytree's cost), else by pytree.
+_FLAT = (torch.Tensor, type(None), bool, int, float, str)
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    if all(isinstance(a, _FLAT) for a in args) and all(isinstance(v, _FLAT) for v in kwargs.values()):
+        return [*args, *kwargs.values()], (len(args), tuple(kwargs))
+    return torch_pytree.tree_flatten((args, kwargs))
+
+
+def _unflatten_call(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
+    if type(spec) is tuple:
+        n, keys = spec
+        return tuple(leaves[:n]), dict(zip(keys, leaves[n:]))
+    return torch_pytree.tree_unflatten(leaves, spec)
+
+
+def _flatten_out(out: Any) -> tuple[list[Any], Any]:
+    if isinstance(out, torch.Tensor):
+        return [out], None
+    if type(out) is tuple and all(isinstance(o, _FLAT) for o in out):
+        return list(out), len(out)
+    return torch_pytree.tree_flatten(out)
+
+
+def _unflatten_out(leaves: list[Any], spec: Any) -> Any:
+    if spec is None:
+        return leaves[0]
+    if type(spec) is int:
+        return tuple(leaves)
+    return torch_pytree.tree_unflatten(leaves, spec)
 
 
 @contextlib.contextmanager
@@ -377,9 +412,21 @@ class _Remat(torch.autograd.Function):
                 outs = ucall.run(fulls_, ts)
             return tuple(outs[j] for j in live)
 
-        with torch.enable_grad():
-            _, vjp_fn = torch.func.vjp(f, fulls, tuple(tensors[i] for i in diff))
-            g_fulls, g_diff = vjp_fn(tuple(cts[j] for j in live))
+        primals = tuple(tensors[i] for i in diff)
+        if _gather.constants((*shards, *cts)):
+            # Plain tensors, constants for every active transform (torch.func.grad's backward runs
+            # below its own level, and so does .backward()): autograd itself, eagerly, without
+            # torch.func.vjp's wrapping of every op (a third of the step on the benchmark transformer).
+            with temporarily_clear_interpreter_stack(), torch.enable_grad():
+                ins = [t.detach().requires_grad_() for t in (*fulls, *primals)]
+                outs = f(tuple(ins[:nb]), tuple(ins[nb:]))
+                got = torch.autograd.grad(outs, ins, [cts[j].detach() for j in live], allow_unused=True)
+            got = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, got)]
+            g_fulls, g_diff = got[:nb], got[nb:]
+        else:
+            with torch.enable_grad():
+                _, vjp_fn = torch.func.vjp(f, fulls, primals)
+                g_fulls, g_diff = vjp_fn(tuple(cts[j] for j in live))
         grads: list[Any] = [None] * len(tensors)
         for i, g in zip(diff, g_diff):
             grads[i] = g
@@ -431,7 +478,9 @@ class FullyShardedForward:
         layout: the shards' :class:`UnitLayout`.
         units: the units' names, in forward order (``""``: the root unit).
         prefetch: how many buckets' gathers run ahead of the one in use.
-        remat: whether units are gathered again and recomputed in backward (else autograd keeps
+        remat: what backward gathers again: ``"params"`` (each unit's parameters, into the memory
+            the forward's autograd views look into), ``"unit"`` (the parameters, and the unit is
+            recomputed: its activations are not kept either), ``None`` (nothing: autograd keeps
             each unit's full parameters from the forward until backward).
         counters: a :class:`fddp.zero.Counters` of what the collectives moved.
 
@@ -441,7 +490,7 @@ class FullyShardedForward:
         >>> grads, value = torch.func.grad_and_value(loss)(shards, x, y)
     """
 
-    def __init__(self, model: nn.Module, layout: UnitLayout, units: list[_Unit], prefetch: int, remat: bool, invariant: bool) -> None:
+    def __init__(self, model: nn.Module, layout: UnitLayout, units: list[_Unit], prefetch: int, remat: str | None, invariant: bool) -> None:
         self.model, self.layout, self._units = model, layout, units
         self.units = layout.units
         self.prefetch, self.remat, self.invariant = prefetch, remat, invariant
@@ -509,7 +558,10 @@ class FullyShardedForward:
         lay = self.layout
         count_call(lay.group, "zero.fully_shard")
         differentiated = _differentiated(shards.shards)
-        pipe = Pipeline(lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets)
+        pipe = Pipeline(
+            lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
+            release=self.remat == "params",
+        )  # fmt: skip
         leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated)
         patched = [u for u in self._units if u.name]
@@ -555,15 +607,21 @@ def _patched_forward(owner: FullyShardedForward, unit: _Unit) -> Callable[..., A
         run = owner._run
         if run is None:  # called outside apply_fn (the module's own forward is patched only during it)
             return unit.forward(*args, **kwargs)
-        flat, spec = torch_pytree.tree_flatten((args, kwargs))
+        flat, spec = _flatten_call(args, kwargs)
         pos = tuple(i for i, t in enumerate(flat) if isinstance(t, torch.Tensor))
         calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
         ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
         fulls = [run.gather(k) for k in unit.buckets]
         tensors = [flat[i] for i in pos]
-        if run.differentiated and owner.remat:
+        if run.differentiated and owner.remat == "unit":
             shards = [run.leaves[k] for k in unit.buckets]
             outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
+        elif run.differentiated and owner.remat == "params":
+            outs = ucall.run(fulls, tensors)
+            if outs:
+                outs = _gather.refill_before_backward(run.pipe, unit.buckets, outs)
+            for k, full in zip(unit.buckets, fulls):
+                run.pipe.release(k, _gather.plain(full))
         else:
             outs = ucall.run(fulls, tensors)
         del fulls
@@ -583,7 +641,7 @@ def fully_shard(
     group: dist.ProcessGroup | None = None,
     replica_group: dist.ProcessGroup | None = None,
     prefetch: int = 1,
-    remat: bool = True,
+    remat: str | None = "params",
     invariant: bool = False,
 ) -> tuple[FullyShardedForward, _shard.Sharded]:
     """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
@@ -621,8 +679,12 @@ def fully_shard(
             a host, replicate across hosts); gradients are reduce-scattered within ``group`` and
             all-reduced across ``replica_group``.
         prefetch: how many buckets' all-gathers run ahead of the one in use (0: none).
-        remat: gather each unit again in backward and recompute it, instead of keeping its full
-            parameters and activations from the forward.
+        remat: what backward gathers again. ``"params"``: each unit's parameters, gathered back
+            into the memory its forward's autograd views look into (the activations are kept, as
+            in stage 2 and FSDP2); ``"unit"``: the parameters, and the unit is recomputed (its
+            activations are not kept either: activation checkpointing, one more forward of
+            compute); ``None``: nothing, autograd keeps every unit's full parameters from the
+            forward until backward. Every mode gives the same gradients.
         invariant: gradients of this rank's objective alone, the other ranks' shards held
             constant: each bucket's cotangent is cut to this rank's slice, with no reduction
             (per-sample gradients; see :func:`unshard`).
@@ -644,9 +706,10 @@ def fully_shard(
     what = "zero.fully_shard"
     if not isinstance(model, nn.Module):
         raise TypeError(f"fddp.{what}: expected a torch.nn.Module, got {type(model).__name__}")
-    for name, v in (("remat", remat), ("invariant", invariant)):
-        if not isinstance(v, bool):
-            raise TypeError(f"fddp.{what}: {name} must be True or False, got {v!r}")
+    if not isinstance(invariant, bool):
+        raise TypeError(f"fddp.{what}: invariant must be True or False, got {invariant!r}")
+    if remat not in ("params", "unit", None):
+        raise ValueError(f"fddp.{what}: remat must be 'params', 'unit' or None, got {remat!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
     if not dist.is_initialized():

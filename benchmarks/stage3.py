@@ -22,7 +22,9 @@ Modes:
     stage3_func    the same, differentiated by torch.func.grad_and_value (every op through its level)
     stage3_unit    the same with remat="unit": units recomputed in backward (activation checkpointing)
     stage3_keep    the same with remat=None: the full parameters kept from forward to backward
+    stage3_noprefetch  stage3 with prefetch=0: each gather starts when its unit needs it
     stage3_floor   stage3 over a group of one rank: the same code with no collective (its compute)
+    hybrid         stage3 sharded within each host (torchrun's local ranks), replicated across hosts
 
 Memory columns, per rank (the fullest rank), MB:
     held       what the loop keeps between steps: parameters + gradients + optimizer state (distinct
@@ -62,7 +64,7 @@ from step import LM, MODELS, model_and_batch  # noqa: E402  (benchmarks/step.py'
 import fddp  # noqa: E402
 
 LR = 1e-3
-MODES = ("ddp", "fsdp2", "stage2", "stage3", "stage3_func", "stage3_unit", "stage3_keep", "stage3_floor")
+MODES = ("ddp", "fsdp2", "stage2", "stage3", "stage3_func", "stage3_unit", "stage3_keep", "stage3_noprefetch", "stage3_floor", "hybrid")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -190,6 +192,14 @@ def make_mode(name: str, model: nn.Module) -> Mode:
         return stage3_mode(model, group=own)
     if name == "stage3_func":
         return stage3_mode(model, func=True)
+    if name == "stage3_noprefetch":
+        return stage3_mode(model, prefetch=0)
+    if name == "hybrid":
+        per_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        hosts, rank = dist.get_world_size() // per_host, dist.get_rank()
+        within = [dist.new_group([h * per_host + i for i in range(per_host)]) for h in range(hosts)]
+        across = [dist.new_group([h * per_host + i for h in range(hosts)]) for i in range(per_host)]
+        return stage3_mode(model, group=within[rank // per_host], replica_group=across[rank % per_host])
     return stage3_mode(model, remat={"stage3": "params", "stage3_unit": "unit", "stage3_keep": None}[name])
 
 
@@ -243,16 +253,20 @@ def time_worker(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.warmup):
             m.step(*batch)
     times: dict[str, list[float]] = {n: [] for n in modes}
+    cpu: dict[str, list[float]] = {n: [] for n in modes}
     for r in range(args.repeats):
         for n in list(modes) if r % 2 == 0 else list(reversed(modes)):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 modes[n].step(*batch)
             t = torch.tensor([(time.perf_counter() - t0) / args.steps])
+            c = torch.tensor([(time.process_time() - c0) / args.steps])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(c)  # every rank's CPU time, all threads (gloo's too), added up
             times[n].append(1e3 * t.item())
-    out: dict[str, Any] = {"times_ms": times}
+            cpu[n].append(1e3 * c.item())
+    out: dict[str, Any] = {"times_ms": times, "cpu_ms": cpu}
     counters = {}
     for n, m in modes.items():
         if hasattr(m, "apply_fn"):
@@ -261,6 +275,7 @@ def time_worker(args: argparse.Namespace) -> dict[str, Any]:
             counters[n] = {"gathered_bytes": c.gathered_bytes / done, "reduced_bytes": c.reduced_bytes / done,
                            "replica_bytes": c.replica_bytes / done, "prefetch_hits": c.prefetch_hits, "prefetch_misses": c.prefetch_misses}  # fmt: skip
     out["per_step"] = counters
+    out["ddp_payload_bytes"] = 4 * sum(p.numel() for p in model.parameters())  # one all-reduce of the float32 gradients
     return out
 
 
@@ -308,10 +323,12 @@ def report(record: dict[str, Any]) -> str:
         if t:
             med = {n: statistics.median(v) for n, v in t["times_ms"].items()}
             lines.append(f"  step time, {t['world']} ranks, median of {len(next(iter(t['times_ms'].values())))} repeats x {record['args']['steps']} steps (ms; range)")
-            lines.append(f"  {'mode':<13}{'median':>8}{'x stage2':>10}{'x fsdp2':>9}{'x ddp':>7}   range")
+            cpu = {n: statistics.median(v) for n, v in t.get("cpu_ms", {}).items()}
+            lines.append(f"  {'mode':<18}{'median':>8}{'x stage2':>10}{'x fsdp2':>9}{'x ddp':>7}   range      CPU ms  x stage2")
             for n, v in med.items():
                 cols = "".join(f"{v / med[b]:{w}.2f}" if b in med else " " * w for b, w in (("stage2", 10), ("fsdp2", 9), ("ddp", 7)))
-                lines.append(f"  {n:<13}{v:8.1f}{cols}   {min(t['times_ms'][n]):.0f}-{max(t['times_ms'][n]):.0f}")
+                c = f"{cpu[n]:9.1f}{cpu[n] / cpu['stage2']:9.2f}" if n in cpu and "stage2" in cpu else ""
+                lines.append(f"  {n:<18}{v:8.1f}{cols}   {min(t['times_ms'][n]):4.0f}-{max(t['times_ms'][n]):<4.0f}{c}")
             if "stage3" in med and "stage3_keep" in med:
                 lines.append(f"  rematerialising the parameters (stage3 / stage3_keep): {med['stage3'] / med['stage3_keep']:.2f}")
             if "stage3_unit" in med and "stage3" in med:

@@ -44,7 +44,7 @@ from fddp import _shard
 from fddp._pool import new_buffer
 from fddp.sync._comm import Comm
 
-__all__ = ["Counters", "GatherCall", "Pipeline", "boundary", "constants", "gather_bucket", "plain", "refill_before_backward"]
+__all__ = ["Counters", "GatherCall", "Pipeline", "boundary", "check_groups", "constants", "gather", "gather_plain", "plain", "refill_before_backward"]
 
 _functorch = torch._C._functorch
 LOW_PRECISION = (torch.float16, torch.bfloat16)  # divided before the sum, as fddp.hooks.Mean does
@@ -65,17 +65,17 @@ def _eager(method: Any) -> Any:
 
 
 def constants(tensors: Sequence[Any]) -> bool:
-    """Whether ``tensors`` (``None`` allowed) are constants for every active torch.func transform and
-    for autograd: then a backward may compute on them eagerly, outside autograd and torch.func.
+    """Whether a backward may compute on ``tensors`` (``None`` allowed) eagerly, outside autograd and
+    torch.func: none is wrapped by a transform, and nothing will differentiate the backward itself.
 
-    No tensor is wrapped by a transform, and none requires grad, except where a torch.func
-    transform runs: its backward differentiates with ``create_graph=True`` below its own level, so
-    its plain cotangents require grad for no one (a transform outside it would have wrapped them).
-    A plain ``.backward(create_graph=True)`` keeps the graph (and double backward then raises).
+    Autograd runs a backward in grad mode only for ``create_graph=True``: a plain
+    ``.backward(create_graph=True)`` keeps the graph (and double backward then raises). A
+    torch.func transform's backward always runs that way, below its own level, for no one: a
+    transform outside it would have wrapped the tensors.
     """
     if any(t is not None and _functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return False
-    return torch._C._are_functorch_transforms_active() or not any(t is not None and t.requires_grad for t in tensors)
+    return torch._C._are_functorch_transforms_active() or not torch.is_grad_enabled()
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -214,7 +214,7 @@ class Pipeline:
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
         # remat="params": the buckets' memory is given back after their unit's forward and gathered
-        # into again in backward (their buffers are then not the pool's, which reuses memory).
+        # into again in backward.
         self.release_after_forward = release
         self.released: dict[int, _Released] = {}
         self.done: dict[int, _Released] = {}  # gathered into again, until their gradient is reduced
@@ -239,9 +239,9 @@ class Pipeline:
         src = shard.contiguous()
         if comms.shard is None:
             return _Pending(_key(shard), src, None, batch)
-        n = lay.world * src.numel()
-        own = self.release_after_forward and k in self.remat
-        buf = torch.empty(n, dtype=src.dtype, device=src.device) if own else new_buffer(n, src.dtype, src.device)
+        # A buffer of its own, not the pool's: autograd's views of it keep it (and so its count in
+        # the counters) alive exactly as long as they need it, and remat="params" resizes it.
+        buf = torch.empty(lay.world * src.numel(), dtype=src.dtype, device=src.device)
         held = self.counters.hold(buf)
         work = comms.shard.all_gather_into(buf, src.reshape(-1))
         self.counters.gathers += 1
@@ -279,7 +279,8 @@ class Pipeline:
             self._prefetch_backward(k)
         else:
             self.seq.append(k)
-            self.last[k] = p
+            if self.release_after_forward and k in self.remat:  # for release() after the unit's forward
+                self.last[k] = p
             self._prefetch_forward(k)
         return self._finish_gather(k, p)
 
@@ -601,9 +602,14 @@ def boundary(pipe: Pipeline, shards: Sequence[torch.Tensor]) -> tuple[torch.Tens
     return _Boundary.apply(pipe, *shards)
 
 
-def gather_bucket(pipe: Pipeline, k: int, shard: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
-    """Bucket ``k``'s full flat buffer: a differentiable all-gather of ``shard`` (see the module)."""
-    return _Gather.apply(GatherCall(pipe, k, invariant), shard)
+def gather(call: GatherCall, shard: torch.Tensor) -> torch.Tensor:
+    """Bucket ``call.k``'s full flat buffer: the differentiable all-gather of ``shard`` (see above)."""
+    return _Gather.apply(call, shard)
+
+
+def gather_plain(call: GatherCall, shard: torch.Tensor) -> torch.Tensor:
+    """The same for a tensor no transform wraps and nothing differentiates: the collective alone."""
+    return _Gather.forward(call, shard)
 
 
 def check_groups(group: dist.ProcessGroup | None, replica_group: dist.ProcessGroup | None, what: str) -> tuple[int, int, int]:

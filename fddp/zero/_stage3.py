@@ -9,13 +9,21 @@ so ``fddp.optim``, ``save_sharded`` and ``load_sharded`` take them as they take 
 
 The returned ``apply_fn(shards, *args)`` runs the module with, for each unit, its parameters
 all-gathered just before the unit runs and let go right after (``fddp.zero._gather``: a
-differentiable gather whose backward reduce-scatters). In backward each unit's parameters are
-gathered again and the unit recomputed (:class:`_Remat`): torch.func has no saved-tensor hooks
-(pytorch #122729), so the unit's call is one ``autograd.Function`` that saves only its inputs and
-its shards, and whose backward re-gathers and differentiates the unit with ``torch.func.vjp``;
-its forward-mode rule does the same with ``torch.func.jvp``, and its vmap rule is functorch's
-(every collective inside has its own). Parameters that no unit holds form the *root* unit,
-gathered at the start of the call and kept until backward (as FSDP2 keeps its root's).
+differentiable gather whose backward reduce-scatters). torch.func has no saved-tensor hooks
+(pytorch #122729), so backward gets each unit's parameters back in one of two ways:
+
+- ``remat="params"`` (the default): the unit's full buffer gives its memory back after the unit's
+  forward (its storage resized to nothing) and an identity Function on the unit's outputs gathers
+  the bucket back into that memory before the unit's backward: autograd's saved views read the
+  same values again, and nothing is recomputed (FSDP's way, without module hooks);
+- ``remat="unit"``: the unit's call is one Function (:class:`_Remat`) that keeps only its inputs
+  and shards; its backward gathers again and differentiates the recomputed unit (autograd, or
+  ``torch.func.vjp`` where a transform wraps the tensors), its forward-mode rule the same with
+  ``torch.func.jvp``, its vmap rule functorch's (every collective inside has its own);
+
+or not at all (``remat=None``: autograd keeps the full parameters). Parameters that no unit holds
+form the *root* unit, gathered at the start of the call and kept until backward (as FSDP2 keeps
+its root's).
 
 The gathers are prefetched (the next ``prefetch`` buckets start before the current unit runs, in
 the order the previous call ran them; in backward, the previous ones), the reductions run behind
@@ -400,7 +408,13 @@ class _Remat(torch.autograd.Function):
         live = [j for j, ct in enumerate(cts) if ct is not None]
         if not live:
             return (None,) * (1 + 2 * nb + len(tensors))
-        fulls = tuple(_gather._Gather.apply(c.again(), s.detach()) for c, s in zip(ucall.calls, shards))
+        # Gathered again: plainly when nothing wraps the shards; else through the Function, whose
+        # jvp carries an outer forward-mode level's tangents (forward-over-reverse).
+        plain = _gather.constants((*shards, *cts))
+        fulls = tuple(
+            _gather.gather_plain(c.again(), _gather.plain(s)) if plain else _gather.gather(c.again(), s)
+            for c, s in zip(ucall.calls, shards)
+        )
         needs = ctx.needs_input_grad[1 + 2 * nb :]
         diff = [i for i, t in enumerate(tensors) if needs[i] and (t.is_floating_point() or t.is_complex())]
 
@@ -413,7 +427,7 @@ class _Remat(torch.autograd.Function):
             return tuple(outs[j] for j in live)
 
         primals = tuple(tensors[i] for i in diff)
-        if _gather.constants((*shards, *cts)):
+        if plain:
             # Plain tensors, constants for every active transform (torch.func.grad's backward runs
             # below its own level, and so does .backward()): autograd itself, eagerly, without
             # torch.func.vjp's wrapping of every op (a third of the step on the benchmark transformer).
@@ -438,7 +452,7 @@ class _Remat(torch.autograd.Function):
         nb = ucall.nb
         saved = ctx.saved_tensors
         shards, tensors = saved[:nb], list(saved[nb:])
-        fulls = tuple(_gather._Gather.apply(c.plain_call(), s) for c, s in zip(ucall.calls, shards))
+        fulls = tuple(_gather.gather(c.plain_call(), s) for c, s in zip(ucall.calls, shards))
         t_fulls = tuple(torch.zeros_like(f) if t is None else t for f, t in zip(fulls, tangents[nb : 2 * nb]))
         diff = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
         t_tensors = tangents[2 * nb :]
@@ -598,8 +612,8 @@ class _Call:
     def gather(self, k: int) -> torch.Tensor:
         call = GatherCall(self.pipe, k, self.owner.invariant)
         if not self.differentiated:
-            return _gather._Gather.forward(call, _gather.plain(self.leaves[k]))
-        return _gather._Gather.apply(call, self.leaves[k])
+            return _gather.gather_plain(call, _gather.plain(self.leaves[k]))
+        return _gather.gather(call, self.leaves[k])
 
 
 def _patched_forward(owner: FullyShardedForward, unit: _Unit) -> Callable[..., Any]:
@@ -881,6 +895,6 @@ def unshard(shards: _shard.Sharded, /, *, invariant: bool = False) -> Any:
     fulls = []
     for k in range(n):
         call = GatherCall(pipe, k, invariant)
-        fulls.append(_gather._Gather.apply(call, leaves[k]) if differentiated else _gather._Gather.forward(call, _gather.plain(leaves[k])))
+        fulls.append(_gather.gather(call, leaves[k]) if differentiated else _gather.gather_plain(call, _gather.plain(leaves[k])))
     pipe.end_forward(will_backward=False)
     return optree.tree_unflatten(lay.spec, _layout.unflatten(lay.plan, fulls))

@@ -11,8 +11,8 @@ agent per host:
   floor (the same code over a one-rank group: its compute with no collective). The limit of
   stage 3 is ``max(floor, wire)``, ``wire`` the bytes each rank sends per step at the measured
   rate: its shard to the other rank for every gather (forward and backward, counted by
-  ``apply_fn.counters``) and ``2 (N-1)/N`` of every bucket it all-reduces (gloo's ring; fddp's
-  reduce-scatter on gloo is an all-reduce that keeps its slice);
+  ``apply_fn.counters``) and, for the gradients, the half of each bucket it sends its peer (two
+  ranks reduce-scatter by one exchange);
 - 2 hosts x 2 ranks: DDP, flat stage 3 over the 4 ranks, and hybrid sharding (shard within a
   host, replicate across hosts): the bytes each rank hands to collectives that cross hosts
   (DDP: its whole gradient; hybrid: its gradient shard) and the step times.
@@ -55,8 +55,10 @@ def summarise(per_rank: list, world: int, tcp_bps: float) -> dict:
     out = {"median_ms": med, "all_ms": r0["times_ms"], "per_step": r0["per_step"], "ddp_payload_bytes": r0["ddp_payload_bytes"]}
     for m, c in r0["per_step"].items():
         # Bytes each rank sends per step: its shard to each of the N-1 others for every gather
-        # (a ring all-gather), 2 (N-1)/N of every bucket it all-reduces (a ring all-reduce).
-        sent = (world - 1) * c["gathered_bytes"] + 2 * (world - 1) / world * c["reduced_bytes"]
+        # (a ring all-gather); for the reductions, what it handed to them: on two ranks the half it
+        # sends its peer, on more 2 (N-1)/N of every bucket it all-reduces (a ring all-reduce).
+        reduce = c["reduced_bytes"] if world == 2 else 2 * (world - 1) / world * c["reduced_bytes"]
+        sent = (world - 1) * c["gathered_bytes"] + reduce
         c["wire_bytes"] = sent
         c["wire_ms"] = 1e3 * 8 * sent / tcp_bps
     return out

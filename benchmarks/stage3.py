@@ -19,6 +19,7 @@ Modes:
     stage3         fddp.zero.fully_shard (one unit per block; remat="params": each unit's parameters
                    gathered again in backward) + fddp.grad_and_value (autograd; the gathers' backward
                    averages) + apply_gradients on the shards
+    stage3_blocks  the same with FSDP2's units: the blocks, everything else in the root unit
     stage3_func    the same, differentiated by torch.func.grad_and_value (every op through its level)
     stage3_unit    the same with remat="unit": units recomputed in backward (activation checkpointing)
     stage3_keep    the same with remat=None: the full parameters kept from forward to backward
@@ -64,7 +65,7 @@ from step import LM, MODELS, model_and_batch  # noqa: E402  (benchmarks/step.py'
 import fddp  # noqa: E402
 
 LR = 1e-3
-MODES = ("ddp", "fsdp2", "stage2", "stage3", "stage3_func", "stage3_unit", "stage3_keep", "stage3_noprefetch", "stage3_floor", "hybrid")
+MODES = ("ddp", "fsdp2", "stage2", "stage3", "stage3_blocks", "stage3_func", "stage3_unit", "stage3_keep", "stage3_noprefetch", "stage3_floor", "hybrid")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -155,9 +156,10 @@ def stage2_mode(model: nn.Module) -> Mode:
 
 
 def stage3_mode(
-    model: nn.Module, remat: str | None = "params", prefetch: int = 1, group: Any = None, replica_group: Any = None, func: bool = False
-) -> Mode:
-    apply_fn, shards = fddp.zero.fully_shard(model, remat=remat, prefetch=prefetch, group=group, replica_group=replica_group)
+    model: nn.Module, remat: str | None = "params", prefetch: int = 1, group: Any = None, replica_group: Any = None,
+    func: bool = False, units: Any = None,
+) -> Mode:  # fmt: skip
+    apply_fn, shards = fddp.zero.fully_shard(model, units=units, remat=remat, prefetch=prefetch, group=group, replica_group=replica_group)
     opt = fddp.optim.adamw(LR)
     box: dict[str, Any] = {"shards": shards, "state": opt.init(shards), "fn": apply_fn}
     loss = lambda s, x, y: F.cross_entropy(apply_fn(s, x), y)  # noqa: E731
@@ -192,6 +194,8 @@ def make_mode(name: str, model: nn.Module) -> Mode:
         return stage3_mode(model, group=own)
     if name == "stage3_func":
         return stage3_mode(model, func=True)
+    if name == "stage3_blocks":
+        return stage3_mode(model, units=[*blocks(model), ""])
     if name == "stage3_noprefetch":
         return stage3_mode(model, prefetch=0)
     if name == "hybrid":
@@ -291,12 +295,20 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def launch(world: int, worker_args: list[str]) -> list[Any]:
+def launch(world: int, worker_args: list[str], tries: int = 2) -> list[Any]:
+    """Run the worker under torchrun; once more if it fails (a gloo abort at teardown, seen once
+    in twenty launches on this loaded machine, would otherwise lose the whole run)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--worker-out", out, *worker_args]  # fmt: skip
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        for attempt in range(tries):
+            proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if proc.returncode == 0:
+                break
+            print(f"launch failed (exit {proc.returncode}): {' '.join(worker_args)}; attempt {attempt + 1} of {tries}", flush=True)
+        else:
+            raise SystemExit(f"{' '.join(cmd)} failed {tries} times")
         with open(out) as f:
             return json.load(f)
 

@@ -358,11 +358,12 @@ def test_hybrid_sharding_and_checkpoints_across_layouts(tmp_path):
         assert r["same_start"] == 0.0 and r["grad_and_value_equal"], r
         # Two sums (within a host, across hosts) against gloo's one ring over four: rounding.
         assert r["grads_vs_flat"] <= 1e-7 and r["hybrid_vs_flat"] <= 1e-6, r
-        # Per backward pass, each bucket whole within the host, its shard (half of it, padded to
-        # 64-element blocks) across: the bytes on the slow link are half of DDP's.
+        # Per backward pass: within the host, each rank sends its peer the peer's half of each
+        # bucket (two ranks reduce-scatter by one exchange); across hosts, its shard (half of the
+        # bucket, padded to 64-element blocks): the bytes on the slow link are half of DDP's.
         reduced, replica, bucket_bytes, shard_bytes, buckets = r["bytes"]
-        assert (reduced, replica) == (4 * bucket_bytes, 4 * shard_bytes), r
-        assert shard_bytes <= bucket_bytes / 2 + 64 * 4 * buckets, r
+        assert replica == 4 * shard_bytes and shard_bytes <= bucket_bytes / 2 + 64 * 4 * buckets, r
+        assert 4 * (bucket_bytes - shard_bytes) <= reduced <= 4 * shard_bytes, r  # the peer's part of each bucket
     params, momentum = results[0][1]
     loaded = run(_resume_worker, 2, directory, 3) + run(_resume_worker, 1, directory, 3) + run(_resume_worker, 3, directory, 2)
     for got, got_momentum in loaded:
@@ -494,5 +495,5 @@ def test_hybrid_on_two_hosts_matches_one_host(tmp_path):
     one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
     assert one["params"] == two["params"]  # the same groups, the same sums: bitwise, across hosts too
     # What crosses hosts: each rank's gradient shards, half of its buckets (padded to 64-element blocks).
-    assert two["replica_bytes"] == 3 * two["shard_bytes"] and two["reduced_bytes"] == 3 * two["bucket_bytes"]
+    assert two["replica_bytes"] == 3 * two["shard_bytes"] and two["reduced_bytes"] <= 3 * two["bucket_bytes"] / 2
     assert two["shard_bytes"] <= two["bucket_bytes"] / 2 + 64 * 4 * 4

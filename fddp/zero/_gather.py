@@ -194,6 +194,10 @@ class _Comms:
         self.replica = Comm(replica_group, what, lay.plan) if self.replicas > 1 else None
         self.n = lay.world * self.replicas
         self.pow2 = self.n & (self.n - 1) == 0
+        # Two ranks reduce-scatter by exchanging halves (point to point), the peer's global rank.
+        self.pair = dist.get_global_rank(lay.group, 1 - lay.rank) if lay.world == 2 and lay.group is not None else (
+            1 - lay.rank if lay.world == 2 else None
+        )
 
 
 class Pipeline:
@@ -410,21 +414,46 @@ class Pipeline:
         else:
             buf.copy_(ct)
         counters.reduces += 1
-        work = None
-        if comms.shard is not None:
+        work: Any = None
+        if comms.pair is not None:
+            work = self._exchange(k, buf)
+        elif comms.shard is not None:
             counters.reduced_bytes += buf.numel() * buf.element_size()
             work = comms.shard.all_reduce(buf)
         p = _Pending(k, buf, work, batch, out)
         self.reduces.append(p)
         return out
 
+    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+        """Two ranks: a reduce-scatter as one exchange, each rank sending the other its half.
+
+        Gloo's reduce-scatter is an all-reduce inside, which sends the whole bucket; this sends
+        half of it. The sum of two values does not depend on their order: the all-reduce's bits.
+        """
+        lay, comms = self.lay, self.comms
+        numel = lay.plan.buckets[k].numel
+        theirs = _shard.cut(numel, 2, 1 - lay.rank)
+        c = lay.cuts[k]
+        send = buf[..., theirs.lo : theirs.hi].contiguous()
+        got = torch.empty(*buf.shape[:-1], c.held, dtype=buf.dtype, device=buf.device)
+        self.counters.reduced_bytes += send.numel() * send.element_size()
+        peer = comms.pair
+        return dist.isend(send, peer, group=self.lay.group), dist.irecv(got, peer, group=self.lay.group), got
+
     def _advance(self, p: _Pending) -> None:
         """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
         lay, comms = self.lay, self.comms
         c = lay.cuts[p.key]
-        if p.work is not None:
-            comms.shard.wait(p.work, f"the reduction of bucket {p.key}'s gradients (of {len(lay.cuts)})")
-        p.out[..., : c.held].copy_(p.buf[..., c.lo : c.hi])
+        doing = f"the reduction of bucket {p.key}'s gradients (of {len(lay.cuts)})"
+        if comms.pair is not None:
+            sent, received, got = p.work
+            comms.shard.wait(sent, doing)
+            comms.shard.wait(received, doing)
+            torch.add(p.buf[..., c.lo : c.hi], got, out=p.out[..., : c.held])
+        else:
+            if p.work is not None:
+                comms.shard.wait(p.work, doing)
+            p.out[..., : c.held].copy_(p.buf[..., c.lo : c.hi])
         p.buf, p.work, p.phase = None, None, 2
         if comms.replica is not None:
             self.counters.replica_bytes += p.out.numel() * p.out.element_size()

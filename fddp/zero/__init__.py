@@ -39,7 +39,8 @@ from fddp._shard import ShardLayout, Sharded
 from fddp.sync.hooks import ReduceScatter
 from fddp.zero._api import Gathered, gather, shard
 from fddp.zero._gather import Counters
-from fddp.zero._stage3 import FullyShardedForward, UnitLayout, fully_shard, unshard
+from fddp.zero._stage3 import FullyShardedForward, fully_shard, unshard
+from fddp.zero._units import UnitLayout
 
 __all__ = [
     "Counters",

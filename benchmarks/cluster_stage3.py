@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--skip-hybrid", action="store_true")
+    p.add_argument("--only-hybrid", action="store_true", help="2 hosts x 2 ranks only")
     args = p.parse_args()
     reason = unavailable_reason()
     if reason is not None:
@@ -85,14 +86,15 @@ def main() -> None:
         tcp = max(measure_tcp(c, a, b) for a, b in ((0, 1), (1, 0)))
         record["tcp_bps"] = tcp
         print(f"TCP node0 <-> node1: {tcp / 1e9:.3f} Gbit/s", flush=True)
-        flat = launch(c, 1, args.model, ["ddp", "stage2", "stage3", "stage3_noprefetch", "stage3_floor"], args, RESULTS / "_c3.json")
-        record["two_hosts"] = summarise(flat, 2, tcp)
+        if not args.only_hybrid:
+            flat = launch(c, 1, args.model, ["ddp", "stage2", "stage3", "stage3_noprefetch", "stage3_floor"], args, RESULTS / "_c3.json")
+            record["two_hosts"] = summarise(flat, 2, tcp)
         if not args.skip_hybrid:
             hyb = launch(c, 2, args.model, ["ddp", "stage3", "hybrid"], args, RESULTS / "_c3.json")
             record["two_hosts_two_ranks"] = summarise(hyb, 4, tcp)
         (RESULTS / "_c3.json").unlink(missing_ok=True)
     record["load_after"] = os.getloadavg()
-    out = RESULTS / f"cluster_stage3_{format_rate(rate)}.json"
+    out = RESULTS / f"cluster_stage3_{format_rate(rate)}{'_hybrid' if args.only_hybrid else ''}.json"
     out.write_text(json.dumps(record, indent=1))
     print(table(record))
     print(f"\nwrote {out}")
@@ -100,9 +102,10 @@ def main() -> None:
 
 def table(record: dict) -> str:
     lines = [f"{record['model']}, links {record['rate']} (TCP {record['tcp_bps'] / 1e9:.3f} Gbit/s); load {record['load_before']} -> {record['load_after']}"]
-    t = record["two_hosts"]
-    med, floor = t["median_ms"], t["median_ms"]["stage3_floor"]
-    lines.append("\n2 hosts x 1 rank: step ms (median), x DDP, wire ms at the link rate, limit = max(floor, wire)")
+    t = record.get("two_hosts", {"median_ms": {}})
+    med, floor = t["median_ms"], t["median_ms"].get("stage3_floor")
+    if med:
+        lines.append("\n2 hosts x 1 rank: step ms (median), x DDP, wire ms at the link rate, limit = max(floor, wire)")
     for m, v in med.items():
         row = f"  {m:<18}{v:8.1f}{v / med['ddp']:7.2f}"
         c = t["per_step"].get(m)

@@ -41,7 +41,6 @@ import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from fddp import _shard
-from fddp._pool import new_buffer
 from fddp.sync._comm import Comm
 
 __all__ = ["Counters", "GatherCall", "Pipeline", "boundary", "check_groups", "constants", "gather", "gather_plain", "plain", "refill_before_backward"]
@@ -405,8 +404,10 @@ class Pipeline:
         m = 1
         for d in batch:
             m *= d
-        buf = new_buffer(m * b.numel, ct.dtype, ct.device).view(*batch, b.numel)
-        counters.hold(buf)
+        # Not the pool's: after its wait, its memory is given back at once (below), however long
+        # gloo's worker thread keeps its reference to the finished work.
+        buf = torch.empty(*batch, b.numel, dtype=ct.dtype, device=ct.device)
+        held = counters.hold(buf)
         if comms.pow2:
             torch.mul(ct, 1.0 / comms.n, out=buf)  # 2**-k commutes with rounding: ddp_step's mean
         elif ct.dtype in LOW_PRECISION:
@@ -420,7 +421,7 @@ class Pipeline:
         elif comms.shard is not None:
             counters.reduced_bytes += buf.numel() * buf.element_size()
             work = comms.shard.all_reduce(buf)
-        p = _Pending(k, buf, work, batch, out)
+        p = _Pending(k, buf, work, batch, out, held=held)
         self.reduces.append(p)
         return out
 
@@ -454,6 +455,9 @@ class Pipeline:
             if p.work is not None:
                 comms.shard.wait(p.work, doing)
             p.out[..., : c.held].copy_(p.buf[..., c.lo : c.hi])
+        p.buf.untyped_storage().resize_(0)
+        if p.held is not None:
+            p.held.release()
         p.buf, p.work, p.phase = None, None, 2
         if comms.replica is not None:
             self.counters.replica_bytes += p.out.numel() * p.out.element_size()

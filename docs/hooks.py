@@ -59,6 +59,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     sections = [
         _step_section(), _floor_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section(),
         _checkpoint_section(),
+        _stage3_section(),
     ]  # fmt: skip
     return markdown.replace(MARKER, "\n\n".join(sections))
 
@@ -391,6 +392,93 @@ def _checkpoint_section() -> str:
     before = data.get("args", {}).get("load_avg_before")
     load = f" Load average (1, 5, 15 min) before the run {', '.join(f'{x:.2f}' for x in before)}." if before else ""
     out.append(table + "\n\n" + (load + _load_line(data)).strip())
+    return "\n\n".join(out)
+
+
+def _stage3_section() -> str:
+    """benchmarks/stage3.py (loopback) and benchmarks/cluster_stage3.py (the test bed)."""
+    import statistics
+
+    command = "python benchmarks/stage3.py"
+    out = ["## ZeRO stage 3: memory per rank and step time", f"Command: `{command}`."]
+    data = _load("stage3.json")
+    if data is None:
+        return "\n\n".join([*out, _missing(command, "stage 3's memory and step time")])
+    out.append(
+        f"benchmarks/step.py's models, AdamW, torch {data['torch']}, gloo on CPU; load average before the run "
+        f"{', '.join(f'{x:.1f}' for x in data['load_before'])}, after {', '.join(f'{x:.1f}' for x in data['load_after'])}. "
+        "Memory per rank (the fullest rank), MB: what the loop holds between steps (distinct storages), stage 3's "
+        "gathered units and gradient buffers at their peak inside a step, and the peak RSS over three steps, one "
+        "process group per mode."
+    )
+    for model, r in data["results"].items():
+        rows = [
+            f"**{model}** ({r['values'] / 1e6:.2f}M values; 16 P = {16 * r['values'] / 2**20:.1f} MB)",
+            "",
+            "| ranks | mode | params | grads | AdamW state | held | stage 3's units at their peak | peak RSS |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for world, mem in r["memory"].items():
+            for mode, m in mem.items():
+                held = m["params"] + m["grads"] + m["state"]
+                tr = f"{m['transient'] / 2**20:.2f}" if m.get("transient") else ""
+                rows.append(
+                    f"| {world} | `{mode}` | {m['params'] / 2**20:.2f} | {m['grads'] / 2**20:.2f} | {m['state'] / 2**20:.2f} | "
+                    f"{held / 2**20:.2f} | {tr} | {m['peak_rss'] / 2**20:.0f} |"
+                )
+        out.append("\n".join(rows))
+        t = r.get("times")
+        if t:
+            med = {m: statistics.median(v) for m, v in t["times_ms"].items()}
+            cpu = {m: statistics.median(v) for m, v in t.get("cpu_ms", {}).items()}
+            n = len(next(iter(t["times_ms"].values())))
+            rows = [
+                f"Step time on {t['world']} ranks, medians of {n} interleaved repeats:",
+                "",
+                "| mode | wall ms | × stage 2 | × FSDP2 | × DDP | CPU ms (all ranks) | × stage 2 |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            ]
+            for m, v in med.items():
+                c = cpu.get(m)
+                cpu_cells = f"{c:.1f} | {c / cpu['stage2']:.2f}" if c is not None and "stage2" in cpu else " | "
+                rows.append(
+                    f"| `{m}` | {v:.1f} | {v / med['stage2']:.2f} | {v / med['fsdp2']:.2f} | {v / med['ddp']:.2f} | {cpu_cells} |"
+                )
+            out.append("\n".join(rows))
+    cluster = _load("cluster_stage3_1gbit.json")
+    if cluster is not None:
+        t = cluster["two_hosts"]
+        med, floor = t["median_ms"], t["median_ms"]["stage3_floor"]
+        rows = [
+            f"On the test bed (`{cluster['command']}`): 2 hosts x 1 rank at {cluster['rate']} (TCP measured "
+            f"{cluster['tcp_bps'] / 1e9:.3f} Gbit/s); the limit is max(stage 3's floor, its wire bytes at that rate).",
+            "",
+            "| mode | step ms | × DDP | wire ms | limit ms | step ÷ limit |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for m, v in med.items():
+            c = t["per_step"].get(m)
+            if c and m != "stage3_floor":
+                limit = max(floor, c["wire_ms"])
+                rows.append(f"| `{m}` | {v:.1f} | {v / med['ddp']:.2f} | {c['wire_ms']:.1f} | {limit:.1f} | {v / limit:.2f} |")
+            else:
+                rows.append(f"| `{m}` | {v:.1f} | {v / med['ddp']:.2f} | | | |")
+        out.append("\n".join(rows))
+        h = cluster.get("two_hosts_two_ranks")
+        if h:
+            med, ddp_bytes = h["median_ms"], h["ddp_payload_bytes"]
+            rows = [
+                "2 hosts x 2 ranks: hybrid sharding (within a host) against flat stage 3 and DDP.",
+                "",
+                "| mode | step ms | × DDP | bytes per rank into cross-host collectives | ÷ DDP's |",
+                "| --- | ---: | ---: | ---: | ---: |",
+            ]
+            for m, v in med.items():
+                c = h["per_step"].get(m, {})
+                flat = (c.get("gathered_bytes") or 0) + (c.get("reduced_bytes") or 0)
+                cross = {"ddp": ddp_bytes, "hybrid": c.get("replica_bytes"), "stage3": flat}.get(m)
+                rows.append(f"| `{m}` | {v:.1f} | {v / med['ddp']:.2f} | {cross / 2**20:.2f} MB | {cross / ddp_bytes:.2f} |")
+            out.append("\n".join(rows))
     return "\n\n".join(out)
 
 

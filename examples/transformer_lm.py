@@ -10,6 +10,15 @@ batch is ``micro_batch * accum * world_size`` sequences. The learning rate warms
 then follows a cosine (``fddp.optim.warmup_cosine_decay``). Exact-match accuracy on held-out
 problems is measured by greedy decoding.
 
+With ``--fully-shard`` the parameters are sharded too (ZeRO stage 3, ``fddp.zero.fully_shard``):
+each rank holds 1/N of the parameters, gradients and AdamW state, and gathers one block at a time
+inside the forward and backward passes. ``--budget-mb`` sets a per-rank memory budget that the
+full training state (parameters, gradients and AdamW's two moments: 16 bytes a value) exceeds,
+and the run checks that what each rank holds, plus the gathered blocks at their peak, fits::
+
+    torchrun --standalone --nproc-per-node=2 examples/transformer_lm.py --fully-shard \
+        --d-model 256 --layers 8 --budget-mb 60
+
 Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
 """
 
@@ -49,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fully-shard", action="store_true", help="ZeRO stage 3: shard the parameters, gradients and AdamW state")
+    p.add_argument("--budget-mb", type=float, default=None, help="with --fully-shard: the memory budget per rank, in MiB")
     p.add_argument("--out-dir", default="runs/transformer_lm")
     return p.parse_args()
 
@@ -89,6 +100,31 @@ class GPT(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
+def report_memory(args: argparse.Namespace, apply_fn, shards, grads, opt_state, n_params: int, world: int) -> dict:
+    """Memory per rank after the first step: what it holds, and the gathered units' peak in a step."""
+    per_rank = {
+        "params": held_bytes(shards),
+        "grads": held_bytes(grads),
+        "adamw_state": held_bytes(opt_state),
+        "gathered_peak": apply_fn.counters.peak_bytes,  # the full units and gradient buffers alive at once
+    }
+    mib = 2**20
+    full = 16 * n_params  # float32 parameters, gradients and AdamW's two moments, unsharded
+    total = sum(per_rank.values())
+    print(f"rank {fddp.rank()}: params {per_rank['params'] / mib:.2f} MiB, grads {per_rank['grads'] / mib:.2f}, "
+          f"AdamW state {per_rank['adamw_state'] / mib:.2f}, gathered units at their peak {per_rank['gathered_peak'] / mib:.2f}: "
+          f"{total / mib:.2f} MiB per rank; unsharded, the training state alone is {full / mib:.2f} MiB", flush=True)  # fmt: skip
+    if args.budget_mb is not None:
+        budget = args.budget_mb * mib
+        if total > budget:
+            raise SystemExit(f"rank {fddp.rank()}: {total / mib:.2f} MiB exceeds the budget of {args.budget_mb} MiB")
+        if fddp.is_main():
+            verdict = "exceeds" if full > budget else "fits in"
+            print(f"the unsharded training state ({full / mib:.2f} MiB) {verdict} the budget of {args.budget_mb} MiB; "
+                  f"sharded over {world} ranks it fits", flush=True)  # fmt: skip
+    return {**per_rank, "total": total, "unsharded": full, "budget": None if args.budget_mb is None else args.budget_mb * mib}
+
+
 def plot(history: dict[str, list], args: argparse.Namespace, world: int, path: str) -> None:
     """The loss with the learning rate on a second axis (one legend for both), and test accuracy."""
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
@@ -115,6 +151,11 @@ def plot(history: dict[str, list], args: argparse.Namespace, world: int, path: s
     plt.close(fig)
 
 
+def held_bytes(*trees) -> int:
+    """Bytes of the distinct buffers behind the trees' tensors (views of one buffer count once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in optree.tree_leaves(trees)}.values())
+
+
 def main() -> None:
     args = parse_args()
     fddp.init()
@@ -129,11 +170,17 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = GPT(args.d_model, args.layers, args.heads)
-    apply_fn, params = fddp.functionalize(model)
-    params = fddp.broadcast(params)
+    n_params = sum(p.numel() for p in model.parameters())
+    if args.fully_shard:
+        # One unit per block (and the embeddings, the norm, the head): `params` are this rank's
+        # shards, and apply_fn gathers each unit's parameters just before the unit runs.
+        apply_fn, params = fddp.zero.fully_shard(model)
+    else:
+        apply_fn, params = fddp.functionalize(model)
+        params = fddp.broadcast(params)
     lr = fddp.optim.warmup_cosine_decay(0.0, args.lr, warmup_steps=args.warmup, decay_steps=max(args.steps, args.warmup + 1))
     opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(lr=lr, weight_decay=0.1))
-    opt_state = opt.init(params)
+    opt_state = opt.init(params)  # for shards: 1/N of the state
 
     def loss_fn(params, seq):
         logits = apply_fn(params, seq[:, :-1])
@@ -153,20 +200,25 @@ def main() -> None:
         return (complete(params, problems) == encode(problems)).all(1).float().mean().item()
 
     if fddp.is_main():
-        n_params = sum(p.numel() for p in optree.tree_leaves(params))
         print(f"{n_params:,} parameters on {world} process(es); global batch "
               f"{args.micro_batch * args.accum * world} sequences", flush=True)  # fmt: skip
+    # Sharded, the gradients come out of the gathers' backward already averaged over the ranks.
+    grad_fn = fddp.grad_and_value(loss_fn) if args.fully_shard else torch.func.grad_and_value(loss_fn)
     history: dict[str, list] = {"step": [], "loss": [], "lr": [], "eval_step": [], "test_acc": []}
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         acc, loss_sum = fddp.GradAccumulator(), 0.0
         for _ in range(args.accum):  # a no-sync window: local sums only, no communication
             batch = encode(train[torch.randint(len(train), (args.micro_batch,), generator=data_gen)])
-            grads, loss = torch.func.grad_and_value(loss_fn)(params, batch)
+            grads, loss = grad_fn(params, batch)
             acc = fddp.accumulate_grads(acc, grads)
             loss_sum += loss.item()
-        grads = fddp.ddp_step(params, acc.mean())  # one all-reduce per optimizer step
+        # Replicated: one all-reduce per optimizer step. Sharded: each micro-batch's backward
+        # reduce-scattered its gradients already; the mean of the shards is the step's.
+        grads = acc.mean() if args.fully_shard else fddp.ddp_step(params, acc.mean())
         params, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, params)
+        if args.fully_shard and step == 1:
+            memory = report_memory(args, apply_fn, params, grads, opt_state, n_params, world)
 
         # The logged loss is rank 0's; the gradients above are the global batch's.
         history["step"].append(step)
@@ -182,12 +234,12 @@ def main() -> None:
                 print(f"step {step:5d}  loss {sum(recent) / len(recent):.4f}  lr {history['lr'][-1]:.2e}  "
                       f"test exact-match {acc:.3f}  {seqs_per_s:,.0f} sequences/s", flush=True)  # fmt: skip
 
+    samples = ["".join(VOCAB[i] for i in row) for row in complete(params, test[:4])]  # every rank: sharded, it gathers
     if fddp.is_main():
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
-            json.dump({"world_size": world, **history}, f)
+            json.dump({"world_size": world, **history, **({"memory": memory} if args.fully_shard else {})}, f)
         plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
-        samples = ["".join(VOCAB[i] for i in row) for row in complete(params, test[:4])]
         print(f"final test exact-match {history['test_acc'][-1]:.3f} after {args.steps} steps, "
               f"{time.perf_counter() - t0:.1f} s; samples: {' '.join(samples)}", flush=True)  # fmt: skip
         print(f"metrics in {args.out_dir}/metrics.json, curves in {args.out_dir}/curves.png", flush=True)

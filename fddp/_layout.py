@@ -510,6 +510,12 @@ class SplitTree:
     def split(self) -> Split:
         raise NotImplementedError
 
+    @property
+    def stage(self) -> int:
+        """ZeRO's stage of the tree: 3 when a forward pass gathers it (``fddp.zero.fully_shard``: the
+        gathers' backward reduces the gradients, so no sync may), else 2."""
+        return 2
+
     def check_group(self, what: str) -> None:
         """Raise unless this process holds the part the tree was made for."""
         raise NotImplementedError
@@ -566,6 +572,13 @@ def explain_split(
             "and sharded parameters (fddp.zero.shard(params)), or keep everything replicated"
         )
     for x, y in zip(split_nodes(want), split_nodes(got)):
+        if x.stage != y.stage:
+            return (
+                f"{want_name} is sharded for ZeRO stage {x.stage} and {got_name} for stage {y.stage}: stage 3's "
+                "trees (fddp.zero.fully_shard: one bucket per unit) and stage 2's (fddp.zero.shard, "
+                "ReduceScatter: the gradients' buckets) do not mix; take the gradients of fully_shard's "
+                "apply_fn with torch.func.grad for its shards, or keep to stage 2 throughout"
+            )
         sx, sy = x.split, y.split
         if (sx.world, sx.rank) != (sy.world, sy.rank):
             return (

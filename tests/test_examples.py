@@ -126,6 +126,21 @@ def test_transformer_lm_trains(tmp_path: Path) -> None:
     assert m["lr"][-1] < max(m["lr"])
 
 
+def test_transformer_lm_fully_sharded_fits_a_budget_the_full_state_exceeds(tmp_path: Path) -> None:
+    out = launch(
+        "transformer_lm.py",
+        *("--fully-shard", "--d-model", "128", "--layers", "4", "--budget-mb", "10"),
+        *("--steps", "30", "--warmup", "5", "--micro-batch", "32", "--eval-every", "30", "--out-dir", "lm3"),
+        tmp=tmp_path,
+    )
+    assert "exceeds the budget of 10.0 MiB; sharded over 2 ranks it fits" in out
+    m = read_outputs(tmp_path / "lm3")
+    mem = m["memory"]
+    assert mem["unsharded"] > mem["budget"] >= mem["total"]  # 16 bytes a value, unsharded, would not fit
+    assert mem["params"] + mem["grads"] + mem["adamw_state"] <= mem["unsharded"] / 2 + 4 * 4 * 64 * 8  # 1/2, padding
+    assert mean(m["loss"][-5:]) < mean(m["loss"][:5]) - 0.2, m["loss"]
+
+
 def test_ensemble_vmap_trains_every_member(tmp_path: Path) -> None:
     launch("ensemble_vmap.py", "--members", "4", "--epochs", "2", "--out-dir", "ens", tmp=tmp_path)
     m = read_outputs(tmp_path / "ens")

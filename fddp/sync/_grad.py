@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
-from fddp import _dist
+from fddp import _dist, _layout
 from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._reducer import SyncInfo
@@ -195,6 +195,8 @@ class _Transform:
                 )
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what, name=self.tree_name)
+        if _fully_sharded(flat[1], what):
+            return self._fully_sharded(args, kwargs, flat, options, state, weight)
         leaves = flat[0]
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*leaves):
             for i, t in enumerate(leaves):
@@ -248,6 +250,33 @@ class _Transform:
             flats, info = reducer.finish()
             return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
 
+    def _fully_sharded(
+        self, args: tuple, kwargs: dict, flat: tuple, options: SyncOptions, state: Any, weight: Any
+    ) -> tuple[Any, Any, SyncInfo]:
+        """ZeRO stage 3's shards (``fddp.zero.fully_shard``): the backward of the gathers inside
+        ``fn`` already averages their gradients, so this is autograd alone, with no sync."""
+        what = self.what
+        if self.compression is not None or weight is not None or options.check_finite or state is not None:
+            raise TypeError(
+                f"fddp.{what}: fully sharded parameters (fddp.zero.fully_shard) take no compression, weight=, "
+                "check_finite or compression_state: their gradients are averaged by the gathers' backward"
+            )
+        leaves, spec = flat
+        inputs = [t.detach().requires_grad_() for t in leaves]
+        views = optree.tree_unflatten(spec, inputs)
+        call_args = list(args)
+        if isinstance(self.argnums, int):
+            call_args[self.nums[0]] = views
+        else:
+            for a, v in zip(self.nums, views):
+                call_args[a] = v
+        with torch.enable_grad():
+            out = self.fn(*call_args, **kwargs)
+            loss = _loss_of(out, self.has_aux, what)
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+        return optree.tree_unflatten(spec, grads), _detached(out), SyncInfo(None, None, 0, 0)
+
 
 def _hook_all(inputs: list[torch.Tensor], arrive: Callable[[int, torch.Tensor], None]) -> None:
     """Give every input a backward hook that hands its gradient to ``arrive``.
@@ -268,6 +297,21 @@ def _hook_all(inputs: list[torch.Tensor], arrive: Callable[[int, torch.Tensor], 
         for i, x in enumerate(inputs):
             x._backward_hooks = None
             x.register_hook(functools.partial(arrive, i))
+
+
+def _fully_sharded(spec: optree.PyTreeSpec, what: str) -> bool:
+    """Whether a tree of this structure holds ZeRO stage 3's shards; raise if it mixes them with other leaves."""
+    if not _layout.has_split(spec):
+        return False
+    stage3 = [n for n in _layout.split_nodes(spec) if n.stage == 3]
+    if not stage3:
+        return False
+    if sum(optree.tree_structure(n, none_is_leaf=True).num_leaves for n in stage3) != spec.num_leaves:
+        raise TypeError(
+            f"fddp.{what}: the differentiated arguments mix fully sharded parameters (fddp.zero.fully_shard) "
+            "with other tensors, whose gradients would need a sync those do not: differentiate them separately"
+        )
+    return True
 
 
 def _detached(out: Any) -> Any:

@@ -363,6 +363,12 @@ def setup(
     require_initialized(what)
     leaves, spec = flat if flat is not None else tensor_leaves(tree, what)
     if _layout.has_split(spec):
+        if any(s.stage == 3 for s in _layout.split_nodes(spec)):
+            raise TypeError(
+                f"fddp.{what}: got fully sharded parameters (ZeRO stage 3, fddp.zero.fully_shard); their "
+                "gradients need no sync: differentiate a loss that calls fully_shard's apply_fn with "
+                "fddp.grad_and_value or torch.func.grad, and the gradient shards come out averaged"
+            )
         raise TypeError(
             f"fddp.{what}: got a sharded tree (fddp.zero.Sharded: this rank's slices of the buckets, which "
             "differ between ranks by design); synchronise the full tree instead, e.g. the parameters from "

@@ -24,7 +24,7 @@ and where each shard's elements sit in the whole leaves) without importing this 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import optree
 import optree.registry
@@ -110,6 +110,10 @@ class ShardLayout:
     buffers: tuple[tuple[torch.dtype, torch.device, int], ...] = field(init=False, compare=False, hash=False, repr=False)
     shard_plan: BucketPlan = field(init=False, compare=False, hash=False, repr=False)
     split: Split = field(init=False, compare=False, hash=False, repr=False)
+
+    # The ZeRO stage whose trees use this layout: 2 (buckets cut for the gradients' sync); stage 3's
+    # layout, fddp.zero.UnitLayout, is a subclass that records its units.
+    stage: ClassVar[int] = 2
 
     def __post_init__(self) -> None:
         at: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -217,6 +221,11 @@ class Sharded(SplitTree):
     def check_group(self, what: str) -> None:
         """Raise unless this process is the rank, in a group of the size, the shards were made for."""
         self.layout.check_group(what)
+
+    @property
+    def stage(self) -> int:
+        """2 for ``fddp.zero.shard``'s layout, 3 for ``fully_shard``'s (:class:`fddp.zero.UnitLayout`)."""
+        return self.layout.stage
 
 
 optree.register_pytree_node(

@@ -1,0 +1,688 @@
+"""The all-gather of a bucket's shards as a differentiable function, and its transpose.
+
+Gathering bucket ``k`` of a :class:`fddp.zero.Sharded` tree is linear in the shards, so its
+derivatives are collectives too, as JAX's ``all_gather`` transposes to ``psum_scatter``:
+
+- **forward**: every rank's shard of the bucket, all-gathered into the bucket's flat buffer (its
+  first ``B`` elements: the padding is cut off);
+- **backward**: the cotangents of that buffer, reduced over the ranks and cut to this rank's
+  shard (a reduce-scatter), with ``fddp.ddp_step``'s mean: scaled by ``1/n`` before the sum for a
+  power-of-two ``n``, else summed, then divided. The gradient shards are the mean over the ranks
+  of their local gradients (the gradient of the mean of the ranks' objectives), equal to stage 2's
+  where the sums run in the same order. With a replica group (hybrid sharding) the shard is then
+  all-reduced across the replicas, ``n`` being all the ranks of both groups;
+- **invariant** gathers differentiate this rank's objective alone, the other ranks' shards held
+  constant: the cotangent's slice, no collective (per-sample gradients, where a sum over ranks
+  would add unrelated samples together);
+- **forward mode**: the tangents' shards, all-gathered;
+- **vmap**: the members stacked in one buffer, one collective for all of them.
+
+The collectives run on plain tensors, below every torch.func level, in the Functions' ``forward``;
+everything above is functorch's (``_Gather`` and ``_Reduce`` are ``autograd.Function``\\ s with
+``setup_context``, ``backward``, ``jvp`` and ``vmap`` rules, as ``fddp.sync._differentiable._Mean``).
+
+A :class:`Pipeline` (one per call of a fully sharded forward) makes the collectives asynchronous:
+it starts the gathers of the next ``depth`` buckets before the current one computes (and of the
+previous ones in backward), and lets up to ``depth`` reductions run behind the backward pass; a
+:class:`_Boundary` on the shards waits for the last of them before their gradients leave backward.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import weakref
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+from fddp.sync._comm import Comm
+from fddp.zero import _layout as shard_layout
+
+__all__ = [
+    "Counters",
+    "GatherCall",
+    "Pipeline",
+    "boundary",
+    "check_groups",
+    "constants",
+    "gather",
+    "gather_plain",
+    "plain",
+    "refill_before_backward",
+]
+
+_functorch = torch._C._functorch
+LOW_PRECISION = (torch.float16, torch.bfloat16)  # divided before the sum, as fddp.hooks.Mean does
+
+
+def _eager(method: Any) -> Any:
+    """Run ``method`` below every torch.func level and outside autograd: the pipeline's buffers are
+    plain tensors that it and the backend fill in place (a grad transform would refuse writes into
+    tensors it did not make, and autograd views made by a collective in one grad mode and written
+    by its wait in another)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with temporarily_clear_interpreter_stack(), torch.no_grad():
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+def constants(tensors: Sequence[Any]) -> bool:
+    """Whether a backward may compute on ``tensors`` (``None`` allowed) eagerly, outside autograd and
+    torch.func: none is wrapped by a transform, and nothing will differentiate the backward itself.
+
+    Autograd runs a backward in grad mode only for ``create_graph=True``: a plain
+    ``.backward(create_graph=True)`` keeps the graph (and double backward then raises). A
+    torch.func transform's backward always runs that way, below its own level, for no one: a
+    transform outside it would have wrapped the tensors.
+    """
+    if any(t is not None and _functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return False
+    return torch._C._are_functorch_transforms_active() or not torch.is_grad_enabled()
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every torch.func wrapper of ``t`` (batch dimensions where they lie)."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
+@dataclasses.dataclass
+class Counters:
+    """What a fully sharded tree's collectives moved, and the most memory its full buckets held.
+
+    Attributes:
+        gathers: all-gathers of parameter (or tangent) shards.
+        gathered_bytes: bytes this rank sent into them (its shards).
+        reduces: reductions of cotangents (one per bucket and backward pass).
+        reduced_bytes: bytes this rank handed to them within the shard group.
+        replica_bytes: bytes handed to the all-reduces across the replica group (hybrid sharding).
+        prefetch_hits: gathers found already in flight when their bucket was needed.
+        prefetch_misses: gathers started only when needed (the first bucket, an unpredicted order).
+        live_bytes: bytes of gathered buckets and reduction buffers alive now.
+        peak_bytes: the most ``live_bytes`` has been (reset it to measure a step).
+
+    Example:
+        >>> apply_fn.counters.peak_bytes = 0
+        >>> loss = loss_fn(shards, x, y)
+        >>> apply_fn.counters.peak_bytes  # the full buckets' bytes at the fullest moment
+    """
+
+    gathers: int = 0
+    gathered_bytes: int = 0
+    reduces: int = 0
+    reduced_bytes: int = 0
+    replica_bytes: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    live_bytes: int = 0
+    peak_bytes: int = 0
+
+    def hold(self, t: torch.Tensor) -> "_Held":
+        """Count ``t``'s bytes as live until it is freed or released."""
+        held = _Held(self, t.untyped_storage().nbytes())
+        self.live_bytes += held.n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(t, held.release)
+        return held
+
+
+@dataclasses.dataclass(eq=False)
+class _Held:
+    """One buffer's bytes in :attr:`Counters.live_bytes`: dropped when it is freed or released."""
+
+    counters: Counters
+    n: int
+    live: bool = True
+
+    def release(self) -> None:
+        if self.live:
+            self.counters.live_bytes -= self.n
+            self.live = False
+
+    def again(self) -> None:
+        if not self.live:
+            c = self.counters
+            c.live_bytes += self.n
+            c.peak_bytes = max(c.peak_bytes, c.live_bytes)
+            self.live = True
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A collective in flight: its work handle and the buffers it reads or writes."""
+
+    key: Any
+    buf: torch.Tensor
+    work: Any
+    batch: tuple[int, ...]
+    out: torch.Tensor | None = None
+    phase: int = 1  # reductions: 1 = within the shard group, 2 = across the replicas, 3 = done
+    held: "_Held | None" = None  # the gathered buffer's bytes in the counters
+    refill: "_Released | None" = None  # a gather back into a released bucket's own memory
+
+
+@dataclasses.dataclass(eq=False)
+class _Released:
+    """A bucket whose full buffer's memory was given back after the forward (``remat="params"``):
+    autograd still holds views of it, and backward gathers the bucket into it again."""
+
+    full: torch.Tensor  # the plain full buffer autograd's saved views look into
+    base: torch.Tensor | None  # the all-gather buffer it is a view of, or None (a copy of one)
+    nbytes: int
+    shard: torch.Tensor
+    held: "_Held | None"
+    version: int = 0  # the version counter autograd saw, restored after each gather into it
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        if self.held is not None:
+            self.held.release()
+
+    def restore(self) -> None:
+        self.full.untyped_storage().resize_(self.nbytes)
+        if self.held is not None:
+            self.held.again()
+
+
+class _Comms:
+    """A layout's groups as fddp ``Comm`` handles (counted, waited with errors that name the call)."""
+
+    def __init__(self, lay: shard_layout.ShardLayout, what: str) -> None:
+        self.lay = lay
+        self.shard = Comm(lay.group, what, lay.plan) if lay.world > 1 else None
+        replica_group = getattr(lay, "replica_group", None)
+        self.replicas = getattr(lay, "replicas", 1)
+        self.replica = Comm(replica_group, what, lay.plan) if self.replicas > 1 else None
+        self.n = lay.world * self.replicas
+        self.pow2 = self.n & (self.n - 1) == 0
+        # Two ranks reduce-scatter by exchanging halves (point to point), the peer's global rank.
+        self.pair = (
+            dist.get_global_rank(lay.group, 1 - lay.rank)
+            if lay.world == 2 and lay.group is not None
+            else (1 - lay.rank if lay.world == 2 else None)
+        )
+
+
+class Pipeline:
+    """The collectives of one call of a fully sharded forward (and of its backward): asynchronous.
+
+    Gathers: :meth:`gather` returns bucket ``k``'s full buffer, from a gather already in flight when
+    one was started for this very shard tensor, and then starts the next ``depth`` of ``order``
+    (forward) or of the reversed forward sequence (backward). Reductions: :meth:`reduce` starts one
+    and returns this rank's shard buffer, which its wait fills; at most ``depth`` more stay in
+    flight, and :meth:`finish_reduces` (the shards' boundary in backward) waits for them all.
+    A bucket gathered twice in one forward is reduced synchronously: autograd adds its two
+    gradients as soon as both exist, before the boundary.
+    """
+
+    def __init__(
+        self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
+        order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
+    ) -> None:  # fmt: skip
+        self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
+        # remat="params": the buckets' memory is given back after their unit's forward and gathered
+        # into again in backward.
+        self.release_after_forward = release
+        self.released: dict[int, _Released] = {}
+        self.done: dict[int, _Released] = {}  # gathered into again, until their gradient is reduced
+        self.last: dict[int, _Pending] = {}  # each bucket's latest forward gather
+        self.comms = _Comms(lay, what)
+        self.plains = [plain(s) for s in shards]
+        self.order = list(order)  # the predicted forward sequence of buckets
+        self.remat = remat  # buckets gathered again in backward
+        self.gathers: dict[int, _Pending] = {}
+        self.reduces: collections.deque[_Pending] = collections.deque()
+        self.seq: list[int] = []  # the forward sequence, as it happened
+        self.repeated: set[int] = set()  # buckets gathered more than once in it
+        self.cursor = 0
+        self.back: list[int] | None = None  # the backward sequence, once backward starts
+        self.bcursor = 0
+
+    # -- gathers --------------------------------------------------------------------------------
+
+    def _start_gather(self, k: int, shard: torch.Tensor) -> _Pending:
+        lay, comms = self.lay, self.comms
+        batch = tuple(shard.shape[:-1])
+        src = shard.contiguous()
+        if comms.shard is None:
+            return _Pending(_key(shard), src, None, batch)
+        # A buffer of its own, not the pool's: autograd's views of it keep it (and so its count in
+        # the counters) alive exactly as long as they need it, and remat="params" resizes it.
+        buf = torch.empty(lay.world * src.numel(), dtype=src.dtype, device=src.device)
+        held = self.counters.hold(buf)
+        work = comms.shard.all_gather_into(buf, src.reshape(-1))
+        self.counters.gathers += 1
+        self.counters.gathered_bytes += src.numel() * src.element_size()
+        return _Pending(_key(shard), buf, work, batch, held=held)
+
+    def _finish_gather(self, k: int, p: _Pending) -> torch.Tensor:
+        lay = self.lay
+        b, c = lay.plan.buckets[k], lay.cuts[k]
+        if p.work is not None:
+            self.comms.shard.wait(p.work, f"the all-gather of bucket {k} (of {len(lay.cuts)})")
+        m = 1
+        for d in p.batch:
+            m *= d
+        if p.work is None:  # one rank: the shard is the bucket, padded
+            return p.buf.view(*p.batch, c.size)[..., : b.numel]
+        if m == 1:
+            return p.buf[: b.numel].view(*p.batch, b.numel)
+        # Rank-major (world, members, shard) -> members, world * shard: one copy.
+        full = p.buf.view(lay.world, m, c.size).transpose(0, 1).reshape(m, lay.world * c.size)[:, : b.numel]
+        return full.reshape(*p.batch, b.numel)
+
+    @_eager
+    def gather(self, k: int, shard: torch.Tensor, backward: bool) -> torch.Tensor:
+        """Bucket ``k``'s full flat buffer, gathered from ``shard`` (plain, ``(*batch, size)``)."""
+        p = self.gathers.pop(k, None)
+        if p is not None and p.key == _key(shard):
+            self.counters.prefetch_hits += 1
+        else:
+            if p is not None:  # started for another tensor: let it land, unused
+                self._finish_gather(k, p)
+            self.counters.prefetch_misses += 1
+            p = self._start_gather(k, shard)
+        if backward:
+            self._prefetch_backward(k)
+        else:
+            self.seq.append(k)
+            if self.release_after_forward and k in self.remat:  # for release() after the unit's forward
+                self.last[k] = p
+            self._prefetch_forward(k)
+        return self._finish_gather(k, p)
+
+    @_eager
+    def release(self, k: int, full: torch.Tensor) -> None:
+        """Give back bucket ``k``'s full buffer's memory (``full``, plain) after its unit's forward."""
+        p = self.last.pop(k, None)
+        if p is None or p.work is None and self.comms.shard is None:
+            return  # one rank: the full buffer is the shard itself
+        base = p.buf if full.untyped_storage().data_ptr() == p.buf.untyped_storage().data_ptr() else None
+        r = _Released(full, base, full.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
+        r.free()
+        self.released[k] = r
+
+    def _start_refill(self, k: int, r: _Released) -> _Pending:
+        r.restore()
+        if r.base is not None:  # gather straight into the memory autograd's views look into
+            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1))
+            self.counters.gathers += 1
+            self.counters.gathered_bytes += r.shard.numel() * r.shard.element_size()
+            p = _Pending(None, r.base, work, tuple(r.shard.shape[:-1]))
+        else:
+            p = self._start_gather(k, r.shard)
+        p.refill = r
+        return p
+
+    @_eager
+    def refill(self, ks: Sequence[int]) -> None:
+        """Before these buckets' unit runs backward: their released memory, gathered into again."""
+        for k in ks:
+            r = self.released.pop(k, None)
+            if r is None:
+                continue
+            p = self.gathers.pop(k, None)
+            if p is None or p.refill is not r:
+                self.counters.prefetch_misses += 1
+                p = self._start_refill(k, r)
+            else:
+                self.counters.prefetch_hits += 1
+            full = self._finish_gather(k, p)
+            if r.base is None:
+                r.full.copy_(full)
+            # The values autograd saved its views of, back: give them back the version counter it
+            # checks, as FSDP does for its unsharded parameters. (Not at the launch: gloo's thread
+            # copies into the buffer, bumping the counter, until the wait.)
+            torch._C._autograd._unsafe_set_version_counter((r.full,), (r.version,))
+            self.done[k] = r
+            self._prefetch_backward(k)
+
+    @_eager
+    def release_again(self, k: int) -> None:
+        """Bucket ``k``'s unit has run backward: give its memory back again (a second backward gathers again)."""
+        r = self.done.pop(k, None)
+        if r is not None:
+            r.free()
+            self.released[k] = r
+
+    @_eager
+    def gather_now(self, k: int, shard: torch.Tensor) -> torch.Tensor:
+        """Bucket ``k``'s full buffer from ``shard``, gathered now, outside the prefetch order."""
+        return self._finish_gather(k, self._start_gather(k, shard))
+
+    def _prefetch(self, ks: Sequence[int]) -> None:
+        for j in ks:
+            if j not in self.gathers:
+                r = self.released.get(j)
+                self.gathers[j] = self._start_gather(j, self.plains[j]) if r is None else self._start_refill(j, r)
+
+    def _prefetch_forward(self, k: int) -> None:
+        order, at = self.order, self.cursor
+        while at < len(order) and order[at] != k:
+            at += 1
+        if at == len(order):  # not where predicted: prefetch nothing until the sequence is back
+            return
+        self.cursor = at + 1
+        self._prefetch(order[self.cursor : self.cursor + self.depth])
+
+    @_eager
+    def end_forward(self, will_backward: bool) -> None:
+        """The forward is over: let unused gathers land; start backward's first gathers."""
+        for k in list(self.gathers):
+            self._finish_gather(k, self.gathers.pop(k))
+        self.last.clear()
+        self.back = [k for k in reversed(self.seq) if k in self.remat]
+        self.repeated = {k for k, n in collections.Counter(self.seq).items() if n > 1}
+        if will_backward:
+            self._prefetch(self.back[: self.depth])
+
+    def _prefetch_backward(self, k: int) -> None:
+        back = self.back if self.back is not None else []
+        at = self.bcursor
+        while at < len(back) and back[at] != k:
+            at += 1
+        if at == len(back):
+            return
+        self.bcursor = at + 1
+        self._prefetch(back[self.bcursor : self.bcursor + self.depth])
+
+    # -- reductions -----------------------------------------------------------------------------
+
+    @_eager
+    def reduce(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """Start reducing ``ct`` (plain, ``(*batch, B)``); return this rank's shard buffer for it."""
+        lay, comms, counters = self.lay, self.comms, self.counters
+        b, c = lay.plan.buckets[k], lay.cuts[k]
+        batch = tuple(ct.shape[:-1])
+        out = torch.zeros(*batch, c.size, dtype=ct.dtype, device=ct.device)
+        if invariant:
+            out[..., : c.held].copy_(ct[..., c.lo : c.hi])
+            return out
+        # One full-size reduction in flight (it overlaps the next unit's backward): the one before
+        # this lands first, keeping its shard; across replicas, `depth` shards stay in flight.
+        for older in self.reduces:
+            if older.phase == 1:
+                self._advance(older)
+        while len(self.reduces) > self.depth:
+            self._finish(self.reduces.popleft())
+        m = 1
+        for d in batch:
+            m *= d
+        # Not the pool's: after its wait, its memory is given back at once (below), however long
+        # gloo's worker thread keeps its reference to the finished work.
+        buf = torch.empty(*batch, b.numel, dtype=ct.dtype, device=ct.device)
+        held = counters.hold(buf)
+        if comms.pow2:
+            torch.mul(ct, 1.0 / comms.n, out=buf)  # 2**-k commutes with rounding: ddp_step's mean
+        elif ct.dtype in LOW_PRECISION:
+            torch.div(ct, comms.n, out=buf)  # a half-precision sum could overflow where the mean would not
+        else:
+            buf.copy_(ct)
+        counters.reduces += 1
+        work: Any = None
+        if comms.pair is not None:
+            work = self._exchange(k, buf)
+        elif comms.shard is not None:
+            counters.reduced_bytes += buf.numel() * buf.element_size()
+            work = comms.shard.all_reduce(buf)
+        p = _Pending(k, buf, work, batch, out, held=held)
+        self.reduces.append(p)
+        return out
+
+    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+        """Two ranks: a reduce-scatter as one exchange, each rank sending the other its half.
+
+        Gloo's reduce-scatter is an all-reduce inside, which sends the whole bucket; this sends
+        half of it. The sum of two values does not depend on their order: the all-reduce's bits.
+        """
+        lay, comms = self.lay, self.comms
+        numel = lay.plan.buckets[k].numel
+        theirs = shard_layout.cut(numel, 2, 1 - lay.rank)
+        c = lay.cuts[k]
+        send = buf[..., theirs.lo : theirs.hi].contiguous()
+        got = torch.empty(*buf.shape[:-1], c.held, dtype=buf.dtype, device=buf.device)
+        self.counters.reduced_bytes += send.numel() * send.element_size()
+        peer = comms.pair
+        return dist.isend(send, peer, group=self.lay.group), dist.irecv(got, peer, group=self.lay.group), got
+
+    def _advance(self, p: _Pending) -> None:
+        """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
+        lay, comms = self.lay, self.comms
+        c = lay.cuts[p.key]
+        doing = f"the reduction of bucket {p.key}'s gradients (of {len(lay.cuts)})"
+        if comms.pair is not None:
+            sent, received, got = p.work
+            comms.shard.wait(sent, doing)
+            comms.shard.wait(received, doing)
+            torch.add(p.buf[..., c.lo : c.hi], got, out=p.out[..., : c.held])
+        else:
+            if p.work is not None:
+                comms.shard.wait(p.work, doing)
+            p.out[..., : c.held].copy_(p.buf[..., c.lo : c.hi])
+        p.buf.untyped_storage().resize_(0)
+        if p.held is not None:
+            p.held.release()
+        p.buf, p.work, p.phase = None, None, 2
+        if comms.replica is not None:
+            self.counters.replica_bytes += p.out.numel() * p.out.element_size()
+            p.work = comms.replica.all_reduce(p.out)
+
+    def _finish(self, p: _Pending) -> None:
+        comms = self.comms
+        if p.phase == 1:
+            self._advance(p)
+        if p.work is not None:
+            comms.replica.wait(p.work, f"the all-reduce of bucket {p.key}'s gradient shard across the replicas")
+        if not comms.pow2 and p.out.dtype not in LOW_PRECISION:
+            p.out.div_(comms.n)
+        p.work, p.phase = None, 3
+
+    @_eager
+    def finish_reduces(self) -> None:
+        """Wait for every reduction in flight: the gradient shards are complete after this."""
+        while self.reduces:
+            self._finish(self.reduces.popleft())
+
+    @_eager
+    def reduce_now(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """:meth:`reduce`, waited for before it returns."""
+        out = self.reduce(k, ct, invariant)
+        self.finish_reduces()
+        return out
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GatherCall:
+    """One bucket's gather, everything but the tensor: the bucket, the pipeline, the variant.
+
+    ``backward`` marks the gathers made again in backward (rematerialisation), which prefetch in
+    the backward order; ``sync`` the reductions that must not wait behind the others.
+    """
+
+    pipe: Pipeline
+    k: int
+    invariant: bool = False
+    backward: bool = False
+    sync: bool = False
+
+    def again(self) -> "GatherCall":
+        """The same bucket's gather in backward (prefetching backward's order)."""
+        return dataclasses.replace(self, backward=True)
+
+    def plain_call(self) -> "GatherCall":
+        """For tangents: synchronous, outside the prefetch order."""
+        return dataclasses.replace(self, backward=True, sync=True)
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(call: GatherCall, shard: torch.Tensor) -> torch.Tensor:
+        if call.sync:
+            return call.pipe.gather_now(call.k, shard)
+        return call.pipe.gather(call.k, shard, call.backward)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, ct: torch.Tensor) -> tuple:
+        call = ctx.call
+        if constants((ct,)):  # torch.func.grad's backward, .backward(): reduce without the Function
+            out = _Reduce.forward(call, ct.detach())
+        else:
+            out = _Reduce.apply(call, ct)
+        call.pipe.release_again(call.k)
+        return None, out
+
+    @staticmethod
+    def jvp(ctx: Any, _call_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        if tangent is None:
+            return None
+        return _Gather.apply(ctx.call.plain_call(), tangent)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: GatherCall, shard: torch.Tensor) -> tuple:
+        # Apply again below this level, members first: one collective carries all of them.
+        return _Gather.apply(call, shard.movedim(in_dims[1], 0)), 0
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(call: GatherCall, ct: torch.Tensor) -> torch.Tensor:
+        pipe = call.pipe
+        if call.sync or call.k in pipe.repeated:
+            return pipe.reduce_now(call.k, ct, call.invariant)
+        return pipe.reduce(call.k, ct, call.invariant)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.call = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, _ct: torch.Tensor) -> tuple:
+        raise RuntimeError(
+            "fddp.zero: the gradient of a fully sharded forward is not differentiable again (double "
+            "backward, grad of grad); forward-over-reverse (torch.func.jvp of torch.func.grad) works"
+        )
+
+    @staticmethod
+    def jvp(ctx: Any, _call_tangent: Any, tangent: torch.Tensor | None) -> torch.Tensor | None:
+        if tangent is None:
+            return None
+        return _Reduce.apply(ctx.call.plain_call(), tangent)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: GatherCall, ct: torch.Tensor) -> tuple:
+        return _Reduce.apply(call, ct.movedim(in_dims[1], 0)), 0
+
+
+class _Boundary(torch.autograd.Function):
+    """The identity on a call's shards; in backward it waits for the reductions still in flight."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(pipe: Pipeline, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(s.view_as(s) for s in shards)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.pipe = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
+        ctx.pipe.finish_reduces()
+        return (None, *cts)
+
+    @staticmethod
+    def jvp(ctx: Any, _pipe_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        return tuple(tangents)
+
+
+class _Refill(torch.autograd.Function):
+    """The identity on a unit's outputs; in backward, before the unit's own, it gathers the unit's
+    released buckets back into their memory (and starts the previous unit's)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(pipe: Pipeline, ks: tuple[int, ...], *outs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(o.view_as(o) for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.pipe, ctx.ks = inputs[0], inputs[1]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor | None) -> tuple:
+        ctx.pipe.refill(ctx.ks)
+        return (None, None, *cts)
+
+    @staticmethod
+    def jvp(ctx: Any, _pipe_tangent: Any, _ks_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        return tuple(tangents)
+
+
+def refill_before_backward(pipe: Pipeline, ks: tuple[int, ...], outs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A unit's outputs, through :class:`_Refill` for its buckets ``ks``."""
+    return _Refill.apply(pipe, ks, *outs)
+
+
+def boundary(pipe: Pipeline, shards: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The shards, through the call's backward boundary (see :class:`_Boundary`)."""
+    return _Boundary.apply(pipe, *shards)
+
+
+def gather(call: GatherCall, shard: torch.Tensor) -> torch.Tensor:
+    """Bucket ``call.k``'s full flat buffer: the differentiable all-gather of ``shard`` (see above)."""
+    return _Gather.apply(call, shard)
+
+
+def gather_plain(call: GatherCall, shard: torch.Tensor) -> torch.Tensor:
+    """The same for a tensor no transform wraps and nothing differentiates: the collective alone."""
+    return _Gather.forward(call, shard)
+
+
+def check_groups(group: dist.ProcessGroup | None, replica_group: dist.ProcessGroup | None, what: str) -> tuple[int, int, int]:
+    """Validate hybrid sharding's groups; return ``(world, rank, replicas)``.
+
+    Every rank must be in both groups; the replica group must not be the shard group, and the two
+    groups' sizes must multiply to at most the default group's (each rank one shard of one replica).
+    """
+    for name, g in (("group", group), ("replica_group", replica_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"fddp.{what}: {name} must be a torch.distributed.ProcessGroup or None, got {type(g).__name__}")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world < 0 or rank < 0:
+        raise ValueError(f"fddp.{what}: this rank (global rank {dist.get_rank()}) is not in `group`")
+    if replica_group is None:
+        return world, rank, 1
+    if replica_group is group or (group is None and replica_group is dist.group.WORLD):
+        raise ValueError(
+            f"fddp.{what}: replica_group is the shard group; pass two different groups (shard within one, replicate across the other)"
+        )
+    replicas, r = dist.get_world_size(replica_group), dist.get_rank(replica_group)
+    if replicas < 0 or r < 0:
+        raise ValueError(f"fddp.{what}: this rank (global rank {dist.get_rank()}) is not in `replica_group`")
+    total = dist.get_world_size()
+    if world * replicas > total:
+        raise ValueError(
+            f"fddp.{what}: a shard group of {world} ranks times a replica group of {replicas} is "
+            f"{world * replicas} ranks, more than the {total} there are; each rank holds one shard of one replica "
+            "(e.g. shard within a host, replicate across hosts: groups of ranks_per_host and of hosts)"
+        )
+    return world, rank, replicas

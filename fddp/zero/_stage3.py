@@ -1,0 +1,671 @@
+"""ZeRO stage 3: fully sharded parameters, gathered unit by unit inside a pure forward.
+
+:func:`fully_shard` cuts a module's trainable parameters into *units* (transformer blocks, the
+embedding, the head: submodules whose forward uses only their own parameters), lays each unit's
+parameters out as one bucket per dtype, in forward order, and cuts every bucket across the ranks
+exactly as stage 2 cuts its buckets (``fddp.shard_layout.cut``: 64-element blocks, zero padding). The
+shards are a :class:`fddp.zero.Sharded` whose layout (a :class:`UnitLayout`) records the units,
+so ``fddp.optim``, ``save_sharded`` and ``load_sharded`` take them as they take stage 2's.
+
+The returned ``apply_fn(shards, *args)`` runs the module with, for each unit, its parameters
+all-gathered just before the unit runs and let go right after (``fddp.zero._gather``: a
+differentiable gather whose backward reduce-scatters). torch.func has no saved-tensor hooks
+(pytorch #122729), so backward gets each unit's parameters back in one of two ways:
+
+- ``remat="params"`` (the default): the unit's full buffer gives its memory back after the unit's
+  forward (its storage resized to nothing) and an identity Function on the unit's outputs gathers
+  the bucket back into that memory before the unit's backward: autograd's saved views read the
+  same values again, and nothing is recomputed (FSDP's way, without module hooks);
+- ``remat="unit"``: the unit's call is one Function (:class:`_Remat`) that keeps only its inputs
+  and shards; its backward gathers again and differentiates the recomputed unit (autograd, or
+  ``torch.func.vjp`` where a transform wraps the tensors), its forward-mode rule the same with
+  ``torch.func.jvp``, its vmap rule functorch's (every collective inside has its own);
+
+or not at all (``remat=None``: autograd keeps the full parameters). Parameters that no unit holds
+form the *root* unit, gathered at the start of the call and kept until backward (as FSDP2 keeps
+its root's).
+
+The gathers are prefetched (the next ``prefetch`` buckets start before the current unit runs, in
+the order the previous call ran them; in backward, the previous ones), the reductions run behind
+the backward pass, and with a ``replica_group`` (hybrid sharding) each shard is all-reduced across
+the replicas after its reduce-scatter within the shard group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as torch_pytree
+from torch import nn
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+from torch.autograd import forward_ad
+
+from fddp import _dist, _layout
+from fddp._tree import paths
+from fddp.sync import _signature
+from fddp.sync._differentiable import active_transforms
+from fddp.zero import _gather, _units
+from fddp.zero import _layout as shard_layout
+from fddp.zero._gather import Counters, GatherCall, Pipeline
+from fddp.zero._units import Unit, UnitLayout
+
+__all__ = ["FullyShardedForward", "fully_shard", "unshard"]
+
+_functorch = torch._C._functorch
+
+
+def _torch_flatten(s: shard_layout.Sharded) -> tuple[list[Any], Any]:
+    return list(s.shards), s.layout
+
+
+def _torch_unflatten(children: Iterable[Any], layout: Any) -> shard_layout.Sharded:
+    return shard_layout.Sharded(tuple(children), layout)
+
+
+# torch.func's transforms (grad, vjp, jvp, vmap) find tensors with torch's own pytrees, not optree's:
+# registered there too, a Sharded is differentiated and batched shard by shard.
+if shard_layout.Sharded not in torch_pytree.SUPPORTED_NODES:
+    torch_pytree.register_pytree_node(shard_layout.Sharded, _torch_flatten, _torch_unflatten, serialized_type_name="fddp.zero.Sharded")
+
+
+def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequence[Any]) -> None:
+    """Raise ``fddp.MismatchError`` on every rank of each group unless its ranks hold the same rows."""
+    for g in groups:
+        _signature.check(_signature.signature_digest((what, key), rows), rows, g, what)
+
+
+def _agree_on(lay: UnitLayout, what: str) -> None:
+    """Agree on a call across the shard group and, with hybrid sharding, across the replica group,
+    whose members must also hold the same place in their shard groups."""
+    _agree(what, lay, lay.describe, [lay.group])
+    if lay.replica_group is not None:
+        _agree(what, (lay, "replica"), lambda: [*lay.describe(), ("shard rank", str(lay.rank), None)], [lay.replica_group])
+
+
+# ----------------------------------------------------------------------------- the unit as a Function
+
+
+def _forward_mode() -> bool:
+    """Whether forward-mode AD is on (a dual level, or a torch.func.jvp transform): save for jvp."""
+    if forward_ad._current_level >= 0:
+        return True
+    return torch._C._are_functorch_transforms_active() and _functorch.TransformType.Jvp in active_transforms()
+
+
+@dataclasses.dataclass(eq=False)
+class _UnitCall:
+    """One call of one unit: the non-tensor arguments, the output's structure, the RNG state."""
+
+    owner: "FullyShardedForward"
+    unit: Unit
+    calls: tuple[GatherCall, ...]
+    in_spec: Any
+    in_leaves: list[Any]
+    in_pos: tuple[int, ...]
+    out_spec: Any = None
+    out_leaves: list[Any] | None = None
+    out_pos: tuple[int, ...] = ()
+    rng: torch.Tensor | None = None
+
+    @property
+    def nb(self) -> int:
+        return len(self.calls)
+
+    def run(self, fulls: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The unit's forward on these full buckets and tensor arguments; its output's tensors."""
+        leaves = list(self.in_leaves)
+        for p, t in zip(self.in_pos, tensors):
+            leaves[p] = t
+        args, kwargs = _unflatten_call(leaves, self.in_spec)
+        with self.owner._swapped(self.unit, fulls):
+            out = self.unit.forward(*args, **kwargs)
+        out_leaves, self.out_spec = _flatten_out(out)
+        self.out_pos = tuple(i for i, t in enumerate(out_leaves) if isinstance(t, torch.Tensor))
+        self.out_leaves = [None if i in self.out_pos else t for i, t in enumerate(out_leaves)]
+        return tuple(out_leaves[i] for i in self.out_pos)
+
+    def rebuild(self, outs: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.out_leaves)
+        for p, t in zip(self.out_pos, outs):
+            leaves[p] = t
+        return _unflatten_out(leaves, self.out_spec)
+
+
+# A unit's arguments and results, flattened to find their tensors: directly when they are flat
+# (tensors and plain constants: the common case, a tenth of torch's pytree's cost), else by pytree.
+_FLAT = (torch.Tensor, type(None), bool, int, float, str)
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    if all(isinstance(a, _FLAT) for a in args) and all(isinstance(v, _FLAT) for v in kwargs.values()):
+        return [*args, *kwargs.values()], (len(args), tuple(kwargs))
+    return torch_pytree.tree_flatten((args, kwargs))
+
+
+def _unflatten_call(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
+    if type(spec) is tuple:
+        n, keys = spec
+        return tuple(leaves[:n]), dict(zip(keys, leaves[n:]))
+    return torch_pytree.tree_unflatten(leaves, spec)
+
+
+def _flatten_out(out: Any) -> tuple[list[Any], Any]:
+    if isinstance(out, torch.Tensor):
+        return [out], None
+    if type(out) is tuple and all(isinstance(o, _FLAT) for o in out):
+        return list(out), len(out)
+    return torch_pytree.tree_flatten(out)
+
+
+def _unflatten_out(leaves: list[Any], spec: Any) -> Any:
+    if spec is None:
+        return leaves[0]
+    if type(spec) is int:
+        return tuple(leaves)
+    return torch_pytree.tree_unflatten(leaves, spec)
+
+
+@contextlib.contextmanager
+def _rng(state: torch.Tensor | None):
+    """Run with the CPU random state the forward saw (a unit with dropout recomputes the same mask)."""
+    if state is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        yield
+
+
+class _Remat(torch.autograd.Function):
+    """A unit's call that keeps neither its full parameters nor its activations for backward.
+
+    ``apply(ucall, *shards, *fulls, *tensors)``: ``fulls`` are the gathered buckets (the gradient
+    flows to them, and from there through the gather's backward to the shards); ``shards`` ride
+    along only to be gathered again in backward.
+    """
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(ucall: _UnitCall, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        nb = ucall.nb
+        ucall.rng = torch.get_rng_state()
+        outs = ucall.run(args[nb : 2 * nb], args[2 * nb :])
+        # An output that is an input would make autograd treat it as a view of it: a copy instead.
+        return tuple(o.clone() if any(o is a for a in args) else o for o in outs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ucall = inputs[0]
+        nb = ucall.nb
+        ctx.ucall = ucall
+        ctx.set_materialize_grads(False)
+        saved = (*inputs[1 : 1 + nb], *inputs[1 + 2 * nb :])
+        ctx.save_for_backward(*saved)
+        if _forward_mode():
+            ctx.save_for_forward(*saved)
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor | None) -> tuple:
+        ucall = ctx.ucall
+        nb = ucall.nb
+        saved = ctx.saved_tensors
+        shards, tensors = saved[:nb], list(saved[nb:])
+        live = [j for j, ct in enumerate(cts) if ct is not None]
+        if not live:
+            return (None,) * (1 + 2 * nb + len(tensors))
+        # Gathered again: plainly when nothing wraps the shards; else through the Function, whose
+        # jvp carries an outer forward-mode level's tangents (forward-over-reverse).
+        plain = _gather.constants((*shards, *cts))
+        fulls = tuple(
+            _gather.gather_plain(c.again(), _gather.plain(s)) if plain else _gather.gather(c.again(), s)
+            for c, s in zip(ucall.calls, shards)
+        )
+        needs = ctx.needs_input_grad[1 + 2 * nb :]
+        diff = [i for i, t in enumerate(tensors) if needs[i] and (t.is_floating_point() or t.is_complex())]
+
+        def f(fulls_: tuple, diff_: tuple) -> tuple:
+            ts = list(tensors)
+            for i, t in zip(diff, diff_):
+                ts[i] = t
+            with _rng(ucall.rng):
+                outs = ucall.run(fulls_, ts)
+            return tuple(outs[j] for j in live)
+
+        primals = tuple(tensors[i] for i in diff)
+        if plain:
+            # Plain tensors, constants for every active transform (torch.func.grad's backward runs
+            # below its own level, and so does .backward()): autograd itself, eagerly, without
+            # torch.func.vjp's wrapping of every op (a third of the step on the benchmark transformer).
+            with temporarily_clear_interpreter_stack(), torch.enable_grad():
+                ins = [t.detach().requires_grad_() for t in (*fulls, *primals)]
+                outs = f(tuple(ins[:nb]), tuple(ins[nb:]))
+                got = torch.autograd.grad(outs, ins, [cts[j].detach() for j in live], allow_unused=True)
+            got = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, got)]
+            g_fulls, g_diff = got[:nb], got[nb:]
+        else:
+            with torch.enable_grad():
+                _, vjp_fn = torch.func.vjp(f, fulls, primals)
+                g_fulls, g_diff = vjp_fn(tuple(cts[j] for j in live))
+        grads: list[Any] = [None] * len(tensors)
+        for i, g in zip(diff, g_diff):
+            grads[i] = g
+        return (None, *([None] * nb), *g_fulls, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _ucall_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
+        ucall = ctx.ucall
+        nb = ucall.nb
+        saved = ctx.saved_tensors
+        shards, tensors = saved[:nb], list(saved[nb:])
+        fulls = tuple(_gather.gather(c.plain_call(), s) for c, s in zip(ucall.calls, shards))
+        t_fulls = tuple(torch.zeros_like(f) if t is None else t for f, t in zip(fulls, tangents[nb : 2 * nb]))
+        diff = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+        t_tensors = tangents[2 * nb :]
+        t_diff = tuple(torch.zeros_like(tensors[i]) if t_tensors[i] is None else t_tensors[i] for i in diff)
+
+        def f(fulls_: tuple, diff_: tuple) -> tuple:
+            ts = list(tensors)
+            for i, t in zip(diff, diff_):
+                ts[i] = t
+            with _rng(ucall.rng):
+                return ucall.run(fulls_, ts)
+
+        _, t_out = torch.func.jvp(f, (fulls, tuple(tensors[i] for i in diff)), (t_fulls, t_diff))
+        return tuple(t if t.is_floating_point() or t.is_complex() else None for t in t_out)
+
+
+# -------------------------------------------------------------------------------- the sharded forward
+
+
+def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether a backward or forward-mode pass may follow (then the collectives are differentiable)."""
+    if torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+
+
+class FullyShardedForward:
+    """The module as a pure function of its shards: ``apply_fn(shards, *args, **kwargs)``.
+
+    Made by :func:`fully_shard`; returns what ``model(*args, **kwargs)`` returns, computed with the
+    parameters in ``shards``, gathered unit by unit. Differentiable with ``torch.func.grad``,
+    ``vjp``, ``jvp``, ``vmap`` (ensembles of stacked shards, per-sample gradients), plain
+    ``.backward()`` and ``torch.autograd.grad``: the gradient of the shards is this rank's shard of
+    the mean over the ranks of their gradients, the same as stage 2's ``ReduceScatter`` gives.
+
+    Attributes:
+        layout: the shards' :class:`UnitLayout`.
+        units: the units' names, in forward order (``""``: the root unit).
+        prefetch: how many buckets' gathers run ahead of the one in use.
+        remat: what backward gathers again: ``"params"`` (each unit's parameters, into the memory
+            the forward's autograd views look into), ``"unit"`` (the parameters, and the unit is
+            recomputed: its activations are not kept either), ``None`` (nothing: autograd keeps
+            each unit's full parameters from the forward until backward).
+        counters: a :class:`fddp.zero.Counters` of what the collectives moved.
+
+    Example:
+        >>> apply_fn, shards = fddp.zero.fully_shard(model)
+        >>> loss = lambda s, x, y: F.cross_entropy(apply_fn(s, x), y)
+        >>> grads, value = torch.func.grad_and_value(loss)(shards, x, y)
+    """
+
+    def __init__(self, model: nn.Module, layout: UnitLayout, units: list[Unit], prefetch: int, remat: str | None, invariant: bool) -> None:
+        self.model, self.layout, self._units = model, layout, units
+        self.units = layout.units
+        self.prefetch, self.remat, self.invariant = prefetch, remat, invariant
+        self.counters = Counters()
+        self._root = next((u for u in units if u.name == ""), None)
+        self._order: list[int] = [k for u in units for k in u.buckets]  # refined by each call
+        self._remat_buckets = frozenset(k for u in units if u.name for k in u.buckets) if remat else frozenset()
+        self._run: _Call | None = None
+
+    def __repr__(self) -> str:
+        return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat})"
+
+    def _check(self, shards: Any) -> None:
+        lay = self.layout
+        if not isinstance(shards, shard_layout.Sharded):
+            raise TypeError(
+                f"fddp.zero.fully_shard's apply_fn: expected the fddp.zero.Sharded that fully_shard returned (or "
+                f"the optimizer's new shards of it), got {type(shards).__name__}"
+            )
+        got = shards.layout
+        if got is not lay and got != lay:
+            if getattr(got, "stage", 2) != 3:
+                raise ValueError(
+                    "fddp.zero.fully_shard's apply_fn: these shards are stage 2's (fddp.zero.shard: buckets cut "
+                    "for the gradients' sync), not this forward's units; pass the shards fully_shard returned"
+                )
+            got.check_group("zero.fully_shard")
+            raise ValueError(
+                f"fddp.zero.fully_shard's apply_fn: these shards have another layout ({got!r}) than this "
+                f"forward's ({lay!r}): they come from another fully_shard call (other units, groups or model)"
+            )
+        lay.check_group("zero.fully_shard")
+        for k, (b, c, t) in enumerate(zip(lay.plan.buckets, lay.cuts, shards.shards)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (c.size,) or t.dtype != b.dtype:
+                got_t = f"shape {tuple(t.shape)}, dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"fddp.zero.fully_shard's apply_fn: shard {k} (unit {self._unit_of(k)!r}) must be a tensor of "
+                    f"shape ({c.size},) and dtype {b.dtype}; got {got_t}"
+                )
+
+    def _unit_of(self, k: int) -> str:
+        return next(u.name for u in self._units if k in u.buckets) or "<root>"
+
+    @contextlib.contextmanager
+    def _swapped(self, unit: Unit, fulls: Sequence[torch.Tensor]):
+        """The unit's parameter slots hold views of ``fulls`` for the block."""
+        lay = self.layout
+        views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
+        saved = []
+        for module, attr, j, pos in unit.slots:
+            saved.append(module._parameters[attr])
+            module._parameters[attr] = views[j][pos]
+        try:
+            yield
+        finally:
+            for (module, attr, _, _), old in zip(unit.slots, saved):
+                module._parameters[attr] = old
+
+    def __call__(self, shards: shard_layout.Sharded, /, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("fddp.zero.fully_shard's apply_fn cannot run under torch.compile; call it eagerly")
+        if self._run is not None:
+            raise RuntimeError(
+                "fddp.zero.fully_shard's apply_fn: called again while running (from another thread, or from inside the module)"
+            )
+        self._check(shards)
+        lay = self.layout
+        with _dist.exclusive(lay.group, "zero.fully_shard"):
+            # Every call agrees (one small all-reduce per group; fddp.set_checks(agreement=False)
+            # keeps only the first): a rank that skipped or reordered a forward is named here,
+            # not left to time out inside a gather.
+            _dist.count_call(lay.group, "zero.fully_shard")
+            _agree_on(lay, "zero.fully_shard")
+        differentiated = _differentiated(shards.shards)
+        pipe = Pipeline(
+            lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
+            release=self.remat == "params",
+        )  # fmt: skip
+        leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
+        run = _Call(self, pipe, leaves, differentiated)
+        patched = [u for u in self._units if u.name]
+        self._run = run
+        try:
+            for u in patched:
+                u.module.forward = _patched_forward(self, u)
+            root = self._root
+            if root is None:
+                out = self.model(*args, **kwargs)
+            else:
+                fulls = [run.gather(k) for k in root.buckets]
+                with self._swapped(root, fulls):
+                    del fulls
+                    out = self.model(*args, **kwargs)
+        finally:
+            for u in patched:
+                u.module.__dict__.pop("forward", None)
+            self._run = None
+        pipe.end_forward(will_backward=differentiated)
+        self._order = pipe.seq or self._order
+        return out
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One call of a :class:`FullyShardedForward`: its pipeline and its shards as the units see them."""
+
+    owner: FullyShardedForward
+    pipe: Pipeline
+    leaves: Sequence[torch.Tensor]
+    differentiated: bool
+
+    def gather(self, k: int) -> torch.Tensor:
+        call = GatherCall(self.pipe, k, self.owner.invariant)
+        if not self.differentiated:
+            return _gather.gather_plain(call, _gather.plain(self.leaves[k]))
+        return _gather.gather(call, self.leaves[k])
+
+
+def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        run = owner._run
+        if run is None:  # called outside apply_fn (the module's own forward is patched only during it)
+            return unit.forward(*args, **kwargs)
+        flat, spec = _flatten_call(args, kwargs)
+        pos = tuple(i for i, t in enumerate(flat) if isinstance(t, torch.Tensor))
+        calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
+        ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
+        fulls = [run.gather(k) for k in unit.buckets]
+        tensors = [flat[i] for i in pos]
+        if run.differentiated and owner.remat == "unit":
+            shards = [run.leaves[k] for k in unit.buckets]
+            outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
+        elif run.differentiated and owner.remat == "params":
+            outs = ucall.run(fulls, tensors)
+            if outs:
+                outs = _gather.refill_before_backward(run.pipe, unit.buckets, outs)
+            for k, full in zip(unit.buckets, fulls):
+                run.pipe.release(k, _gather.plain(full))
+        else:
+            outs = ucall.run(fulls, tensors)
+        del fulls
+        return ucall.rebuild(outs)
+
+    return forward
+
+
+# --------------------------------------------------------------------------------- the public calls
+
+
+def fully_shard(
+    model: nn.Module,
+    /,
+    *,
+    units: Sequence[str | nn.Module | type] | None = None,
+    group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
+    prefetch: int = 1,
+    remat: str | None = "params",
+    invariant: bool = False,
+) -> tuple[FullyShardedForward, shard_layout.Sharded]:
+    """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
+
+    ``shards`` is this rank's ``1/N`` of every unit's parameters, a :class:`fddp.zero.Sharded` that
+    ``fddp.optim``, :func:`fddp.zero.gather`, ``fddp.checkpoint.save_sharded`` and ``load_sharded``
+    take as they take stage 2's. ``apply_fn(shards, *args, **kwargs)`` returns what
+    ``model(*args, **kwargs)`` would, gathering each unit's parameters just before the unit runs
+    and letting them go after it; differentiate it with ``torch.func.grad`` (or ``vjp``, ``jvp``,
+    ``vmap``, ``.backward()``, ``torch.autograd.grad``) and the gradient is this rank's shard of the
+    mean over the ranks of their gradients, what stage 2's ``ReduceScatter`` gives, ready for
+    ``fddp.optim.apply_gradients(opt, grads, state, shards)``. No full tree is ever built.
+
+    The module keeps its frozen parameters and buffers; its trainable parameters are released
+    (the module holds shape-only placeholders that refuse to compute): the shards are the
+    parameters now. The values need not be the same on every rank beforehand: each rank
+    contributes its own slices and every rank computes with the same gathered values (with a
+    replica group, the first replica's shards are broadcast to the others).
+
+    A *unit* is a submodule whose forward uses only its own parameters (a transformer block, an
+    embedding, a head), run through its ``__call__``. ``units=None`` takes one per block: the
+    children of every ``ModuleList`` / ``Sequential`` / ``ModuleDict``, and every other module that
+    owns parameters itself (with its whole subtree); parameters in no unit form the root unit,
+    gathered for the whole forward (as FSDP2's root). Every rank must run the units in the same
+    order (they do when they run the same code).
+
+    Args:
+        model: the module; its trainable parameters (``requires_grad=True``) are taken.
+        units: the units: submodule names (``""``: the root, for parameters in no other unit),
+            submodules, or module classes (every outermost submodule of the class); ``None``: one
+            per block, as above. A parameter must belong to exactly one unit (tied weights: put the
+            modules that share them in one unit).
+        group: the process group to shard over (``None``: the default group).
+        replica_group: hybrid sharding: replicate the shards across this group (e.g. shard within
+            a host, replicate across hosts); gradients are reduce-scattered within ``group`` and
+            all-reduced across ``replica_group``.
+        prefetch: how many buckets' all-gathers run ahead of the one in use (0: none).
+        remat: what backward gathers again. ``"params"``: each unit's parameters, gathered back
+            into the memory its forward's autograd views look into (the activations are kept, as
+            in stage 2 and FSDP2); ``"unit"``: the parameters, and the unit is recomputed (its
+            activations are not kept either: activation checkpointing, one more forward of
+            compute); ``None``: nothing, autograd keeps every unit's full parameters from the
+            forward until backward. Every mode gives the same gradients.
+        invariant: gradients of this rank's objective alone, the other ranks' shards held
+            constant: each bucket's cotangent is cut to this rank's slice, with no reduction
+            (per-sample gradients; see :func:`unshard`).
+
+    Returns:
+        ``(apply_fn, shards)``: a :class:`FullyShardedForward` and this rank's shards.
+
+    Raises:
+        fddp.MismatchError: on every rank, if ranks' units, trees or groups differ.
+        ValueError: on every rank, for a unit list that misses or repeats a parameter, or names
+            what is not a submodule.
+
+    Example:
+        >>> apply_fn, shards = fddp.zero.fully_shard(model)  # one unit per block
+        >>> opt_state = opt.init(shards)
+        >>> grads, loss = torch.func.grad_and_value(loss_fn)(shards, x, y)  # loss_fn calls apply_fn
+        >>> shards, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, shards)
+    """
+    what = "zero.fully_shard"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fddp.{what}: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(invariant, bool):
+        raise TypeError(f"fddp.{what}: invariant must be True or False, got {invariant!r}")
+    if remat not in ("params", "unit", None):
+        raise ValueError(f"fddp.{what}: remat must be 'params', 'unit' or None, got {remat!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
+    if not dist.is_initialized():
+        raise RuntimeError(f"fddp.{what}: no process group; call fddp.init() first")
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(f"fddp.{what} cannot run inside a torch.func transform; shard once, before the transforms")
+    world, rank, replicas = _gather.check_groups(group, replica_group, what)
+    groups = [group] + ([replica_group] if replica_group is not None else [])
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    trainable: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            trainable.setdefault(id(p), []).append(n)
+    leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
+    flat_names = list(paths(spec))
+    index = {n: i for i, n in enumerate(flat_names)}
+
+    # Everything that can be wrong with the units is found here, and agreed on, before any
+    # raise: a rank alone with a bad list would otherwise leave its peers waiting.
+    problem: Exception | None = None
+    units_: list[Unit] = []
+    try:
+        units_ = _units.resolve(model, units, params, trainable, index, what)
+        if not units_:
+            raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
+    except (TypeError, ValueError) as e:
+        problem = e
+    if problem is not None:
+        verdict = [("fully_shard units", f"{type(problem).__name__}: {problem}", None)]
+        _agree(what, ("error", str(problem)), lambda: verdict, groups)
+        raise problem
+
+    specs = [(tuple(t.shape), t.dtype, t.device) for t in leaves]
+    plan = _units.plan(units_, specs)
+    lay = _units.UnitLayout(
+        plan, spec, world, rank, group, shard_layout.ALIGN, units=tuple(u.name for u in units_),
+        unit_buckets=tuple(u.buckets for u in units_), replica_group=replica_group, replicas=replicas,
+    )  # fmt: skip
+    _dist.count_call(group, what)
+    _agree_on(lay, what)
+
+    out = shard_layout.new_shards(lay)
+    for leaf, pieces in zip(leaves, shard_layout.leaf_pieces(lay)):
+        for k, a, x, n in pieces:
+            out[k][x : x + n].copy_(leaf.reshape(-1)[a : a + n])
+    if replica_group is not None:
+        _broadcast_replicas(lay, out)
+    del leaves
+
+    # The module's slots: every name of every trainable parameter, each unit's own.
+    for u in units_:
+        u.forward = u.module.forward
+        for j, k in enumerate(u.buckets):
+            for pos, i in enumerate(plan.buckets[k].indices):
+                for n in trainable[id(params[flat_names[i]])]:
+                    prefix, _, attr = n.rpartition(".")
+                    u.slots.append((model.get_submodule(prefix), attr, j, pos))
+    for names_ in trainable.values():
+        like = params[names_[0]]
+        ghost = _units.Released(names_[0], like)
+        for n in names_:
+            prefix, _, attr = n.rpartition(".")
+            model.get_submodule(prefix)._parameters[attr] = ghost
+    return FullyShardedForward(model, lay, units_, prefetch, remat, invariant), shard_layout.Sharded(out, lay)
+
+
+def _broadcast_replicas(lay: UnitLayout, shards: list[torch.Tensor]) -> None:
+    """Give every replica the first replica's shards (one broadcast per flat buffer)."""
+    bases = {}
+    for t in shards:
+        base = t._base if t._base is not None else t
+        bases[id(base)] = base
+    src = dist.get_global_rank(lay.replica_group, 0)
+    for base in bases.values():
+        work = dist.broadcast(base, src=src, group=lay.replica_group, async_op=True)
+        _dist.wait(work, lay.replica_group, "zero.fully_shard", "the broadcast of the first replica's shards")
+
+
+_UNSHARD = Counters()
+
+
+def unshard(shards: shard_layout.Sharded, /, *, invariant: bool = False) -> Any:
+    """The full tree of ``shards``, as a differentiable function of them (one all-gather per bucket).
+
+    The gather ``fddp.zero.gather`` does, made differentiable: its backward reduce-scatters the
+    cotangents into gradient shards with ``fddp.ddp_step``'s mean (for stage 2's shards, in stage
+    2's very buckets: the gradients equal ``ReduceScatter``'s to the bit), its forward mode gathers
+    the tangents, and under ``vmap`` one collective carries every member. Works on any sharded tree
+    (``fddp.zero.shard``'s or ``fully_shard``'s); it holds the whole tree at once, where
+    ``fully_shard``'s ``apply_fn`` holds a unit at a time.
+
+    With ``invariant=True`` the gradient is that of this rank's objective alone (the other ranks'
+    shards held constant): each cotangent's slice, with no collective. That is what per-sample
+    gradients need when every rank of the group differentiates the same samples: ``vmap(grad)``
+    gives each rank its slice of every sample's gradient, and one all-reduce of the per-sample
+    squared norms then clips them exactly (DP-SGD; ``tests/test_stage3.py``).
+
+    Args:
+        shards: a :class:`fddp.zero.Sharded` made on this group.
+        invariant: differentiate this rank's objective alone (see above).
+
+    Returns:
+        The full tree; its leaves are views of one gathered buffer per bucket.
+
+    Example:
+        >>> shards = fddp.zero.shard(params)
+        >>> grads = torch.func.grad(lambda s: loss_fn(fddp.zero.unshard(s), x, y))(shards)
+    """
+    if not isinstance(shards, shard_layout.Sharded):
+        raise TypeError(f"fddp.zero.unshard: expected a fddp.zero.Sharded, got {type(shards).__name__}")
+    if not isinstance(invariant, bool):
+        raise TypeError(f"fddp.zero.unshard: invariant must be True or False, got {invariant!r}")
+    lay = shards.layout
+    lay.check_group("zero.unshard")
+    _dist.count_call(lay.group, "zero.unshard")
+    _agree("zero.unshard", lay, lay.describe, [lay.group])
+    n = len(lay.cuts)
+    differentiated = _differentiated(shards.shards)
+    pipe = Pipeline(lay, "zero.unshard", shards.shards, n, range(n), _UNSHARD)
+    leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
+    fulls = []
+    for k in range(n):
+        call = GatherCall(pipe, k, invariant)
+        fulls.append(_gather.gather(call, leaves[k]) if differentiated else _gather.gather_plain(call, _gather.plain(leaves[k])))
+    pipe.end_forward(will_backward=False)
+    return optree.tree_unflatten(lay.spec, _layout.unflatten(lay.plan, fulls))

@@ -191,7 +191,7 @@ class Reducer:
         self.ready[leaf] = self.clock() - self.t0
         missing = s.missing
         missing.discard(leaf)
-        if (not missing and b == self.next) or self.gate is not None:  # with the agreement under way, poll it
+        if not missing and b == self.next:
             self._launch_ready()
 
     def flush(self) -> None:
@@ -212,10 +212,8 @@ class Reducer:
     def _launch_ready(self) -> None:
         gate = self.gate
         if gate is not None:
-            # Called from backward: finish the agreement only where that neither waits for a peer
-            # still in its forward pass nor raises inside autograd; else flush() finishes it.
-            if not gate.ready():
-                return
+            # The first bucket is ready: the header has flown while backward made it (waiting
+            # here, not for the header's return before backward, hides its round trip).
             self.gate = None
             gate.finish()
         slots = self.slots

@@ -94,13 +94,15 @@ def _forget() -> None:
 _caches.register("fddp._dist._states", _forget)
 
 
-_last: list[Any] = [None, None]  # the group last asked about and its state: a call asks three times
+# The group last asked about (weakly: a group the script destroys must not live on here, with
+# gloo's threads, until interpreter shutdown) and its state: a call asks three times.
+_last: list[Any] = [None, None]
 
 
 def _state(group: dist.ProcessGroup | None) -> _GroupState:
     pg = group if group is not None else dist.group.WORLD
-    last_pg, last_st = _last
-    if pg is last_pg and last_st is not None:
+    last_ref, last_st = _last
+    if last_ref is not None and last_ref() is pg and last_st is not None:
         return last_st
     st = _states.get(pg)
     if st is None:
@@ -108,7 +110,7 @@ def _state(group: dist.ProcessGroup | None) -> _GroupState:
             st = _states.get(pg)
             if st is None:
                 st = _states[pg] = _GroupState()
-    _last[0], _last[1] = pg, st
+    _last[0], _last[1] = weakref.ref(pg), st
     return st
 
 

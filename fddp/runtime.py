@@ -113,9 +113,12 @@ def _release_at_exit() -> None:
 def _destroy_if_alive() -> None:
     if is_initialized():
         dist.destroy_process_group()
-        _release_captured_groups()
-        clear_caches()
-        gc.collect()
+    # Also after a script's own destroy_process_group: fddp's caches (options, layouts, per-group
+    # state, keyed by or holding the group object) would keep the group, and gloo's threads, for
+    # interpreter finalization to free, which aborts the process about one run in three.
+    _release_captured_groups()
+    clear_caches()
+    gc.collect()
 
 
 def shutdown() -> None:

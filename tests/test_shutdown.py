@@ -41,10 +41,12 @@ ONE_PROCESS = "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, w
     "make_group, teardown",
     [
         ("fddp.init()", "dist.destroy_process_group()"),  # fddp.init imports that module first
+        # fddp's calls remember the group they ran on (weakly): the script's own destroy frees it
+        ("fddp.init()\nfddp.ddp_step({'w': torch.ones(3)}, {'w': torch.ones(3)})", "dist.destroy_process_group()"),
         (ONE_PROCESS, "fddp.shutdown()"),  # a group the user made: shutdown lets go of it
         ("fddp.init()", "fddp.shutdown()\nfddp.shutdown()  # a second call does nothing"),
     ],
-    ids=["init+destroy", "user group+shutdown", "init+shutdown twice"],
+    ids=["init+destroy", "fddp call+destroy", "user group+shutdown", "init+shutdown twice"],
 )
 def test_no_gloo_thread_outlives_the_group(make_group: str, teardown: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}

@@ -421,6 +421,14 @@ def _errors_worker():
         apply_fn(fddp.zero.Sharded([torch.zeros(c.size) for c in foreign.cuts], foreign), x)
     except RuntimeError as e:
         out["other_world"] = str(e)
+    # Rank 1 runs one forward more: its extra call's agreement meets rank 0's next fddp call.
+    try:
+        for _ in range(2 if rank == 1 else 1):
+            apply_fn(shards, x)
+        fddp.zero.gather(shards).wait()
+        out["extra_forward"] = "returned"
+    except fddp.MismatchError as e:
+        out["extra_forward"] = str(e)
     return out
 
 
@@ -435,6 +443,8 @@ def test_bad_input_fails_on_every_rank():
         assert "fully sharded parameters (ZeRO stage 3" in r["stage3_to_ddp_step"], r
         assert "stage 2's" in r["stage2_to_stage3_forward"], r
         assert "of 4 ranks" in r["other_world"] and "load_sharded" in r["other_world"], r
+    assert results[0]["extra_forward"].split(": ", 1)[1] == results[1]["extra_forward"].split(": ", 1)[1]
+    assert "(fddp.zero.fully_shard)" in results[0]["extra_forward"] and "(fddp.zero.gather)" in results[0]["extra_forward"]
 
 
 PRELUDE = """

@@ -2,7 +2,7 @@
 
     python benchmarks/stage3.py                          # memory at 2 and 4 ranks, step times at 2 (loopback, gloo)
     python benchmarks/stage3.py --models lm --repeats 5
-    python benchmarks/stage3.py --same-numbers           # 20 steps, SGD-momentum and AdamW, 2, 3 and 4 ranks
+    python benchmarks/stage3.py --same-numbers --models mlp transformer lm   # 20 steps, SGD-momentum and AdamW, 2, 3 and 4 ranks
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
 LM), trained with AdamW (torch's fused kernel everywhere; fddp's shards donated, so that every

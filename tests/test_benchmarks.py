@@ -53,6 +53,20 @@ def test_overhead_benchmark_records_every_row(tmp_path: Path) -> None:
     assert all(math.isfinite(v) for v in rows.values()) and rows["ddp_step"] > 0
 
 
+def test_agreement_benchmark_times_the_header_and_its_references(tmp_path: Path) -> None:
+    out = tmp_path / "agreement.json"
+    script = str(BENCHMARKS / "agreement.py")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [*launch, script, "--repeats", "20", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    record = json.loads(out.read_text())
+    assert record["world"] == 2
+    assert set(record["median_us"]) == {"agreement header", "all_reduce, 8 floats", "one-rank all_reduce"}
+    assert all(math.isfinite(v) and v > 0 for v in record["median_us"].values())
+
+
 def test_checkpoint_benchmark_records_every_call(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint.json"
     cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--mb", "2", "--leaves", "4", "--repeats", "1"]

@@ -1,0 +1,95 @@
+"""What fddp's per-call agreement costs by itself: the header's round trip, against the collectives around it.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/agreement.py
+
+Every fddp call that communicates first all-reduces one fixed-size header (``fddp/_dist.py``:
+10 int64). This times, on each rank, ``--repeats`` calls of each row after a barrier, interleaved
+round by round, and reports the median per call in µs (the slowest rank's):
+
+    agreement header          fddp._dist.agree on the default group (the header, blocking)
+    all_reduce, 8 floats      torch.distributed.all_reduce of a tensor the header's size
+    one-rank all_reduce       the same on a group of this rank alone: the hand-off to gloo's
+                              thread that every collective pays, with no peer (what
+                              benchmarks/overhead.py's one-rank ddp_step pays per bucket)
+
+What the agreement costs inside a training step (where a rank also waits for a peer that is a
+little behind) is benchmarks/step.py's ``*_noagree`` modes against their twins. Prints a table and
+writes ``benchmarks/results/agreement.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import fddp
+import fddp._dist
+import fddp.sync._signature
+
+
+def rows(alone: dist.ProcessGroup) -> dict[str, object]:
+    header_rows = [("benchmark", "agreement", None)]
+    digest = fddp._dist.digest(header_rows)
+    small, mine = torch.zeros(8), torch.zeros(8)
+    return {
+        "agreement header": lambda: fddp._dist.agree(None, "benchmark", digest, lambda: header_rows, fddp.sync._signature.name_difference),
+        "all_reduce, 8 floats": lambda: dist.all_reduce(small),
+        "one-rank all_reduce": lambda: dist.all_reduce(mine, group=alone, async_op=True).wait(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "agreement.json"))
+    args = parser.parse_args()
+    fddp.init()
+    world, rank = fddp.world_size(), fddp.rank()
+    if world < 2:
+        raise SystemExit("benchmarks/agreement.py: run it on 2 or more ranks (torchrun --nproc-per-node=2)")
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    load_before = os.getloadavg()
+    calls = rows(alone)
+    for f in calls.values():  # warm up: the first agreement on a signature is the new-tree one
+        for _ in range(20):
+            f()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, f in calls.items():
+            dist.barrier()
+            for _ in range(args.repeats // args.rounds):
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+    medians = {}
+    for name, ts in times.items():
+        t = torch.tensor([statistics.median(ts) * 1e6])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        medians[name] = t.item()
+    if rank == 0:
+        print(f"{world} gloo ranks, torch {torch.__version__}, median µs per call of {args.repeats} (the slowest rank's)")
+        for name, us in medians.items():
+            print(f"  {name:<24}{us:9.1f}")
+        record = {
+            "torch": torch.__version__,
+            "world": world,
+            "args": vars(args),
+            "load_before": load_before,
+            "load_after": os.getloadavg(),
+            "median_us": medians,
+        }
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"wrote {args.out}")
+    fddp.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -321,7 +321,7 @@ def start_agreement(
     """Send this call's header and return at once (the arguments are :func:`agree`'s).
 
     The call is numbered now; the caller must :meth:`Agreement.finish` it before this call's
-    other collectives on ``group``, and may poll :meth:`Agreement.ready` meanwhile.
+    other collectives on ``group``.
     """
     if torch.compiler.is_compiling():
         return Agreement(None, None, Agreed(False, False))
@@ -335,22 +335,25 @@ def start_agreement(
         thread = threading.current_thread().name
         h = [signature, call, _name_digest(thread), _name_digest(what)]
         t = torch.tensor(h + [int(new), int(asked)] + [-x for x in h], dtype=torch.int64, device=collective_device(group))
-        a = Agreement(t, _exchange(t, group, what), None)
-        a.context = (group, what, st, signature, call, thread, rows, name_difference)
-        return a
+        return Agreement(t, _exchange(t, group, what), None, (group, what, st, signature, call, thread, rows, name_difference))
+    _remember(st, signature)
+    return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
+
+
+def _remember(st: _GroupState, signature: int) -> None:
+    """Note that the ranks agreed on ``signature`` (the most recent ``_REMEMBERED`` are kept)."""
     st.seen[signature] = None
     st.seen.move_to_end(signature)
     if len(st.seen) > _REMEMBERED:
         st.seen.popitem(last=False)
-    return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
 
 
 class Agreement:
     """A call's agreement under way: its header is on the wire (made by :func:`start_agreement`).
 
-    ``fddp.grad_and_value`` starts it once the forward pass has run and finishes it only when
-    backward has a bucket to send, so that a rank whose peer is still in its forward pass goes on
-    with its backward instead of waiting for it.
+    ``fddp.grad_and_value`` starts it once the forward pass has run and finishes it when backward
+    has its first bucket ready, so that the header's round trip overlaps the backward that fills
+    that bucket.
 
     Example:
         >>> agreement = start_agreement(group, "grad_and_value", digest, rows, name_difference)
@@ -360,19 +363,8 @@ class Agreement:
 
     __slots__ = ("header", "work", "result", "context")
 
-    def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None) -> None:
-        self.header, self.work, self.result = header, work, result
-        self.context: tuple = ()
-
-    def ready(self) -> bool:
-        """Whether :meth:`finish` would return at once, without waiting, raising or asking for
-        further checks (the header came back, every rank sent the same, nobody asked)."""
-        if self.result is not None:
-            return not self.result.asked
-        if not self.work.is_completed():
-            return False
-        t = self.header
-        return t[:4].tolist() == [-x for x in t[6:].tolist()] and not t[5].item()
+    def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = ()) -> None:
+        self.header, self.work, self.result, self.context = header, work, result, context
 
     def finish(self) -> Agreed:
         """Wait for the header; return what every rank learned.
@@ -387,10 +379,7 @@ class Agreement:
         t = self.header
         if t[:4].tolist() != [-x for x in t[6:].tolist()]:
             _disagree(group, what, call, thread, rows, name_difference)
-        st.seen[signature] = None
-        st.seen.move_to_end(signature)
-        if len(st.seen) > _REMEMBERED:
-            st.seen.popitem(last=False)
+        _remember(st, signature)
         self.result = Agreed(bool(t[4].item()), bool(t[5].item()))
         return self.result
 

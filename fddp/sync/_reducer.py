@@ -195,12 +195,8 @@ class Reducer:
             self._launch_ready()
 
     def flush(self) -> None:
-        """Complete with zeros the leaves that never arrived (unused this step), finish the
-        agreement if it is still under way (it may raise), then launch."""
-        gate = self.gate
-        if gate is not None:
-            self.gate = None
-            gate.finish()
+        """Complete with zeros the leaves that never arrived (unused this step), then launch
+        (finishing the agreement first if it is still under way: it may raise)."""
         for s in self.slots[self.next :]:
             if s.missing:
                 views = s.views if s.views is not None else s.open()
@@ -212,8 +208,8 @@ class Reducer:
     def _launch_ready(self) -> None:
         gate = self.gate
         if gate is not None:
-            # The first bucket is ready: the header has flown while backward made it (waiting
-            # here, not for the header's return before backward, hides its round trip).
+            # The first bucket is ready (or backward is over): the header has flown while backward
+            # made it (waiting here, not for its return before backward, hides its round trip).
             self.gate = None
             gate.finish()
         slots = self.slots

@@ -291,17 +291,14 @@ class PendingAgreement:
 
     Example:
         >>> pending = sync.start_agreement(replicas=True)
-        >>> if pending.ready(): pending.finish()  # would not wait
+        >>> ...  # work that issues no collective on the group
+        >>> pending.finish()  # before the call's first bucket
     """
 
     __slots__ = ("sync", "agreement")
 
     def __init__(self, sync: Sync, agreement: _dist.Agreement) -> None:
         self.sync, self.agreement = sync, agreement
-
-    def ready(self) -> bool:
-        """Whether :meth:`finish` would return at once, with no wait, error or further check."""
-        return self.agreement.ready()
 
     def finish(self) -> bool:
         """Wait for the agreement (and, on a tree fresh from ``fddp.functionalize``, compare the

@@ -150,26 +150,29 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90
 
 
 @contextlib.contextmanager
-def count_all_reduces():
-    """Count the all-reduces issued through ``torch.distributed.all_reduce`` while the block runs.
+def count_calls(names: tuple[str, ...], entry: Callable[[str, tuple], Any]):
+    """Record the ``torch.distributed`` functions ``names`` called while the block runs.
 
-    Yields a list that gets one ``(numel, in_backward)`` pair per call; ``in_backward`` says whether
-    the call was made from inside an autograd backward pass. fddp's per-call agreement header
-    (``fddp._dist``) is not a data collective: it is counted apart, in ``calls.headers``.
+    Yields a list that gets ``entry(name, args)`` per call. fddp's per-call agreement header
+    (``fddp._dist``) is not one of a call's data collectives: it is counted apart, in
+    ``calls.headers``, and the collectives it issues are not recorded.
     """
-    import torch
     import torch.distributed as tdist
 
     import fddp._dist
 
     calls = _Calls()
-    original, exchange = tdist.all_reduce, fddp._dist._exchange
+    originals = {name: getattr(tdist, name) for name in names}
+    exchange = fddp._dist._exchange
     in_header = [False]
 
-    def counting(tensor, *args, **kwargs):
-        if not in_header[0]:
-            calls.append((tensor.numel(), torch._C._current_graph_task_id() != -1))
-        return original(tensor, *args, **kwargs)
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            if not in_header[0]:
+                calls.append(entry(name, args))
+            return fn(*args, **kwargs)
+
+        return wrapper
 
     def header(*args, **kwargs):
         calls.headers += 1
@@ -179,11 +182,27 @@ def count_all_reduces():
         finally:
             in_header[0] = False
 
-    tdist.all_reduce, fddp._dist._exchange = counting, header
+    for name, fn in originals.items():
+        setattr(tdist, name, counting(name, fn))
+    fddp._dist._exchange = header
     try:
         yield calls
     finally:
-        tdist.all_reduce, fddp._dist._exchange = original, exchange
+        for name, fn in originals.items():
+            setattr(tdist, name, fn)
+        fddp._dist._exchange = exchange
+
+
+def count_all_reduces():
+    """Count the all-reduces issued through ``torch.distributed.all_reduce`` while the block runs.
+
+    Yields a list that gets one ``(numel, in_backward)`` pair per call; ``in_backward`` says whether
+    the call was made from inside an autograd backward pass. Agreement headers are counted apart,
+    in ``calls.headers`` (:func:`count_calls`).
+    """
+    import torch
+
+    return count_calls(("all_reduce",), lambda _, args: (args[0].numel(), torch._C._current_graph_task_id() != -1))
 
 
 class _Calls(list):

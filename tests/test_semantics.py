@@ -6,13 +6,11 @@ and torch DDP (``broadcast_buffers=True``, ``find_unused_parameters=True``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 
 import pytest
 import torch
-import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 from torch.func import grad
@@ -20,7 +18,7 @@ from torch.func import grad
 import fddp
 import fddp._dist
 import fddp.optim
-from dist import run
+from dist import count_calls, run
 from fddp import SyncInfo
 from fddp.sync import plan_of as plan_for
 from models import make_model
@@ -33,47 +31,13 @@ COLLECTIVES = (
 CAP = dict(bucket_cap_mb=0.002, first_bucket_mb=0.001)  # several buckets for the small MLP
 
 
-@contextlib.contextmanager
 def count_collectives():
     """Record the name of every torch.distributed collective issued while the block runs.
 
     fddp's per-call agreement header (``fddp._dist``) is not one of the call's data collectives:
     it is counted apart, in ``calls.headers``.
     """
-    calls = _Calls()
-    originals = {name: getattr(tdist, name) for name in COLLECTIVES}
-    exchange = fddp._dist._exchange
-    in_header = [False]
-
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            if not in_header[0]:
-                calls.append(name)
-            return fn(*args, **kwargs)
-
-        return wrapper
-
-    def header(*args, **kwargs):
-        calls.headers += 1
-        in_header[0] = True
-        try:
-            return exchange(*args, **kwargs)
-        finally:
-            in_header[0] = False
-
-    for name, fn in originals.items():
-        setattr(tdist, name, counting(name, fn))
-    fddp._dist._exchange = header
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(tdist, name, fn)
-        fddp._dist._exchange = exchange
-
-
-class _Calls(list):
-    headers = 0
+    return count_calls(COLLECTIVES, lambda name, _: name)
 
 
 def num_buckets(tree: dict, cap_mb: float = CAP["bucket_cap_mb"], first_mb: float = CAP["first_bucket_mb"]) -> int:

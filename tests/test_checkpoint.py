@@ -264,14 +264,10 @@ CHILD = textwrap.dedent(
 )
 
 
-def run_and_kill(mode: str, directory, target: str) -> str:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD, mode, str(directory), target],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
+def kill_at_first_line(args: list[str], env: dict[str, str]) -> str:
+    """Run ``python -c *args``, wait (bounded) for its first line of output, SIGKILL it there; return the line."""
+    proc = subprocess.Popen([sys.executable, "-c", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        # Wait (bounded) for the child to reach its stop point.
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         assert ready, "child never reached the stop point"
         line = proc.stdout.readline()
@@ -284,7 +280,12 @@ def run_and_kill(mode: str, directory, target: str) -> str:
             proc.wait()
         proc.stdout.close()
         proc.stderr.close()
-    return line.split(" ", 1)[1].strip()
+    return line
+
+
+def run_and_kill(mode: str, directory, target: str) -> str:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return kill_at_first_line([CHILD, mode, str(directory), target], env).split(" ", 1)[1].strip()
 
 
 def test_sigkill_mid_write_leaves_previous_checkpoint(tmp_path):
@@ -778,20 +779,7 @@ def test_the_next_save_sharded_removes_the_temporary_of_a_killed_save(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SHARDED_CHILD, directory], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        assert ready and proc.stdout.readline() == "WRITTEN\n", proc.stderr.read() if proc.poll() is not None else ""
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+    assert kill_at_first_line([SHARDED_CHILD, directory], env) == "WRITTEN\n"
     (stale,) = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     size = sum(os.path.getsize(os.path.join(tmp_path, stale, n)) for n in os.listdir(tmp_path / stale))
     assert size > 1_000_000 and not os.path.exists(directory)  # as large as the checkpoint, never renamed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -350,8 +351,6 @@ def _zero_section() -> str:
     out.append("\n".join(rows))
     timed = results.get(str(data.get("time_world")))
     if timed and any(timed["times_ms"].values()):
-        import statistics
-
         wall = {m: statistics.median(ts) for m, ts in timed["times_ms"].items() if ts}
         cpu = {m: statistics.median(ts) for m, ts in timed.get("cpu_ms", {}).items() if ts}
         n = len(next(iter(timed["times_ms"].values())))
@@ -397,8 +396,6 @@ def _checkpoint_section() -> str:
 
 def _stage3_section() -> str:
     """benchmarks/stage3.py (loopback) and benchmarks/cluster_stage3.py (the test bed)."""
-    import statistics
-
     command = "python benchmarks/stage3.py"
     out = ["## ZeRO stage 3: memory per rank and step time", f"Command: `{command}`."]
     data = _load("stage3.json")

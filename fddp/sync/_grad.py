@@ -224,13 +224,7 @@ class _Transform:
             # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
             # tensor's hooks run.
             _hook_all(inputs, reducer.arrive)
-            views = optree.tree_unflatten(sync.spec, inputs)
-            call_args = list(args)
-            if isinstance(self.argnums, int):
-                call_args[nums[0]] = views
-            else:
-                for a, v in zip(nums, views):
-                    call_args[a] = v
+            call_args = self.with_inputs(args, optree.tree_unflatten(sync.spec, inputs))
             with torch.enable_grad():
                 try:
                     out = self.fn(*call_args, **kwargs)
@@ -250,6 +244,16 @@ class _Transform:
             flats, info = reducer.finish()
             return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
 
+    def with_inputs(self, args: tuple, views: Any) -> list:
+        """``args`` with the differentiated argument(s) replaced by ``views`` (a tuple of them for a tuple ``argnums``)."""
+        call_args = list(args)
+        if isinstance(self.argnums, int):
+            call_args[self.nums[0]] = views
+        else:
+            for a, v in zip(self.nums, views):
+                call_args[a] = v
+        return call_args
+
     def _fully_sharded(
         self, args: tuple, kwargs: dict, flat: tuple, options: SyncOptions, state: Any, weight: Any
     ) -> tuple[Any, Any, SyncInfo]:
@@ -263,13 +267,7 @@ class _Transform:
             )
         leaves, spec = flat
         inputs = [t.detach().requires_grad_() for t in leaves]
-        views = optree.tree_unflatten(spec, inputs)
-        call_args = list(args)
-        if isinstance(self.argnums, int):
-            call_args[self.nums[0]] = views
-        else:
-            for a, v in zip(self.nums, views):
-                call_args[a] = v
+        call_args = self.with_inputs(args, optree.tree_unflatten(spec, inputs))
         with torch.enable_grad():
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)

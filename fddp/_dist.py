@@ -324,6 +324,8 @@ def start_agreement(
     other collectives on ``group``.
     """
     if torch.compiler.is_compiling():
+        # Dynamo cannot trace the header; a compiled step relies on its guards (a new tree
+        # re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
         return Agreement(None, None, Agreed(False, False))
     st = _state(group)
     new = signature not in st.seen

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 from typing import Callable, Hashable, Sequence
 
-import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist
@@ -66,8 +65,4 @@ def start(
 ) -> _dist.Agreement:
     """:func:`check`, started: the header is sent, and the caller finishes the agreement
     (:meth:`fddp._dist.Agreement.finish`) before the call's other collectives."""
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace the header; a compiled step relies on its guards (a new tree
-        # re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
-        return _dist.Agreement(None, None, _dist.Agreed(False, False))
     return _dist.start_agreement(group, what, digest, rows, name_difference, ask)

@@ -203,12 +203,8 @@ class _Comms:
         self.replica = Comm(replica_group, what, lay.plan) if self.replicas > 1 else None
         self.n = lay.world * self.replicas
         self.pow2 = self.n & (self.n - 1) == 0
-        # Two ranks reduce-scatter by exchanging halves (point to point), the peer's global rank.
-        self.pair = (
-            dist.get_global_rank(lay.group, 1 - lay.rank)
-            if lay.world == 2 and lay.group is not None
-            else (1 - lay.rank if lay.world == 2 else None)
-        )
+        # Two ranks reduce-scatter by exchanging halves (Comm.swap): the peer's rank in the group.
+        self.pair = 1 - lay.rank if lay.world == 2 else None
 
 
 class Pipeline:
@@ -437,7 +433,7 @@ class Pipeline:
         self.reduces.append(p)
         return out
 
-    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Two ranks: a reduce-scatter as one exchange, each rank sending the other its half.
 
         Gloo's reduce-scatter is an all-reduce inside, which sends the whole bucket; this sends
@@ -450,8 +446,7 @@ class Pipeline:
         send = buf[..., theirs.lo : theirs.hi].contiguous()
         got = torch.empty(*buf.shape[:-1], c.held, dtype=buf.dtype, device=buf.device)
         self.counters.reduced_bytes += send.numel() * send.element_size()
-        peer = comms.pair
-        return dist.isend(send, peer, group=self.lay.group), dist.irecv(got, peer, group=self.lay.group), got
+        return comms.shard.swap(send, got, comms.pair), got
 
     def _advance(self, p: _Pending) -> None:
         """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
@@ -459,9 +454,8 @@ class Pipeline:
         c = lay.cuts[p.key]
         doing = f"the reduction of bucket {p.key}'s gradients (of {len(lay.cuts)})"
         if comms.pair is not None:
-            sent, received, got = p.work
-            comms.shard.wait(sent, doing)
-            comms.shard.wait(received, doing)
+            swapped, got = p.work
+            comms.shard.wait(swapped, doing)
             torch.add(p.buf[..., c.lo : c.hi], got, out=p.out[..., : c.held])
         else:
             if p.work is not None:

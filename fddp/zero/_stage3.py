@@ -381,14 +381,20 @@ class FullyShardedForward:
             raise RuntimeError(
                 "fddp.zero.fully_shard's apply_fn: called again while running (from another thread, or from inside the module)"
             )
-        self._check(shards)
         lay = self.layout
-        with _dist.exclusive(lay.group, "zero.fully_shard"):
+        # One fddp call from the first check to the end of the forward: a rank that fails before its
+        # header tells its peers; one that fails after it (inside a unit) takes the group down on
+        # every rank at once, since its peers are in gathers it will never join (fddp._dist.call).
+        with _dist.call(lay.group, "zero.fully_shard"):
+            self._check(shards)
             # Every call agrees (one small all-reduce per group; fddp.set_checks(agreement=False)
             # keeps only the first): a rank that skipped or reordered a forward is named here,
             # not left to time out inside a gather.
             _dist.count_call(lay.group, "zero.fully_shard")
             _agree_on(lay, "zero.fully_shard")
+            return self._forward(lay, shards, args, kwargs)
+
+    def _forward(self, lay: UnitLayout, shards: shard_layout.Sharded, args: tuple, kwargs: dict) -> Any:
         differentiated = _differentiated(shards.shards)
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,

@@ -599,6 +599,7 @@ def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) ->
     started = time.monotonic()
     posted: _channel.Waiting | None = None
     suspect: list | None = None
+    deadlocked = False
     try:
         while True:
             failure = channel.fatal() if channel is not None else None
@@ -606,7 +607,11 @@ def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) ->
                 st.failed = failure
                 raise _peer_error(what, failure)
             if time.monotonic() - started > _STUCK_S:
-                posted, suspect = _check_board(st, group, what, doing, posted, suspect)
+                try:
+                    posted, suspect = _check_board(st, group, what, doing, posted, suspect)
+                except MismatchError:
+                    deadlocked = True  # the post stays: the peers it deadlocks with must see it to raise too
+                    raise
             try:
                 if work.wait(_SLICE):
                     return
@@ -614,7 +619,7 @@ def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) ->
                 if work.is_completed():
                     raise
     finally:
-        if posted is not None:
+        if posted is not None and not deadlocked:
             board = _board()
             if board is not None:
                 try:

@@ -306,7 +306,12 @@ class Pipeline:
         if p is None or p.work is None and self.comms.shard is None:
             return  # one rank: the full buffer is the shard itself
         base = p.buf if full.untyped_storage().data_ptr() == p.buf.untyped_storage().data_ptr() else None
-        r = _Released(full, base, full.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
+        # A detached alias: the same storage and version counter, but no grad_fn. Under autograd
+        # ``full`` is the gather's output, whose grad_fn holds this pipeline: kept here, it would
+        # close a cycle through autograd's C++ graph that gc cannot see, and every step would
+        # leave its pipeline and shards behind.
+        alias = full.detach()
+        r = _Released(alias, base, alias.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
         r.free()
         self.released[k] = r
 

@@ -238,6 +238,8 @@ class Pipeline:
         self.reduces: collections.deque[_Pending] = collections.deque()
         self.seq: list[int] = []  # the forward sequence, as it happened
         self.repeated: set[int] = set()  # buckets gathered more than once in it
+        self.uses: dict[int, int] = {}  # per bucket, the gathers of the forward sequence
+        self.left: dict[int, int] = {}  # per gathered-again bucket, its gathers' backwards still to come
         self.cursor = 0
         self.back: list[int] | None = None  # the backward sequence, once backward starts
         self.bcursor = 0
@@ -301,8 +303,18 @@ class Pipeline:
         p = self.last.pop(k, None)
         if p is None or p.work is None and self.comms.shard is None:
             return  # one rank: the full buffer is the shard itself
+        if k in self.released:
+            # A unit called again in this forward (a block applied twice): the earlier call's
+            # memory is gathered back once in backward, for every use; this call's buffer stays
+            # alive, held by autograd's views until its backward (one unit's bytes more).
+            return
         base = p.buf if full.untyped_storage().data_ptr() == p.buf.untyped_storage().data_ptr() else None
-        r = _Released(full, base, full.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
+        # A detached alias: the same storage and version counter, but no grad_fn. Under autograd
+        # ``full`` is the gather's output, whose grad_fn holds this pipeline: kept here, it would
+        # close a cycle through autograd's C++ graph that gc cannot see, and every step would
+        # leave its pipeline and shards behind.
+        alias = full.detach()
+        r = _Released(alias, base, alias.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
         r.free()
         self.released[k] = r
 
@@ -344,10 +356,17 @@ class Pipeline:
     @_eager
     def release_again(self, k: int) -> None:
         """Bucket ``k``'s unit has run backward: give its memory back again (a second backward gathers again)."""
-        r = self.done.pop(k, None)
-        if r is not None:
-            r.free()
-            self.released[k] = r
+        r = self.done.get(k)
+        if r is None:
+            return
+        left = self.left.get(k, 1) - 1
+        if left > 0:  # a unit used several times: the other uses' backwards still read it
+            self.left[k] = left
+            return
+        del self.done[k]
+        self.left[k] = self.uses.get(k, 1)
+        r.free()
+        self.released[k] = r
 
     @_eager
     def gather_now(self, k: int, shard: torch.Tensor) -> torch.Tensor:
@@ -376,7 +395,11 @@ class Pipeline:
             self._finish_gather(k, self.gathers.pop(k))
         self.last.clear()
         self.back = [k for k in reversed(self.seq) if k in self.remat]
-        self.repeated = {k for k, n in collections.Counter(self.seq).items() if n > 1}
+        if self.release_after_forward:  # each released bucket is gathered back once, for all its uses
+            self.back = list(dict.fromkeys(self.back))
+        self.uses = dict(collections.Counter(self.seq))
+        self.left = dict(self.uses)
+        self.repeated = {k for k, n in self.uses.items() if n > 1}
         if will_backward:
             self._prefetch(self.back[: self.depth])
 

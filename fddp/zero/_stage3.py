@@ -324,6 +324,7 @@ class FullyShardedForward:
         self._order: list[int] = [k for u in units for k in u.buckets]  # refined by each call
         self._remat_buckets = frozenset(k for u in units if u.name for k in u.buckets) if remat else frozenset()
         self._run: _Call | None = None
+        self._owner: dict[str, str] = {}  # every name of every trainable parameter: its unit's name
 
     def __repr__(self) -> str:
         return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat})"
@@ -415,6 +416,16 @@ class FullyShardedForward:
                 with self._swapped(root, fulls):
                     del fulls
                     out = self.model(*args, **kwargs)
+        except _units.ReleasedUse as e:
+            unit = self._owner.get(e.name)
+            if unit is None or unit in run.entered:
+                raise
+            raise RuntimeError(
+                f"fddp.zero.fully_shard's apply_fn: parameter {e.name!r} belongs to unit {unit!r}, whose forward was not "
+                f"called in this forward: a unit's parameters are gathered only while its forward runs, and the model "
+                f"uses the submodules or parameters of {unit!r} without calling it (iterating over a Sequential, say). "
+                f"Make the modules that are called the units (units=[...], or their class), or call {unit!r} itself"
+            ) from e
         finally:
             for u in patched:
                 u.module.__dict__.pop("forward", None)
@@ -432,6 +443,7 @@ class _Call:
     pipe: Pipeline
     leaves: Sequence[torch.Tensor]
     differentiated: bool
+    entered: set[str] = dataclasses.field(default_factory=set)  # the units whose forward this call ran
 
     def gather(self, k: int) -> torch.Tensor:
         call = GatherCall(self.pipe, k, self.owner.invariant)
@@ -445,6 +457,7 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
         run = owner._run
         if run is None:  # called outside apply_fn (the module's own forward is patched only during it)
             return unit.forward(*args, **kwargs)
+        run.entered.add(unit.name)
         flat, spec = _flatten_call(args, kwargs)
         pos = tuple(i for i, t in enumerate(flat) if isinstance(t, torch.Tensor))
         calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
@@ -562,15 +575,23 @@ def fully_shard(
     for n, p in model.named_parameters(remove_duplicate=False):
         if p.requires_grad:
             trainable.setdefault(id(p), []).append(n)
-    leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
-    flat_names = list(paths(spec))
-    index = {n: i for i, n in enumerate(flat_names)}
 
     # Everything that can be wrong with the units is found here, and agreed on, before any
     # raise: a rank alone with a bad list would otherwise leave its peers waiting.
     problem: Exception | None = None
     units_: list[Unit] = []
     try:
+        taken = next((n for n, p in model.named_parameters() if isinstance(p, _units.Released)), None)
+        if taken is not None:
+            raise ValueError(
+                f"fddp.{what}: {type(model).__name__} is already sharded: parameter {taken!r} was taken by an earlier "
+                "fully_shard call and lives in its shards. Use the apply_fn and shards that call returned (its "
+                "units cannot change), or shard a new module (fddp.zero.gather(shards).wait() gives the full tree "
+                "to load into it)"
+            )
+        leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
+        flat_names = list(paths(spec))
+        index = {n: i for i, n in enumerate(flat_names)}
         units_ = _units.resolve(model, units, params, trainable, index, what)
         if not units_:
             raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
@@ -612,7 +633,12 @@ def fully_shard(
         for n in names_:
             prefix, _, attr = n.rpartition(".")
             model.get_submodule(prefix)._parameters[attr] = ghost
-    return FullyShardedForward(model, lay, units_, prefetch, remat, invariant), shard_layout.Sharded(out, lay)
+    apply_fn = FullyShardedForward(model, lay, units_, prefetch, remat, invariant)
+    for u in units_:
+        for i in u.leaves:
+            for n in trainable[id(params[flat_names[i]])]:
+                apply_fn._owner[n] = u.name
+    return apply_fn, shard_layout.Sharded(out, lay)
 
 
 def _broadcast_replicas(lay: UnitLayout, shards: list[torch.Tensor]) -> None:

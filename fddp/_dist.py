@@ -48,6 +48,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from fddp import _caches, _channel
 from fddp._channel import Failure
@@ -216,12 +217,16 @@ def _state(group: dist.ProcessGroup | None) -> _GroupState:
 def rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank in ``group``: the quorum's under fault tolerance (:func:`begin_epoch`),
     else torch.distributed's."""
+    if torch.compiler.is_compiling():
+        return dist.get_rank(group)  # dynamo traces no state (a fault-tolerant step runs eagerly)
     st = _state(group)
     return st.rank if st.rank is not None else dist.get_rank(group)
 
 
 def size(group: dist.ProcessGroup | None = None) -> int:
     """The number of ranks in ``group`` (the quorum's under fault tolerance, else torch.distributed's)."""
+    if torch.compiler.is_compiling():
+        return dist.get_world_size(group)
     st = _state(group)
     return st.size if st.size is not None else dist.get_world_size(group)
 
@@ -559,15 +564,16 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
     one plain wait.
     """
     try:
-        if not _sliced(group):
-            work.wait()
+        if not _sliced(group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
+            work.wait()  # NCCL's, a traced collective's, or a hook's own kind of work: one plain wait
             return
         try:
             if work.wait(_SLICE):
                 return
         except RuntimeError:
             if work.is_completed():
-                raise
+                work.wait()  # finished as the slice ran out, or failed: this says which
+                return
         _watch(work, group, what, doing)
     except (PeerError, MismatchError):
         raise
@@ -617,7 +623,8 @@ def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) ->
                     return
             except RuntimeError:
                 if work.is_completed():
-                    raise
+                    work.wait()  # finished as the slice ran out, or failed: this says which
+                    return
     finally:
         if posted is not None and not deadlocked:
             board = _board()
@@ -757,8 +764,11 @@ def start_agreement(
     other collectives on ``group``.
     """
     if torch.compiler.is_compiling():
-        # Dynamo cannot trace the header; a compiled step relies on its guards (a new tree
-        # re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
+        # A compiled call's header is in its graph: the signature's digest (taken at trace time)
+        # and the function, compared at every call. The call numbers and the state live outside
+        # the graph, so a compiled step checks less than an eager one: what it runs, not when.
+        if _checks.agreement:
+            _traced_agreement(group, what, signature)
         return Agreement(None, None, Agreed(False, False))
     st = _state(group)
     _raise_if_failed(st, what)
@@ -784,6 +794,23 @@ def start_agreement(
         return Agreement(t, _exchange(t, group, what), None, context)
     _remember(st, signature, replicas)
     return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
+
+
+traced_digest = torch.compiler.assume_constant_result(digest)  # run once, at trace time: dynamo cannot trace hashlib
+
+
+def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int) -> None:
+    """The header of a compiled call: a functional all-reduce in the graph, and an assertion that
+    fails, on every rank alike, where the ranks' signatures or functions differ."""
+    name = traced_digest(what)
+    h = torch.tensor([signature, name, -signature, -name], dtype=torch.int64, device=collective_device(group))
+    out = funcol.wait_tensor(funcol.all_reduce(h, "max", group if group is not None else dist.group.WORLD))
+    torch._assert_async(
+        (out[:2] == -out[2:]).all(),
+        f"fddp.{what} (compiled): the ranks disagree on what they synchronise: the tree's structure, shapes or dtypes, "
+        "an option (bucket caps, compression), or the fddp function (every rank must run the same compiled step, "
+        "the same number of times). Run the step once without torch.compile: the eager agreement names the difference.",
+    )
 
 
 def _remember(st: _GroupState, signature: int, replicas: bool | None) -> None:

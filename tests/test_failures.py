@@ -209,3 +209,64 @@ def test_equal_options_plain_class_hooks_and_thread_pools_are_not_refused():
     for out in run(_no_alarm_worker, 2, timeout=60):
         for name, value in out.items():
             assert torch.equal(value, torch.full((3,), 0.5)), (name, value)
+
+
+# --- Int8 and values that are not finite -------------------------------------------------------------------
+
+
+def _int8_worker():
+    group = _group()
+    i8 = fddp.Int8()
+    p = {"w": torch.zeros(600), "b": torch.zeros(10)}
+    r = fddp.rank()
+
+    def grads(seed):
+        g = torch.Generator().manual_seed(seed + 100 * r)
+        return {"w": torch.randn(600, generator=g), "b": torch.randn(10, generator=g)}
+
+    def step(g, state):
+        return fddp.ddp_step(p, g, group=group, compression=i8, compression_state=state, check_finite=True, return_info=True)
+
+    s0 = i8.init(p)
+    _, info = step(grads(1), s0)
+    s1 = info.compression_state
+    out = {}
+    for name, where in (("nan", (1, 3)), ("inf", (0, 599))):  # (the rank, the element) that goes bad, once
+        g = grads(2)
+        if r == where[0]:
+            g["w"][where[1]] = float(name)
+        mean, info = step(g, s1)
+        out[name] = (bool(info.finite), info.compression_state is s1, bool(torch.isnan(mean["w"]).any()))
+    # The step after the skipped ones equals a run in which they never happened, to the bit.
+    mean, _ = step(grads(3), s1)
+    _, info = step(grads(1), s0)
+    ref, _ = step(grads(3), info.compression_state)
+    out["recovered"] = torch.equal(mean["w"], ref["w"]) and torch.equal(mean["b"], ref["b"])
+    return out
+
+
+def test_int8_makes_a_non_finite_value_on_one_rank_non_finite_everywhere_and_returns_the_state_it_was_given():
+    for out in run(_int8_worker, 2, timeout=60):
+        assert out["nan"] == (False, True, True), out  # finite: no; the same state back; NaN in the mean
+        assert out["inf"] == (False, True, True), out
+        assert out["recovered"], out
+
+
+# --- compiled steps --------------------------------------------------------------------------------------
+
+
+def _compiled_worker():
+    group = _group()
+    p = {"w": torch.ones(8)}
+    compression = "bf16" if fddp.rank() == 0 else "fp16"  # buffers of one size, different bits
+
+    @torch.compile(fullgraph=True)
+    def step(g):
+        return fddp.ddp_step(p, g, group=group, compression=compression)
+
+    return _outcome(lambda: step({"w": torch.full((8,), 1.0 + fddp.rank())})["w"])
+
+
+def test_compiled_steps_that_differ_between_ranks_raise_on_every_rank():
+    for out in run(_compiled_worker, 2, timeout=240):
+        assert out[0] == "RuntimeError" and "fddp.ddp_step (compiled): the ranks disagree" in out[1], out

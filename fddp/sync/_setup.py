@@ -395,8 +395,9 @@ def setup(
         return [*option_rows, *structure_rows(tree)]
 
     key = (spec, specs, order, option_rows, members, options.bucket_cap_mb, options.first_bucket_mb)
-    if torch.compiler.is_compiling():  # dynamo traces neither the cache nor the digest
-        record = _Record(0, _plan(specs, members, order, options))
+    if torch.compiler.is_compiling():  # dynamo traces neither the cache nor hashlib: the digest is taken at trace time
+        record = _Record(_dist.traced_digest((option_rows, tuple((tuple(s[0]), str(s[1]), str(s[2])) for s in specs), order)),
+                         _plan(specs, members, order, options))
     else:
         record = _records.get(key)
     if record is None:

@@ -49,6 +49,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from fddp import _caches, _channel
 from fddp._channel import Failure
@@ -175,6 +176,10 @@ class _GroupState:
         self.last_mode: bool | None = None  # the agreement setting at this rank's last header (None: none yet)
         self.held: list[Any] = []  # announcements' headers in flight (kept until they complete)
         self.waits = 0  # numbers this rank's waits, for the board
+        self.segment: _Segment | None = None  # the collectives since the last header
+        self.recordings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # agreed sequences, LRU
+        self.owed = 0  # collectives of an earlier call still to come on this group (a backward)
+        self.last_key: tuple | None = None  # the kind of the last call agreed on, for the next one's sequence
 
 
 _lock = threading.Lock()
@@ -449,8 +454,16 @@ def _first_line(e: BaseException) -> str:
 def _announce(group: dist.ProcessGroup | None, st: _GroupState, what: str, e: BaseException) -> None:
     """This rank failed before sending anything for its call: post why, then send a header that
     says so in place of the call's agreement, so the peers raise at the same call."""
+    if st.owed > 0:  # a backward of an earlier call still owes its collectives: the peers will wait in them
+        fail(group, what, e)
+        return
+    try:
+        _close(group, st, what)  # the previous call's collectives are all there, or this is fatal
+    except MismatchError:
+        return  # _close has failed the group: the peers learn it from the channel
     call_ = st.agreed
     st.agreed += 1
+    st.last_key = None  # as on the peers, which learn of this failure at this call
     me = rank(group)
     failure = Failure(me, what, call_ + 1, type(e).__name__, _first_line(e), False)
     channel = _channel_of(st, group)
@@ -549,6 +562,151 @@ class call:
 
 def _frame(st: _GroupState) -> _Frame | None:
     return st.frames[-1] if st.frames else None
+
+
+# --- sequences ------------------------------------------------------------------------------------
+
+
+class _Segment:
+    """The collectives a group carries from one header to the next, as tokens.
+
+    A header agrees on a call; most calls then issue collectives fixed by what was agreed (a tree's
+    buckets), but some issue a sequence that depends on what the code does (a fully sharded model
+    gathers and reduces its units as its forward and backward reach them). So the tokens of each
+    kind of call (the header's signature and function) are *learnt* the first time it runs, every
+    token agreed across the ranks before its collective is issued (a small all-reduce each, that
+    first time only), and later calls of that kind *check* each token locally, before the
+    collective, against the recording: a rank that would issue another collective, or stop short,
+    fails (fatal: its peers wait in collectives it will not join) instead of pairing its
+    collective with a different one on its peers.
+    """
+
+    __slots__ = ("key", "what", "call", "learning", "tokens", "expected", "pos")
+
+    def __init__(self, key: tuple, what: str, call: int) -> None:
+        self.key, self.what, self.call = key, what, call
+        self.learning: bool | None = None  # known once the header is agreed
+        self.tokens: list[tuple] = []
+        self.expected: tuple = ()
+        self.pos = 0
+
+
+def describe_token(token: tuple) -> str:
+    """Words for a token: ``an all-gather of bucket 3 of unit 'blocks.2' (4096 float32 values)``."""
+    op, tag, numel, dtype = token
+    where = f" of {tag}" if tag else ""
+    article = "an" if op[0] in "aeiou" else "a"
+    return f"{article} {op}{where} ({numel} {dtype} values)"
+
+
+def issue(group: dist.ProcessGroup | None, op: str, t: torch.Tensor, tag: str | None = None, numel: int | None = None) -> None:
+    """Say that this rank is about to issue collective ``op`` of ``t`` on ``group`` (``tag`` names
+    what it carries: a bucket of a unit; ``numel``, where ``t``'s size differs between ranks, a
+    size that does not); see :class:`_Segment`.
+
+    Learning, this agrees on it with the other ranks first; checking, it compares it with the
+    recording and, where it differs, fails (every rank learns it) and raises.
+    """
+    if torch.compiler.is_compiling():
+        return
+    st = _state(group)
+    seg = st.segment
+    if seg is None or seg.learning is None:
+        return  # no header on this group yet, or none sent (the agreement off): nothing to follow
+    token = (op, tag, int(t.numel() if numel is None else numel), str(t.dtype).replace("torch.", ""))
+    if seg.learning:
+        _agree_token(group, st, seg, token)
+        seg.tokens.append(token)
+        return
+    expected = seg.expected[seg.pos] if seg.pos < len(seg.expected) else None
+    if token != expected:
+        _deviate(group, st, seg, f"is about to issue {describe_token(token)}", expected)
+    seg.pos += 1
+
+
+def owe(group: dist.ProcessGroup | None, n: int) -> None:
+    """Count collectives of the current call still to come after it returns (``+1`` when a
+    forward leaves a backward to run, ``-1`` when it has run): a failure meanwhile is fatal."""
+    if not torch.compiler.is_compiling() and dist.is_initialized():
+        _state(group).owed += n
+
+
+def dropped(group: dist.ProcessGroup | None, what: str) -> None:
+    """A call's backward will never run on this rank (its graph was dropped): where the agreed
+    sequence still expects its collectives, the peers are, or will be, waiting in them: fail."""
+    if torch.compiler.is_compiling() or not dist.is_initialized():
+        return
+    st = _state(group)
+    seg = st.segment
+    if st.failed is None and seg is not None and seg.learning is False and seg.pos < len(seg.expected):
+        try:
+            _deviate(group, st, seg, "dropped a forward's graph without running its backward", seg.expected[seg.pos])
+        except MismatchError:
+            pass  # posted: the peers raise it, and this rank's next call on the group does
+
+
+def raise_if_failed_here() -> None:
+    """Raise :class:`PeerError` if this rank has failed some group (its own failure, posted while
+    no fddp call was there to raise it: a graph freed without its backward)."""
+    with _lock:
+        mine = [st for st in _states.values() if st.failed is not None and st.mine]
+    if mine:
+        _raise_if_failed(mine[0], mine[0].failed.what)
+
+
+def _deviate(group: dist.ProcessGroup | None, st: _GroupState, seg: _Segment, doing: str, expected: tuple | None) -> None:
+    n = seg.pos + 1
+    agreed = f"{describe_token(expected)}" if expected is not None else "no further collective (the call's sequence is over)"
+    e = MismatchError(
+        f"fddp.{seg.what}: this rank {doing} as the {_ordinal(n)} collective of its call {seg.call + 1}, where the sequence "
+        f"the ranks agreed on for this kind of call has {agreed}. The ranks must issue the same collectives in the same "
+        "order: a forward that depends on this rank's data (a unit skipped or run in another order, an output left out "
+        "of one rank's loss, a different number of forwards before a backward) pairs them with different ones on the "
+        "other ranks. (fddp.set_checks(agreement=False) turns this check off, with the rest of the agreement.)"
+    )
+    fail(group, seg.what, e)
+    raise e
+
+
+def _close(group: dist.ProcessGroup | None, st: _GroupState, what: str) -> None:
+    """A header is about to go out on ``group``: the previous segment ends here."""
+    seg = st.segment
+    st.segment = None
+    if seg is None or seg.learning is None:
+        return
+    if seg.learning:
+        _remember_sequence(st, seg.key, tuple(seg.tokens))
+    elif seg.pos < len(seg.expected):
+        st.segment = seg  # named in the failure
+        _deviate(group, st, seg, f"starts fddp.{what}", seg.expected[seg.pos])
+
+
+def _remember_sequence(st: _GroupState, key: tuple, tokens: tuple) -> None:
+    st.recordings[key] = tokens
+    st.recordings.move_to_end(key)
+    if len(st.recordings) > _REMEMBERED:
+        st.recordings.popitem(last=False)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _agree_token(group: dist.ProcessGroup | None, st: _GroupState, seg: _Segment, token: tuple) -> None:
+    """Agree on one collective of a call being learnt: the same header, its fields the token's."""
+    position = len(seg.tokens)
+    h = [digest((seg.key, token)), position, _TOKEN, 0, int(_checks.agreement)]
+    t = torch.tensor(h + [-x for x in h] + [0, 0, 0, 0], dtype=torch.int64, device=collective_device(group))
+    wait(_exchange(t, group, seg.what), group, seg.what, f"the agreement on its {_ordinal(position + 1)} collective")
+    out = t.tolist()
+    if out[_FAILED]:
+        _raise_announced(group, st, seg.what, seg.call, out[_FAILED])
+    if out[:_BOTH] != [-x for x in out[_BOTH : 2 * _BOTH]]:
+        _disagree(group, seg.what, seg.call, lambda: [("collective", describe_token(token), None)], _no_rows, (position, token))
+
+
+def _no_rows(per_rank: Sequence[list[tuple]]) -> str:
+    return ""  # pragma: no cover - a token's mismatch is named from the tokens
 
 
 # --- waits ----------------------------------------------------------------------------------------
@@ -698,8 +856,9 @@ def fingerprint(leaves: Sequence[torch.Tensor]) -> int:
 # maximum; then fields that only travel as their maximum.
 _SIG, _CALL, _WHAT, _PRINT, _MODE = range(5)
 _BOTH = 5
-_NEW, _ASKED, _FAILED = 2 * _BOTH, 2 * _BOTH + 1, 2 * _BOTH + 2
-_HEADER = 2 * _BOTH + 3
+_NEW, _ASKED, _FAILED, _LEARN = 2 * _BOTH, 2 * _BOTH + 1, 2 * _BOTH + 2, 2 * _BOTH + 3
+_HEADER = 2 * _BOTH + 4
+_TOKEN = digest("fddp: one collective of a call")  # the function field of a token's agreement
 
 
 class Agreed(NamedTuple):
@@ -725,6 +884,7 @@ def agree(
     name_difference: Callable[[Sequence[list[tuple]]], str],
     ask: bool = False,
     values: int = 0,
+    sequenced: bool = False,
 ) -> Agreed:
     """Make every rank agree that it is about to run the same call (:func:`start_agreement`, finished at once).
 
@@ -737,6 +897,9 @@ def agree(
         ask: this rank would like the tree checked further if it is new (a tree fresh from
             ``fddp.functionalize``: the replicas' values); the answer is every rank's.
         values: a :func:`fingerprint` of values that must be equal on every rank (0: none).
+        sequenced: the call issues a sequence of collectives that its signature does not fix (a
+            fully sharded forward and its backward): the ranks learn it, then check it before
+            each collective (:class:`_Segment`).
 
     Returns:
         :class:`Agreed`: whether the signature is new to some rank, and whether some rank asked
@@ -746,7 +909,7 @@ def agree(
         MismatchError: on every rank, when the ranks' headers differ.
         PeerError: on every rank but the failing one, when a rank announced a failure instead.
     """
-    return start_agreement(group, what, signature, rows, name_difference, ask, values).finish()
+    return start_agreement(group, what, signature, rows, name_difference, ask, values, sequenced).finish()
 
 
 def start_agreement(
@@ -757,6 +920,7 @@ def start_agreement(
     name_difference: Callable[[Sequence[list[tuple]]], str],
     ask: bool = False,
     values: int = 0,
+    sequenced: bool = False,
 ) -> Agreement:
     """Send this call's header and return at once (the arguments are :func:`agree`'s).
 
@@ -783,15 +947,27 @@ def start_agreement(
     # still sends one (saying so), so that a rank that turned it off alone is named, not met by
     # its peers' headers with its buckets.
     if n > 1 and (_checks.agreement or new or st.last_mode is not False):
+        name = _name_digest(what)
+        # A sequence is learnt per kind of call and per the kind before it: a forward whose
+        # backward comes after another forward (micro-batches) is a kind of its own.
+        key = (signature, name, st.last_key)
+        st.last_key = (signature, name)
+        if _checks.agreement:
+            _close(group, st, what)  # the previous call's collectives are over: were they all there?
+            st.segment = _Segment(key, what, call_) if sequenced else None
+        else:
+            st.segment = None
         if frame is not None:
             frame.sent = True
         st.last_mode = _checks.agreement
         mode = int(_checks.agreement)
         printed = values if _checks.replicas and replicas is not False else 0
-        h = [signature, call_, _name_digest(what), printed, mode]
-        t = torch.tensor(h + [-x for x in h] + [int(new), int(asked), 0], dtype=torch.int64, device=collective_device(group))
+        learn = int(sequenced and _checks.agreement and key not in st.recordings)
+        h = [signature, call_, name, printed, mode]
+        t = torch.tensor(h + [-x for x in h] + [int(new), int(asked), 0, learn], dtype=torch.int64, device=collective_device(group))
         context = (group, what, st, signature, call_, rows, name_difference, replicas, bool(printed))
         return Agreement(t, _exchange(t, group, what), None, context)
+    st.segment = None
     _remember(st, signature, replicas)
     return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
 
@@ -852,11 +1028,8 @@ class Agreement:
         group, what, st, signature, call_, rows, name_difference, replicas, printed = self.context
         wait(self.work, group, what, "the agreement on this call")
         h = self.header.tolist()
-        failed = h[_FAILED]
-        if failed:
-            channel = _channel_of(st, group)
-            unread = Failure(failed - 1, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
-            raise _peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)
+        if h[_FAILED]:
+            _raise_announced(group, st, what, call_, h[_FAILED])
         low = [-x for x in h[_BOTH : 2 * _BOTH]]
         if h[:_PRINT] != low[:_PRINT] or h[_PRINT + 1 : _BOTH] != low[_PRINT + 1 :]:
             _disagree(group, what, call_, rows, name_difference)
@@ -867,8 +1040,22 @@ class Agreement:
         if printed or h[_PRINT] != 0:
             replicas = True if equal and replicas is not False else (replicas is True)
         _remember(st, signature, replicas)
+        seg = st.segment
+        if seg is not None and seg.call == call_ and seg.learning is None:
+            seg.learning = bool(h[_LEARN])  # every rank's answer: one without the recording makes all learn
+            if not seg.learning:
+                seg.expected = st.recordings[seg.key]
+                st.recordings.move_to_end(seg.key)
         self.result = Agreed(bool(h[_NEW]), bool(h[_ASKED]), drifted)
         return self.result
+
+
+def _raise_announced(group: dist.ProcessGroup | None, st: _GroupState, what: str, call_: int, failed: int) -> None:
+    """A peer announced its failure in place of this call's header: raise it here."""
+    st.last_key, st.segment = None, None  # as on the failing rank
+    channel = _channel_of(st, group)
+    unread = Failure(failed - 1, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
+    raise _peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)
 
 
 def _exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Any:
@@ -883,13 +1070,32 @@ def _disagree(
     call_: int,
     rows: Callable[[], list[tuple]],
     name_difference: Callable[[Sequence[list[tuple]]], str],
+    token: tuple | None = None,
 ) -> None:
     """Every rank is here together (the all-reduced header is the same everywhere): gather what
-    each rank is doing and raise the same error on all of them."""
+    each rank is doing and raise the same error on all of them. ``token``: this rank is at the
+    ``(position, token)`` collective of a call being learnt, not at a header."""
     thread = threading.current_thread().name
     mine = {"what": what, "call": call_, "agreement": _checks.agreement, "thread": thread, "rows": rows()}
+    mine["token"] = None if token is None else (token[0], describe_token(token[1]))
     everyone: list[Any] = [None] * size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    with temporarily_clear_interpreter_stack():  # its tensors must be plain, under torch.func.grad too
+        dist.all_gather_object(everyone, mine, group=group)
+    if any(e["token"] is not None for e in everyone):
+        def doing_of(r: int, e: dict) -> str:
+            if e["token"] is None:
+                return f"rank {r} starts fddp.{e['what']} (its call {e['call'] + 1})"
+            n, words = e["token"]
+            return f"rank {r} issues {words} as the {_ordinal(n + 1)} collective of fddp.{e['what']}'s call {e['call'] + 1}"
+
+        doing = "; ".join(doing_of(r, e) for r, e in enumerate(everyone))
+        e = MismatchError(
+            f"fddp.{what}: ranks issue different collectives: {doing}. The ranks must issue the same collectives in the "
+            "same order: a forward that depends on the rank's data (a unit skipped or run in another order, an output "
+            "left out of one rank's loss) pairs them with different ones on the other ranks."
+        )
+        fail(group, what, e)  # collectives of this call may be in flight on some ranks: the group is done
+        raise e
     calls = [(e["call"], e["what"]) for e in everyone]
     if len(set(calls)) > 1:
         doing = "; ".join(f"rank {r} is at its call {c + 1} (fddp.{w})" for r, (c, w) in enumerate(calls))

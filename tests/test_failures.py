@@ -32,10 +32,11 @@ def _group():
 
 
 def _outcome(fn):
-    """``("ok", value)`` or ``(exception type name, message, seconds it took)``."""
+    """``("ok", value)`` (a tensor's; else its type's name) or ``(exception type name, message, seconds it took)``."""
     t0 = time.monotonic()
     try:
-        return ("ok", fn())
+        value = fn()
+        return ("ok", value if isinstance(value, torch.Tensor) else type(value).__name__)
     except Exception as e:  # noqa: BLE001 - the case reports what each rank saw
         return (type(e).__name__, str(e), time.monotonic() - t0)
 
@@ -270,3 +271,92 @@ def _compiled_worker():
 def test_compiled_steps_that_differ_between_ranks_raise_on_every_rank():
     for out in run(_compiled_worker, 2, timeout=240):
         assert out[0] == "RuntimeError" and "fddp.ddp_step (compiled): the ranks disagree" in out[1], out
+# --- fully sharded forwards that differ between ranks (ZeRO stage 3) ----------------------------------------
+
+
+class _Blocks(torch.nn.Module):
+    """Three square blocks and a head, run in an order (and with a block skipped) the call chooses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x, order=(0, 1, 2)):
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return self.head(x)
+
+
+def _stage3_worker(case: str):
+    group = _group()
+    apply_fn, shards = fddp.zero.fully_shard(_Blocks(), group=group)
+    x = torch.randn(4, 8)
+    deviant = fddp.rank() == 1
+
+    def step(order=(0, 1, 2), use_head=True):
+        def loss(s):
+            out = apply_fn(s, x, order)
+            return out.sum() if use_head else out.detach().sum() + s.shards[0].sum() * 0
+        return torch.func.grad(loss)(shards)
+
+    def gv_loss(s, use_head):
+        return apply_fn(s, x).sum() if use_head else apply_fn(s, x).detach().sum() + s.shards[0].sum() * 0
+
+    gv = fddp.grad_and_value(gv_loss)
+    for _ in range(4):  # the sequence is learnt over the first calls, then checked
+        gv(shards, True) if case == "unused" else step()
+    if case == "order":
+        return _outcome(lambda: step((0, 2, 1) if deviant else (0, 1, 2)))
+    if case == "skip":
+        return _outcome(lambda: step((0, 2) if deviant else (0, 1, 2)))
+    if case == "unused":  # through fddp.grad_and_value, which raises in the very call
+        return _outcome(lambda: gv(shards, not deviant)), _outcome(lambda: gv(shards, True))
+    if case == "eval":  # rank 0 evaluates alone between two steps
+        first = _outcome(lambda: apply_fn(shards, x).sum() if not deviant else step())
+        return first
+    if case == "models":  # two models of one architecture, called in another order on one rank
+        other_fn, other = fddp.zero.fully_shard(_Blocks(), group=group)
+        pair = [lambda: apply_fn(shards, x), lambda: other_fn(other, x)]
+        with torch.no_grad():
+            return _outcome(lambda: [f() for f in (pair[::-1] if deviant else pair)])
+    raise AssertionError(case)
+
+
+def test_stage3_units_in_another_order_or_skipped_on_one_rank_fail_on_every_rank():
+    for case in ("order", "skip"):
+        o0, o1 = run(_stage3_worker, 2, case, timeout=90)
+        assert o1[0] == "MismatchError" and "as the" in o1[1] and "the sequence the ranks agreed on" in o1[1], (case, o1)
+        assert o0[0] == "PeerError" and o0[2] < 5 and "rank 1 failed in fddp.zero.fully_shard" in o0[1], (case, o0)
+
+
+def test_stage3_an_output_unused_in_one_ranks_loss_fails_on_every_rank_not_an_abort():
+    (o0, a0), (o1, a1) = run(_stage3_worker, 2, "unused", timeout=90)
+    # Rank 1's head never runs its backward: as its graph is freed, it fails the group, and rank 0,
+    # waiting in the head's reduction, raises within a poll.
+    assert o1[0] == "PeerError" and "dropped a forward's graph without running its backward" in o1[1], o1
+    assert o0[0] == "PeerError" and o0[2] < 5 and "rank 1 failed in fddp.zero.fully_shard" in o0[1], o0
+    assert a0[0] == a1[0] == "PeerError", (a0, a1)  # and the group is done, on both
+
+
+def test_stage3_an_evaluation_forward_on_one_rank_is_named_on_every_rank():
+    o0, o1 = run(_stage3_worker, 2, "eval", timeout=90)
+    for out in (o0, o1):
+        assert out[0] == "MismatchError" and "an evaluation forward" in out[1] and "a training forward" in out[1], out
+
+
+def test_stage3_two_models_of_one_architecture_in_another_order_are_named():
+    for out in run(_stage3_worker, 2, "models", timeout=90):
+        assert out[0] == "MismatchError" and "fully_shard's model #" in out[1], out
+
+
+def _batchnorm_worker():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    apply_fn, shards = fddp.zero.fully_shard(model, group=_group())
+    return _outcome(lambda: apply_fn(shards, torch.randn(8, 4)))
+
+
+def test_stage3_a_forward_that_writes_batchnorm_statistics_is_refused_on_every_rank():
+    for out in run(_batchnorm_worker, 2, timeout=60):
+        assert out[0] == "RuntimeError" and "'1.running_mean'" in out[1] and "each would keep its own" in out[1], out

@@ -275,6 +275,9 @@ class _Transform:
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)
             grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+        # A forward whose backward did not run here (its output unused in this rank's loss) fails
+        # the shards' groups as its graph is freed (fddp._dist.dropped): raise it in this call.
+        _dist.raise_if_failed_here()
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
         return optree.tree_unflatten(spec, grads), _detached(out), SyncInfo(None, None, 0, 0)
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
+from fddp import _dist
 from fddp.sync._comm import Comm
 from fddp.zero import _layout as shard_layout
 
@@ -207,6 +208,35 @@ class _Comms:
         self.pair = 1 - lay.rank if lay.world == 2 else None
 
 
+class _Debt:
+    """Whether a call's backward still owes its collectives to the layout's groups (``fddp._dist.owe``)."""
+
+    __slots__ = ("groups", "what", "owing")
+
+    def __init__(self, lay: shard_layout.ShardLayout, what: str) -> None:
+        replica_group = getattr(lay, "replica_group", None)
+        self.groups = [lay.group] + ([replica_group] if replica_group is not None else [])
+        self.what, self.owing = what, False
+
+    def owe(self) -> None:
+        if not self.owing and dist.is_initialized():
+            self.owing = True
+            for g in self.groups:
+                _dist.owe(g, 1)
+
+    def settle(self, dropped: bool = False) -> None:
+        """The backward ran; or, ``dropped``, the pipeline died without it (its graph was freed)."""
+        if self.owing:
+            self.owing = False
+            for g in self.groups:
+                try:
+                    _dist.owe(g, -1)
+                    if dropped:
+                        _dist.dropped(g, self.what)  # the peers may be waiting in its collectives
+                except Exception:  # noqa: BLE001 - at interpreter exit the group may be gone
+                    pass
+
+
 class Pipeline:
     """The collectives of one call of a fully sharded forward (and of its backward): asynchronous.
 
@@ -243,6 +273,17 @@ class Pipeline:
         self.cursor = 0
         self.back: list[int] | None = None  # the backward sequence, once backward starts
         self.bcursor = 0
+        # The backward this forward leaves to run owes its collectives to the groups: a failure
+        # before it has run is fatal for them (fddp._dist.owe). Settled by the backward, or when
+        # the pipeline is dropped without one (the finalizer).
+        self.debt = _Debt(lay, what)
+        weakref.finalize(self, self.debt.settle, True)
+
+    def tag(self, k: int) -> str:
+        """What bucket ``k``'s collectives carry, in words (the sequence agreement names it)."""
+        units = getattr(self.lay, "unit_of", None)
+        name = units(k) if units is not None else None
+        return f"bucket {k}" + (f" of unit {name!r}" if name is not None else "")
 
     # -- gathers --------------------------------------------------------------------------------
 
@@ -256,7 +297,7 @@ class Pipeline:
         # the counters) alive exactly as long as they need it, and remat="params" resizes it.
         buf = torch.empty(lay.world * src.numel(), dtype=src.dtype, device=src.device)
         held = self.counters.hold(buf)
-        work = comms.shard.all_gather_into(buf, src.reshape(-1))
+        work = comms.shard.all_gather_into(buf, src.reshape(-1), tag=self.tag(k))
         self.counters.gathers += 1
         self.counters.gathered_bytes += src.numel() * src.element_size()
         return _Pending(_key(shard), buf, work, batch, held=held)
@@ -321,7 +362,7 @@ class Pipeline:
     def _start_refill(self, k: int, r: _Released) -> _Pending:
         r.restore()
         if r.base is not None:  # gather straight into the memory autograd's views look into
-            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1))
+            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1), tag=self.tag(k))
             self.counters.gathers += 1
             self.counters.gathered_bytes += r.shard.numel() * r.shard.element_size()
             p = _Pending(None, r.base, work, tuple(r.shard.shape[:-1]))
@@ -401,6 +442,7 @@ class Pipeline:
         self.left = dict(self.uses)
         self.repeated = {k for k, n in self.uses.items() if n > 1}
         if will_backward:
+            self.debt.owe()
             self._prefetch(self.back[: self.depth])
 
     def _prefetch_backward(self, k: int) -> None:
@@ -451,7 +493,7 @@ class Pipeline:
             work = self._exchange(k, buf)
         elif comms.shard is not None:
             counters.reduced_bytes += buf.numel() * buf.element_size()
-            work = comms.shard.all_reduce(buf)
+            work = comms.shard.all_reduce(buf, tag=self.tag(k))
         p = _Pending(k, buf, work, batch, out, held=held)
         self.reduces.append(p)
         return out
@@ -469,7 +511,7 @@ class Pipeline:
         send = buf[..., theirs.lo : theirs.hi].contiguous()
         got = torch.empty(*buf.shape[:-1], c.held, dtype=buf.dtype, device=buf.device)
         self.counters.reduced_bytes += send.numel() * send.element_size()
-        return comms.shard.swap(send, got, comms.pair), got
+        return comms.shard.swap(send, got, comms.pair, tag=self.tag(k)), got
 
     def _advance(self, p: _Pending) -> None:
         """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
@@ -490,7 +532,7 @@ class Pipeline:
         p.buf, p.work, p.phase = None, None, 2
         if comms.replica is not None:
             self.counters.replica_bytes += p.out.numel() * p.out.element_size()
-            p.work = comms.replica.all_reduce(p.out)
+            p.work = comms.replica.all_reduce(p.out, tag=self.tag(p.key))
 
     def _finish(self, p: _Pending) -> None:
         comms = self.comms
@@ -507,6 +549,11 @@ class Pipeline:
         """Wait for every reduction in flight: the gradient shards are complete after this."""
         while self.reduces:
             self._finish(self.reduces.popleft())
+
+    def end_backward(self) -> None:
+        """The backward has run (the shards' boundary): nothing of this call is owed any more."""
+        self.finish_reduces()
+        self.debt.settle()
 
     @_eager
     def reduce_now(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -621,7 +668,7 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
-        ctx.pipe.finish_reduces()
+        ctx.pipe.end_backward()
         return (None, *cts)
 
     @staticmethod

@@ -63,6 +63,10 @@ __all__ = [
     "size",
     "begin_epoch",
     "epoch",
+    "Segment",
+    "describe_token",
+    "owe",
+    "raise_if_failed_here",
     "count_call",
     "call_count",
     "wait",
@@ -176,10 +180,8 @@ class _GroupState:
         self.last_mode: bool | None = None  # the agreement setting at this rank's last header (None: none yet)
         self.held: list[Any] = []  # announcements' headers in flight (kept until they complete)
         self.waits = 0  # numbers this rank's waits, for the board
-        self.segment: _Segment | None = None  # the collectives since the last header
         self.recordings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # agreed sequences, LRU
         self.owed = 0  # collectives of an earlier call still to come on this group (a backward)
-        self.last_key: tuple | None = None  # the kind of the last call agreed on, for the next one's sequence
 
 
 _lock = threading.Lock()
@@ -203,6 +205,8 @@ _last: list[Any] = [None, None]
 
 def _state(group: dist.ProcessGroup | None) -> _GroupState:
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return _GroupState()  # no process group at all (a faked world): nothing to remember
     last_ref, last_st = _last
     if last_ref is not None and last_ref() is pg and last_st is not None:
         return last_st
@@ -457,13 +461,8 @@ def _announce(group: dist.ProcessGroup | None, st: _GroupState, what: str, e: Ba
     if st.owed > 0:  # a backward of an earlier call still owes its collectives: the peers will wait in them
         fail(group, what, e)
         return
-    try:
-        _close(group, st, what)  # the previous call's collectives are all there, or this is fatal
-    except MismatchError:
-        return  # _close has failed the group: the peers learn it from the channel
     call_ = st.agreed
     st.agreed += 1
-    st.last_key = None  # as on the peers, which learn of this failure at this call
     me = rank(group)
     failure = Failure(me, what, call_ + 1, type(e).__name__, _first_line(e), False)
     channel = _channel_of(st, group)
@@ -567,28 +566,79 @@ def _frame(st: _GroupState) -> _Frame | None:
 # --- sequences ------------------------------------------------------------------------------------
 
 
-class _Segment:
-    """The collectives a group carries from one header to the next, as tokens.
+class Segment:
+    """The collectives of one call that its header does not fix, as tokens (a fully sharded
+    forward's gathers, and its backward's gathers and reductions, whenever they run).
 
-    A header agrees on a call; most calls then issue collectives fixed by what was agreed (a tree's
-    buckets), but some issue a sequence that depends on what the code does (a fully sharded model
-    gathers and reduces its units as its forward and backward reach them). So the tokens of each
-    kind of call (the header's signature and function) are *learnt* the first time it runs, every
-    token agreed across the ranks before its collective is issued (a small all-reduce each, that
-    first time only), and later calls of that kind *check* each token locally, before the
-    collective, against the recording: a rank that would issue another collective, or stop short,
-    fails (fatal: its peers wait in collectives it will not join) instead of pairing its
-    collective with a different one on its peers.
+    The tokens of each kind of call (the header's signature and function) are *learnt* the first
+    time it runs, every token agreed across the ranks before its collective is issued (a small
+    all-reduce each, that first time only), and later calls of that kind *check* each token
+    locally, before the collective, against the recording: a rank that would issue another
+    collective, or ends the call short, fails (fatal: its peers wait in collectives it will not
+    join) instead of pairing its collective with a different one on its peers. A call's segment
+    travels with the call (the stage-3 pipeline holds it), so calls that interleave (several
+    forwards before their backwards: micro-batches) each follow their own recording.
     """
 
-    __slots__ = ("key", "what", "call", "learning", "tokens", "expected", "pos")
+    __slots__ = ("group", "state", "key", "what", "call", "learning", "tokens", "expected", "pos", "closed")
 
-    def __init__(self, key: tuple, what: str, call: int) -> None:
-        self.key, self.what, self.call = key, what, call
+    def __init__(self, group: dist.ProcessGroup | None, key: tuple, what: str, call: int) -> None:
+        self.group, self.key, self.what, self.call = group, key, what, call
+        self.state = _state(group)  # this epoch's: a call that outlives it (fddp.clear_caches) follows nothing
         self.learning: bool | None = None  # known once the header is agreed
         self.tokens: list[tuple] = []
         self.expected: tuple = ()
         self.pos = 0
+        self.closed = False
+
+    def issue(self, op: str, t: torch.Tensor, tag: str | None = None, numel: int | None = None) -> None:
+        """Say that this rank is about to issue collective ``op`` of ``t`` for this call (``tag``
+        names what it carries: a bucket of a unit; ``numel``, where ``t``'s size differs between
+        ranks, a size that does not). Learning, agree on it with the other ranks first; checking,
+        compare it with the recording and, where it differs, fail (every rank learns it) and raise.
+        """
+        if self.learning is None or self.closed or torch.compiler.is_compiling():
+            return  # the agreement off (nothing to follow), or a call whose sequence is over
+        st = _state(self.group)
+        if st is not self.state:
+            return
+        token = (op, tag, int(t.numel() if numel is None else numel), str(t.dtype).replace("torch.", ""))
+        if self.learning:
+            _agree_token(self.group, st, self, token)
+            self.tokens.append(token)
+            return
+        expected = self.expected[self.pos] if self.pos < len(self.expected) else None
+        if token != expected:
+            _deviate(self, f"is about to issue {describe_token(token)}", expected)
+        self.pos += 1
+
+    def close(self, doing: str = "ends the call") -> None:
+        """The call's collectives are over (its backward ran, or it has none): keep what was
+        learnt, or check that nothing agreed is missing."""
+        if self.closed or self.learning is None:
+            return
+        self.closed = True
+        st = _state(self.group)
+        if st is not self.state:
+            return  # the group's state was cleared (fddp.clear_caches) or a new epoch began since
+        if self.learning:
+            st.recordings[self.key] = tuple(self.tokens)
+            st.recordings.move_to_end(self.key)
+            if len(st.recordings) > _REMEMBERED:
+                st.recordings.popitem(last=False)
+        elif self.pos < len(self.expected):
+            _deviate(self, doing, self.expected[self.pos])
+
+    def drop(self) -> None:
+        """The call will never issue the rest (its graph was freed without its backward): where
+        the recording still expects collectives, the peers are, or will be, waiting in them: fail
+        (posted: the peers raise it, and this rank's next fddp call on the group does)."""
+        if torch.compiler.is_compiling() or not dist.is_initialized() or self.state.failed is not None:
+            return
+        try:
+            self.close("dropped a forward's graph without running its backward")
+        except MismatchError:
+            pass
 
 
 def describe_token(token: tuple) -> str:
@@ -599,50 +649,11 @@ def describe_token(token: tuple) -> str:
     return f"{article} {op}{where} ({numel} {dtype} values)"
 
 
-def issue(group: dist.ProcessGroup | None, op: str, t: torch.Tensor, tag: str | None = None, numel: int | None = None) -> None:
-    """Say that this rank is about to issue collective ``op`` of ``t`` on ``group`` (``tag`` names
-    what it carries: a bucket of a unit; ``numel``, where ``t``'s size differs between ranks, a
-    size that does not); see :class:`_Segment`.
-
-    Learning, this agrees on it with the other ranks first; checking, it compares it with the
-    recording and, where it differs, fails (every rank learns it) and raises.
-    """
-    if torch.compiler.is_compiling():
-        return
-    st = _state(group)
-    seg = st.segment
-    if seg is None or seg.learning is None:
-        return  # no header on this group yet, or none sent (the agreement off): nothing to follow
-    token = (op, tag, int(t.numel() if numel is None else numel), str(t.dtype).replace("torch.", ""))
-    if seg.learning:
-        _agree_token(group, st, seg, token)
-        seg.tokens.append(token)
-        return
-    expected = seg.expected[seg.pos] if seg.pos < len(seg.expected) else None
-    if token != expected:
-        _deviate(group, st, seg, f"is about to issue {describe_token(token)}", expected)
-    seg.pos += 1
-
-
 def owe(group: dist.ProcessGroup | None, n: int) -> None:
     """Count collectives of the current call still to come after it returns (``+1`` when a
     forward leaves a backward to run, ``-1`` when it has run): a failure meanwhile is fatal."""
     if not torch.compiler.is_compiling() and dist.is_initialized():
         _state(group).owed += n
-
-
-def dropped(group: dist.ProcessGroup | None, what: str) -> None:
-    """A call's backward will never run on this rank (its graph was dropped): where the agreed
-    sequence still expects its collectives, the peers are, or will be, waiting in them: fail."""
-    if torch.compiler.is_compiling() or not dist.is_initialized():
-        return
-    st = _state(group)
-    seg = st.segment
-    if st.failed is None and seg is not None and seg.learning is False and seg.pos < len(seg.expected):
-        try:
-            _deviate(group, st, seg, "dropped a forward's graph without running its backward", seg.expected[seg.pos])
-        except MismatchError:
-            pass  # posted: the peers raise it, and this rank's next call on the group does
 
 
 def raise_if_failed_here() -> None:
@@ -654,45 +665,25 @@ def raise_if_failed_here() -> None:
         _raise_if_failed(mine[0], mine[0].failed.what)
 
 
-def _deviate(group: dist.ProcessGroup | None, st: _GroupState, seg: _Segment, doing: str, expected: tuple | None) -> None:
+def _deviate(seg: Segment, doing: str, expected: tuple | None) -> None:
     n = seg.pos + 1
     agreed = f"{describe_token(expected)}" if expected is not None else "no further collective (the call's sequence is over)"
     e = MismatchError(
         f"fddp.{seg.what}: this rank {doing} as the {_ordinal(n)} collective of its call {seg.call + 1}, where the sequence "
         f"the ranks agreed on for this kind of call has {agreed}. The ranks must issue the same collectives in the same "
         "order: a forward that depends on this rank's data (a unit skipped or run in another order, an output left out "
-        "of one rank's loss, a different number of forwards before a backward) pairs them with different ones on the "
-        "other ranks. (fddp.set_checks(agreement=False) turns this check off, with the rest of the agreement.)"
+        "of one rank's loss) pairs them with different ones on the other ranks. (fddp.set_checks(agreement=False) turns "
+        "this check off, with the rest of the agreement.)"
     )
-    fail(group, seg.what, e)
+    fail(seg.group, seg.what, e)
     raise e
-
-
-def _close(group: dist.ProcessGroup | None, st: _GroupState, what: str) -> None:
-    """A header is about to go out on ``group``: the previous segment ends here."""
-    seg = st.segment
-    st.segment = None
-    if seg is None or seg.learning is None:
-        return
-    if seg.learning:
-        _remember_sequence(st, seg.key, tuple(seg.tokens))
-    elif seg.pos < len(seg.expected):
-        st.segment = seg  # named in the failure
-        _deviate(group, st, seg, f"starts fddp.{what}", seg.expected[seg.pos])
-
-
-def _remember_sequence(st: _GroupState, key: tuple, tokens: tuple) -> None:
-    st.recordings[key] = tokens
-    st.recordings.move_to_end(key)
-    if len(st.recordings) > _REMEMBERED:
-        st.recordings.popitem(last=False)
 
 
 def _ordinal(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
-def _agree_token(group: dist.ProcessGroup | None, st: _GroupState, seg: _Segment, token: tuple) -> None:
+def _agree_token(group: dist.ProcessGroup | None, st: _GroupState, seg: Segment, token: tuple) -> None:
     """Agree on one collective of a call being learnt: the same header, its fields the token's."""
     position = len(seg.tokens)
     h = [digest((seg.key, token)), position, _TOKEN, 0, int(_checks.agreement)]
@@ -869,11 +860,13 @@ class Agreed(NamedTuple):
         asked: some rank asked for the checks a new tree gets (``ask=True``), and the tree is new.
         drifted: the ranks run the same call, but the fingerprints of their values differ (the
             caller compares the values leaf by leaf, to name the first that differs).
+        segment: with ``sequenced=True``, the :class:`Segment` the call's further collectives follow.
     """
 
     new: bool
     asked: bool
     drifted: bool = False
+    segment: Segment | None = None
 
 
 def agree(
@@ -899,7 +892,7 @@ def agree(
         values: a :func:`fingerprint` of values that must be equal on every rank (0: none).
         sequenced: the call issues a sequence of collectives that its signature does not fix (a
             fully sharded forward and its backward): the ranks learn it, then check it before
-            each collective (:class:`_Segment`).
+            each collective (:class:`Segment`, in the result).
 
     Returns:
         :class:`Agreed`: whether the signature is new to some rank, and whether some rank asked
@@ -948,15 +941,8 @@ def start_agreement(
     # its peers' headers with its buckets.
     if n > 1 and (_checks.agreement or new or st.last_mode is not False):
         name = _name_digest(what)
-        # A sequence is learnt per kind of call and per the kind before it: a forward whose
-        # backward comes after another forward (micro-batches) is a kind of its own.
-        key = (signature, name, st.last_key)
-        st.last_key = (signature, name)
-        if _checks.agreement:
-            _close(group, st, what)  # the previous call's collectives are over: were they all there?
-            st.segment = _Segment(key, what, call_) if sequenced else None
-        else:
-            st.segment = None
+        key = (signature, name)
+        segment = Segment(group, key, what, call_) if sequenced and _checks.agreement else None
         if frame is not None:
             frame.sent = True
         st.last_mode = _checks.agreement
@@ -965,9 +951,8 @@ def start_agreement(
         learn = int(sequenced and _checks.agreement and key not in st.recordings)
         h = [signature, call_, name, printed, mode]
         t = torch.tensor(h + [-x for x in h] + [int(new), int(asked), 0, learn], dtype=torch.int64, device=collective_device(group))
-        context = (group, what, st, signature, call_, rows, name_difference, replicas, bool(printed))
+        context = (group, what, st, signature, call_, rows, name_difference, replicas, bool(printed), segment)
         return Agreement(t, _exchange(t, group, what), None, context)
-    st.segment = None
     _remember(st, signature, replicas)
     return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
 
@@ -1025,7 +1010,7 @@ class Agreement:
         """
         if self.result is not None:
             return self.result
-        group, what, st, signature, call_, rows, name_difference, replicas, printed = self.context
+        group, what, st, signature, call_, rows, name_difference, replicas, printed, segment = self.context
         wait(self.work, group, what, "the agreement on this call")
         h = self.header.tolist()
         if h[_FAILED]:
@@ -1040,19 +1025,17 @@ class Agreement:
         if printed or h[_PRINT] != 0:
             replicas = True if equal and replicas is not False else (replicas is True)
         _remember(st, signature, replicas)
-        seg = st.segment
-        if seg is not None and seg.call == call_ and seg.learning is None:
-            seg.learning = bool(h[_LEARN])  # every rank's answer: one without the recording makes all learn
-            if not seg.learning:
-                seg.expected = st.recordings[seg.key]
-                st.recordings.move_to_end(seg.key)
-        self.result = Agreed(bool(h[_NEW]), bool(h[_ASKED]), drifted)
+        if segment is not None:
+            segment.learning = bool(h[_LEARN])  # every rank's answer: one without the recording makes all learn
+            if not segment.learning:
+                segment.expected = st.recordings[segment.key]
+                st.recordings.move_to_end(segment.key)
+        self.result = Agreed(bool(h[_NEW]), bool(h[_ASKED]), drifted, segment)
         return self.result
 
 
 def _raise_announced(group: dist.ProcessGroup | None, st: _GroupState, what: str, call_: int, failed: int) -> None:
     """A peer announced its failure in place of this call's header: raise it here."""
-    st.last_key, st.segment = None, None  # as on the failing rank
     channel = _channel_of(st, group)
     unread = Failure(failed - 1, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
     raise _peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp._dist import collective_device, issue, rank, size, wait
+from fddp._dist import Segment, collective_device, rank, size, wait
 from fddp._layout import BucketPlan
 
 __all__ = ["Comm"]
@@ -45,11 +45,18 @@ class Comm:
         self.weight_sum: torch.Tensor | None = None
         self.bytes_sent = 0
         self.collectives = 0
+        # The call's sequence of collectives, where its header does not fix them (a fully sharded
+        # forward's): each collective is checked against it before it is issued.
+        self.segment: Segment | None = None
 
     @property
     def device(self) -> torch.device:
         """Where small tensors for this group's collectives must live."""
         return collective_device(self.group)
+
+    def _issue(self, op: str, t: torch.Tensor, tag: str | None, numel: int | None = None) -> None:
+        if self.segment is not None:
+            self.segment.issue(op, t, tag, numel)
 
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_sent += t.numel() * t.element_size()
@@ -68,7 +75,7 @@ class Comm:
         self._count(t)
         if torch.compiler.is_compiling():
             return _TracedAllReduce(t, op, self.group)
-        issue(self.group, f"all-reduce ({op})", t, tag)
+        self._issue(f"all-reduce ({op})", t, tag)
         return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
 
     def all_gather(self, t: torch.Tensor, tag: str | None = None) -> tuple[torch.Tensor, Any]:
@@ -80,7 +87,7 @@ class Comm:
             >>> bucket.comm.wait(work, "the gather")
         """
         self._count(t)
-        issue(self.group, "all-gather", t, tag)
+        self._issue("all-gather", t, tag)
         flat = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
         work = _all_gather_single(flat, t.contiguous().reshape(-1), group=self.group, async_op=True)
         return flat.view(self.world_size, *t.shape), work
@@ -101,7 +108,7 @@ class Comm:
         if dist.get_backend(self.group) == "gloo":
             self._check_parts("a reduce-scatter", t, out)
             self._count(t)
-            issue(self.group, "reduce-scatter", t, tag)
+            self._issue("reduce-scatter", t, tag)
             return _SlicedReduce(out, t.clone(), self.rank, self.group)
         return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out, tag=tag)
 
@@ -121,7 +128,7 @@ class Comm:
         """Check that ``whole`` holds ``world_size`` parts, count ``t``, start ``op(out, t)``."""
         self._check_parts(collective, whole, part)
         self._count(t)
-        issue(self.group, collective.split(" ", 1)[1], t, tag)
+        self._issue(collective.split(" ", 1)[1], t, tag)
         return op(out, t, group=self.group, async_op=True)
 
     def _check_parts(self, collective: str, whole: torch.Tensor, part: torch.Tensor) -> None:
@@ -144,7 +151,7 @@ class Comm:
             >>> bucket.comm.wait(work, "the exchange")
         """
         self._count(send)
-        issue(self.group, "exchange", send, tag, numel=send.numel() + got.numel())  # the halves differ, their sum does not
+        self._issue("exchange", send, tag, numel=send.numel() + got.numel())  # the halves differ, their sum does not
         sizes_in = [send.numel() if r == peer else 0 for r in range(self.world_size)]
         sizes_out = [got.numel() if r == peer else 0 for r in range(self.world_size)]
         return dist.all_to_all_single(
@@ -154,7 +161,7 @@ class Comm:
     def broadcast(self, t: torch.Tensor, src: int, tag: str | None = None) -> Any:
         """Start a broadcast of ``t`` from ``src`` (a rank of the group), in place; return its work."""
         self._count(t)
-        issue(self.group, "broadcast", t, tag)
+        self._issue("broadcast", t, tag)
         global_src = src if self.group is None else dist.get_global_rank(self.group, src)
         return dist.broadcast(t, src=global_src, group=self.group, async_op=True)
 

@@ -209,14 +209,17 @@ class _Comms:
 
 
 class _Debt:
-    """Whether a call's backward still owes its collectives to the layout's groups (``fddp._dist.owe``)."""
+    """What a call still owes its layout's groups: the collectives of a backward still to run
+    (``fddp._dist.owe``: a failure meanwhile is fatal), and the end of its agreed sequences
+    (``fddp._dist.Segment``: the shard group's and, with hybrid sharding, the replica group's)."""
 
-    __slots__ = ("groups", "what", "owing")
+    __slots__ = ("groups", "segments", "owing")
 
-    def __init__(self, lay: shard_layout.ShardLayout, what: str) -> None:
+    def __init__(self, lay: shard_layout.ShardLayout, segments: Sequence[Any]) -> None:
         replica_group = getattr(lay, "replica_group", None)
         self.groups = [lay.group] + ([replica_group] if replica_group is not None else [])
-        self.what, self.owing = what, False
+        self.segments = [s for s in segments if s is not None]
+        self.owing = False
 
     def owe(self) -> None:
         if not self.owing and dist.is_initialized():
@@ -225,16 +228,21 @@ class _Debt:
                 _dist.owe(g, 1)
 
     def settle(self, dropped: bool = False) -> None:
-        """The backward ran; or, ``dropped``, the pipeline died without it (its graph was freed)."""
-        if self.owing:
-            self.owing = False
-            for g in self.groups:
-                try:
+        """The call's collectives are over: its backward ran (or it has none); or, ``dropped``,
+        the pipeline died without it (its graph was freed): the peers may be waiting in them."""
+        try:
+            if self.owing:
+                self.owing = False
+                for g in self.groups:
                     _dist.owe(g, -1)
-                    if dropped:
-                        _dist.dropped(g, self.what)  # the peers may be waiting in its collectives
-                except Exception:  # noqa: BLE001 - at interpreter exit the group may be gone
-                    pass
+            for seg in self.segments:
+                seg.drop() if dropped else seg.close()
+        except _dist.MismatchError:
+            if not dropped:
+                raise
+        except Exception:  # noqa: BLE001 - a finalizer at interpreter exit: the group may be gone
+            if not dropped:
+                raise
 
 
 class Pipeline:
@@ -252,6 +260,7 @@ class Pipeline:
     def __init__(
         self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
         order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
+        segments: Sequence[Any] = (),
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
         # remat="params": the buckets' memory is given back after their unit's forward and gathered
@@ -261,6 +270,11 @@ class Pipeline:
         self.done: dict[int, _Released] = {}  # gathered into again, until their gradient is reduced
         self.last: dict[int, _Pending] = {}  # each bucket's latest forward gather
         self.comms = _Comms(lay, what)
+        # The header's agreed sequences: every gather and reduction is checked against them.
+        if segments and self.comms.shard is not None:
+            self.comms.shard.segment = segments[0]
+        if len(segments) > 1 and self.comms.replica is not None:
+            self.comms.replica.segment = segments[1]
         self.plains = [plain(s) for s in shards]
         self.order = list(order)  # the predicted forward sequence of buckets
         self.remat = remat  # buckets gathered again in backward
@@ -274,9 +288,9 @@ class Pipeline:
         self.back: list[int] | None = None  # the backward sequence, once backward starts
         self.bcursor = 0
         # The backward this forward leaves to run owes its collectives to the groups: a failure
-        # before it has run is fatal for them (fddp._dist.owe). Settled by the backward, or when
-        # the pipeline is dropped without one (the finalizer).
-        self.debt = _Debt(lay, what)
+        # before it has run is fatal for them. Settled by the backward (or at the forward's end
+        # when there is none), or when the pipeline is dropped without one (the finalizer).
+        self.debt = _Debt(lay, segments)
         weakref.finalize(self, self.debt.settle, True)
 
     def tag(self, k: int) -> str:
@@ -444,6 +458,8 @@ class Pipeline:
         if will_backward:
             self.debt.owe()
             self._prefetch(self.back[: self.depth])
+        else:
+            self.debt.settle()  # an evaluation forward: its collectives are over
 
     def _prefetch_backward(self, k: int) -> None:
         back = self.back if self.back is not None else []

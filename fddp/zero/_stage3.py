@@ -74,21 +74,25 @@ if shard_layout.Sharded not in torch_pytree.SUPPORTED_NODES:
     torch_pytree.register_pytree_node(shard_layout.Sharded, _torch_flatten, _torch_unflatten, serialized_type_name="fddp.zero.Sharded")
 
 
-def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequence[Any], sequenced: bool = False) -> None:
-    """Raise ``fddp.MismatchError`` on every rank of each group unless its ranks hold the same rows."""
-    for g in groups:
-        _signature.check(_signature.signature_digest((what, key), rows), rows, g, what, sequenced=sequenced)
+def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequence[Any], sequenced: bool = False) -> list[Any]:
+    """Raise ``fddp.MismatchError`` on every rank of each group unless its ranks hold the same rows;
+    return each group's agreed sequence (``fddp._dist.Segment``, with ``sequenced``; else None)."""
+    return [
+        _signature.check(_signature.signature_digest((what, key), rows), rows, g, what, sequenced=sequenced).segment
+        for g in groups
+    ]
 
 
-def _agree_on(lay: UnitLayout, what: str, kind: tuple[tuple, ...] = (), sequenced: bool = False) -> None:
+def _agree_on(lay: UnitLayout, what: str, kind: tuple[tuple, ...] = (), sequenced: bool = False) -> list[Any]:
     """Agree on a call across the shard group and, with hybrid sharding, across the replica group,
     whose members must also hold the same place in their shard groups. ``kind``: rows that say
     which model and what kind of call (a forward's): part of the signature. ``sequenced``: the
-    collectives that follow are learnt and checked as a sequence (``fddp._dist.issue``)."""
-    _agree(what, (lay, kind), lambda: [*kind, *lay.describe()], [lay.group], sequenced)
+    collectives that follow are learnt and checked as a sequence; returns the groups' segments."""
+    segments = _agree(what, (lay, kind), lambda: [*kind, *lay.describe()], [lay.group], sequenced)
     if lay.replica_group is not None:
         rows = lambda: [*kind, *lay.describe(), ("shard rank", str(lay.rank), None)]  # noqa: E731
-        _agree(what, (lay, kind, "replica"), rows, [lay.replica_group], sequenced)
+        segments += _agree(what, (lay, kind, "replica"), rows, [lay.replica_group], sequenced)
+    return segments
 
 
 # ----------------------------------------------------------------------------- the unit as a Function
@@ -439,9 +443,9 @@ class FullyShardedForward:
             # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
             # kind of call runs, then checked before each one, so that a rank that runs its units
             # otherwise fails at once instead of pairing them with its peers' other units.
-            _agree_on(lay, "zero.fully_shard", self._kind(differentiated), sequenced=True)
+            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated), sequenced=True)
             self._buffers.start(self.model)
-            out = self._forward(lay, shards, differentiated, args, kwargs)
+            out = self._forward(lay, shards, differentiated, segments, args, kwargs)
             self._buffers.check(self.model)
             return out
 
@@ -454,10 +458,12 @@ class FullyShardedForward:
             ("prefetch order", f"{_dist.digest(tuple(self._order)):016x}", None),
         )
 
-    def _forward(self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, args: tuple, kwargs: dict) -> Any:
+    def _forward(
+        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, segments: list[Any], args: tuple, kwargs: dict
+    ) -> Any:
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
-            release=self.remat == "params",
+            release=self.remat == "params", segments=segments,
         )  # fmt: skip
         leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated)
@@ -707,7 +713,6 @@ def _broadcast_replicas(lay: UnitLayout, shards: list[torch.Tensor]) -> None:
         bases[id(base)] = base
     src = dist.get_global_rank(lay.replica_group, 0)
     for base in bases.values():
-        _dist.issue(lay.replica_group, "broadcast", base, "the first replica's shards")
         work = dist.broadcast(base, src=src, group=lay.replica_group, async_op=True)
         _dist.wait(work, lay.replica_group, "zero.fully_shard", "the broadcast of the first replica's shards")
 

@@ -15,6 +15,7 @@ Example:
 
 from fddp import checkpoint, diloco, optim, scaling, zero
 from fddp._dist import Checks, checks, set_checks
+from fddp.batchnorm import SyncBatchNorm, sync_batchnorm
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.no_sync import GradAccumulator, accumulate_grads
@@ -49,6 +50,7 @@ __all__ = [
     "MismatchError",
     "PowerSGD",
     "PowerSGDState",
+    "SyncBatchNorm",
     "SyncInfo",
     "accumulate_grads",
     "apply_if_finite",
@@ -74,6 +76,7 @@ __all__ = [
     "scaling",
     "set_checks",
     "shutdown",
+    "sync_batchnorm",
     "sync_buffers",
     "verify_replicas",
     "world_size",

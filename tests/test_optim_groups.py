@@ -226,8 +226,19 @@ def test_labels_as_a_prefix_tree_and_the_paths_errors_name():
     updates, state = opt.update(grads, opt.init(params), params)
     assert torch.equal(updates["body"]["b"], grads["body"]["b"] * -0.1)
     assert torch.equal(updates["head"]["w"], grads["head"]["w"] * -1.0)
-    # The group's own tree keeps the parameters' paths: its state's leaves sit where they would.
-    assert isinstance(state.inner_states["a"].count, torch.Tensor)
+    # A nested tree's groups see it with a MaskedNode for every other leaf: the paths stay, the
+    # fused step runs per group, and the state checkpoints.
+    adam = optim.multi_transform({"a": optim.adamw(1e-2), "b": optim.adamw(1e-3)}, {"body": "a", "head": "b"})
+    s0 = adam.init(params)
+    assert isinstance(s0.inner_states["a"].exp_avg["head"]["w"], optim.MaskedNode)
+    fused, s1 = optim.apply_gradients(adam, grads, s0, params)
+    u, s2 = adam.update(grads, s0, params)
+    for a, b in zip(optree.tree_leaves((fused, s1)), optree.tree_leaves((optim.apply_updates(params, u), s2))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    with tempfile.TemporaryDirectory() as d:
+        fddp.checkpoint.save(os.path.join(d, "s.pt"), s1)
+        loaded = fddp.checkpoint.load(os.path.join(d, "s.pt"), like=s1)
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(loaded), optree.tree_leaves(s1)))
     with pytest.raises(ValueError, match=r"leaf 'head/w' has the label 'c', which is not one of the transforms \('a', 'b'\)"):
         optim.multi_transform({"a": optim.sgd(0.1), "b": optim.sgd(1.0)}, {"body": "a", "head": "c"}).init(params)
     with pytest.raises(ValueError, match="prefix"):

@@ -12,6 +12,7 @@ call per dtype and device, as ``torch.optim.*(fused=True)`` runs once per param 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Hashable, Mapping, NamedTuple
 
 import optree
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor
 
 from fddp._layout import has_split
+from fddp._tree import specs_of
 
 from . import _flat as flat
 from ._base import Applied, Apply, EmptyState, GradientTransformation, GradientTransformationExtraArgs, apply_updates
@@ -39,7 +41,13 @@ __all__ = [
 class MaskedNode(NamedTuple):
     """Stands for a leaf outside a group, in the tree that group's transformation sees: a node
     with no leaves, so the tree flattens to the group's leaves alone and keeps their paths
-    (optax's ``MaskedNode``)."""
+    (optax's ``MaskedNode``). A flat dict of parameters needs none: a group's tree is the dict of
+    its own keys.
+
+    Example:
+        >>> optree.tree_leaves({"w": torch.ones(2), "b": fddp.optim.MaskedNode()}, none_is_leaf=True)
+        [tensor([1., 1.])]
+    """
 
 
 _MASKED = MaskedNode()
@@ -69,10 +77,12 @@ Labels = Any  # a tree of labels shaped like the parameters (or a prefix of it),
 
 
 def by_path(fn: Callable[[str, Tensor], Any], /) -> Callable[[PyTree], PyTree]:
-    """A labels (or mask) function that decides leaf by leaf from each leaf's path and value.
+    """A labels (or mask) function that decides leaf by leaf from each leaf's path and shape.
 
     The path is fddp's one format: the keys from the root joined by ``/``, so a parameter of
     :func:`fddp.functionalize` is its ``named_parameters()`` name (``"blocks.0.ln1.weight"``).
+    ``fn`` may read the leaf's shape, ``ndim`` and dtype, not its values: its answers are
+    remembered per tree structure and leaf shapes, so a training loop calls it once per leaf.
 
     Args:
         fn: ``fn(path, leaf) -> label`` (a bool, for a mask).
@@ -89,46 +99,74 @@ def by_path(fn: Callable[[str, Tensor], Any], /) -> Callable[[PyTree], PyTree]:
     return _ByPath(fn)
 
 
-class _ByPath(NamedTuple):
-    fn: Callable[[str, Tensor], Any]
+class _ByPath:
+    """``by_path``'s function; its labels remembered per (structure, leaf specs), a few at a time."""
+
+    _KEPT = 8  # trees one optimizer meets: the parameters, under vmap a member's, a test's
+
+    def __init__(self, fn: Callable[[str, Tensor], Any]) -> None:
+        self.fn = fn
+        self.known: dict = {}
 
     def __call__(self, tree: PyTree) -> PyTree:
         leaves, treedef = flatten(tree)
-        return optree.tree_unflatten(treedef, [self.fn(p, x) for p, x in zip(paths_of(treedef), leaves)])
+        return optree.tree_unflatten(treedef, self.labels(leaves, treedef))
+
+    def labels(self, leaves: list, treedef: optree.PyTreeSpec) -> list:
+        key = (treedef, specs_of(leaves))
+        found = self.known.get(key)
+        if found is None:
+            found = [self.fn(p, x) for p, x in zip(paths_of(treedef), leaves)]
+            if len(self.known) >= self._KEPT:
+                self.known.pop(next(iter(self.known)))
+            self.known[key] = found
+        return found
 
 
 class _Partition:
-    """Each leaf's label, and the leaves of each label, for one tree structure."""
+    """Each leaf's label, and the leaves of each label, for one tree structure.
 
-    def __init__(self, treedef: optree.PyTreeSpec, labels: list) -> None:
+    A group's tree is the parameters' tree with a :class:`MaskedNode` for every other leaf; for a
+    flat dict (``fddp.functionalize``'s parameters) it is the dict of the group's own keys, which
+    has the same paths and flattens on fddp's fast path.
+    """
+
+    def __init__(self, treedef: optree.PyTreeSpec, labels: list, keys: tuple | None) -> None:
         self.treedef = treedef
         self.labels = labels
+        self.keys = keys  # a flat dict's keys in flatten order, else None
         self.groups: dict[Any, list[int]] = {}
         for i, label in enumerate(labels):
             self.groups.setdefault(label, []).append(i)
 
     def tree(self, leaves: list, label: Hashable) -> PyTree:
-        """The tree of this label's leaves, a :class:`MaskedNode` in place of every other leaf."""
+        """The tree of this label's leaves."""
+        if self.keys is not None:
+            keys = self.keys
+            return {keys[i]: leaves[i] for i in self.groups.get(label, ())}
         labels = self.labels
         return optree.tree_unflatten(self.treedef, [x if labels[i] == label else _MASKED for i, x in enumerate(leaves)])
 
-    def merge(self, parts: Mapping[Any, PyTree], fill: list | None = None) -> PyTree:
-        """One tree from each label's tree of its leaves (``fill``'s leaves for labels not in ``parts``)."""
-        out = list(fill) if fill is not None else [None] * len(self.labels)
+    def merge(self, parts: Mapping[Any, PyTree]) -> PyTree:
+        """One tree from each label's tree of its leaves (every label's, or the leaves are None)."""
+        out = [None] * len(self.labels)
         for label, tree in parts.items():
-            leaves = flatten(tree)[0]
-            for i, x in zip(self.groups[label], leaves):
+            for i, x in zip(self.groups[label], flatten(tree)[0]):
                 out[i] = x
         return optree.tree_unflatten(self.treedef, out)
 
 
-def _partition(labels: Labels, tree: PyTree, treedef: optree.PyTreeSpec, where: str) -> _Partition:
+def _partition(labels: Labels, tree: PyTree, leaves: list, treedef: optree.PyTreeSpec, where: str) -> _Partition:
     if has_split(treedef):
         raise TypeError(
             f"{where}: labels and masks choose leaves of the parameters, but this tree holds fddp.zero's shards "
             "(slices of flat buckets, not leaves); groups are not supported on sharded trees: run the grouped "
             "optimizer on replicated parameters, or shard without groups"
         )
+    flat_dict = type(tree) is dict and all(map(isinstance, tree.values(), itertools.repeat(Tensor)))
+    keys = tuple(treedef.entries()) if flat_dict else None
+    if isinstance(labels, _ByPath):
+        return _Partition(treedef, labels.labels(leaves, treedef), keys)
     given = labels(tree) if callable(labels) else labels
     try:
         full = optree.tree_broadcast_prefix(given, tree, none_is_leaf=True)
@@ -137,7 +175,7 @@ def _partition(labels: Labels, tree: PyTree, treedef: optree.PyTreeSpec, where: 
             f"{where}: the labels must be a tree shaped like the parameters, or a prefix of it (one label for a "
             f"whole subtree), or a function returning one: {e}"
         ) from None
-    return _Partition(treedef, flatten(full)[0])
+    return _Partition(treedef, flatten(full)[0], keys)
 
 
 def _check_labels(part: _Partition, known: Mapping, where: str, what: str = "transforms") -> None:
@@ -231,7 +269,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
 
     def init(params: Params) -> MultiTransformState:
         leaves, treedef = flatten(params)
-        part = _partition(labels, params, treedef, "multi_transform.init")
+        part = _partition(labels, params, leaves, treedef, "multi_transform.init")
         _check_labels(part, transforms, "multi_transform.init")
         return MultiTransformState({label: t.init(part.tree(leaves, label)) for label, t in transforms.items()})
 
@@ -243,7 +281,7 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
                 f"multi_transform has {list(transforms)}; was the state made by another optimizer's init?"
             )
         gs, ps, treedef = _leaves(grads, params, where)
-        part = _partition(labels, params if params is not None else grads, treedef, where)
+        part = _partition(labels, params if params is not None else grads, ps if ps is not None else gs, treedef, where)
         _check_labels(part, transforms, where)
         apply = extra.get("apply") is not None and ps is not None
         states = dict(state.inner_states)
@@ -287,14 +325,14 @@ def masked(inner: GradientTransformation, mask: Labels, /) -> GradientTransforma
 
     def init(params: Params) -> MaskedState:
         leaves, treedef = flatten(params)
-        part = _partition(mask, params, treedef, "masked.init")
+        part = _partition(mask, params, leaves, treedef, "masked.init")
         _check_labels(part, bools, "masked.init", "mask values")
         return MaskedState(inner.init(part.tree(leaves, True)))
 
     def update(grads: Updates, state: MaskedState, params: Params | None = None, **extra: Any) -> tuple[Any, MaskedState]:
         check_state(state, MaskedState, where, grads=grads, params=params)
         gs, ps, treedef = _leaves(grads, params, where)
-        part = _partition(mask, params if params is not None else grads, treedef, where)
+        part = _partition(mask, params if params is not None else grads, ps if ps is not None else gs, treedef, where)
         _check_labels(part, bools, where, "mask values")
         apply = extra.get("apply") is not None and ps is not None
         if True not in part.groups:
@@ -353,7 +391,7 @@ def grouped(transforms: Mapping[Hashable, GradientTransformation], labels: Label
 
     def update(grads: Updates, state: OptState, params: Params | None = None, **extra: Any) -> tuple[Any, OptState]:
         gs, ps, treedef = _leaves(grads, params, f"{where}.update")
-        part = _partition(labels, params if params is not None else grads, treedef, f"{where}.update")
+        part = _partition(labels, params if params is not None else grads, ps if ps is not None else gs, treedef, f"{where}.update")
         _check_labels(part, transforms, f"{where}.update", "mask values")
         if len(part.groups) == 1:  # every leaf in one group: that transformation on the whole tree
             (label,) = part.groups

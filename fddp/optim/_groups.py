@@ -393,8 +393,8 @@ def grouped(transforms: Mapping[Hashable, GradientTransformation], labels: Label
         gs, ps, treedef = _leaves(grads, params, f"{where}.update")
         part = _partition(labels, params if params is not None else grads, ps if ps is not None else gs, treedef, f"{where}.update")
         _check_labels(part, transforms, f"{where}.update", "mask values")
-        if len(part.groups) == 1:  # every leaf in one group: that transformation on the whole tree
-            (label,) = part.groups
+        if len(part.groups) <= 1:  # every leaf in one group (or none): that transformation on the whole tree
+            label = next(iter(part.groups), next(iter(transforms)))
             return _run_group(transforms[label], label, grads, state, params, extra)
         if not (isinstance(state, tuple) and hasattr(type(state), "_fields")):
             raise TypeError(f"{where}.update: expected this optimizer's state (from its init), got {describe(state)}")

@@ -106,10 +106,16 @@ def inject_hyperparams(
                 values[key] = _as_state(schedule(count), key)
             return values
 
+        last: list = [None, None]  # the latest values and the optimizer made from them: most steps change nothing
+
         def inner(values: dict) -> GradientTransformation:
-            t = make(**static, **{k: _as_number(v) for k, v in values.items()})
+            numbers = {k: _as_number(v) for k, v in values.items()}
+            if numbers == last[0]:
+                return last[1]
+            t = make(**static, **numbers)
             if not isinstance(t, GradientTransformation):
                 raise TypeError(f"inject_hyperparams: {name}(...) must return a GradientTransformation, got {describe(t)}")
+            last[0], last[1] = numbers, t
             return t
 
         first = values_at(torch.zeros((), dtype=torch.int64), {k: _as_state(v, k) for k, v in numbers.items()})

@@ -131,12 +131,17 @@ class _Partition:
     has the same paths and flattens on fddp's fast path.
     """
 
-    def __init__(self, treedef: optree.PyTreeSpec, labels: list, keys: tuple | None) -> None:
+    def __init__(self, treedef: optree.PyTreeSpec, labels: list, keys: tuple | None, where: str) -> None:
         self.treedef = treedef
         self.labels = labels
         self.keys = keys  # a flat dict's keys in flatten order, else None
         self.groups: dict[Any, list[int]] = {}
         for i, label in enumerate(labels):
+            if not _hashable(label):
+                raise TypeError(
+                    f"{where}: leaf {paths_of(treedef)[i]!r} has the label {label!r}; a label is a plain hashable "
+                    "value such as a str or a bool (for a mask, a Python bool: p.ndim >= 2, not a tensor)"
+                )
             self.groups.setdefault(label, []).append(i)
 
     def tree(self, leaves: list, label: Hashable) -> PyTree:
@@ -166,7 +171,7 @@ def _partition(labels: Labels, tree: PyTree, leaves: list, treedef: optree.PyTre
     flat_dict = type(tree) is dict and all(map(isinstance, tree.values(), itertools.repeat(Tensor)))
     keys = tuple(treedef.entries()) if flat_dict else None
     if isinstance(labels, _ByPath):
-        return _Partition(treedef, labels.labels(leaves, treedef), keys)
+        return _Partition(treedef, labels.labels(leaves, treedef), keys, where)
     given = labels(tree) if callable(labels) else labels
     try:
         full = optree.tree_broadcast_prefix(given, tree, none_is_leaf=True)
@@ -175,12 +180,12 @@ def _partition(labels: Labels, tree: PyTree, leaves: list, treedef: optree.PyTre
             f"{where}: the labels must be a tree shaped like the parameters, or a prefix of it (one label for a "
             f"whole subtree), or a function returning one: {e}"
         ) from None
-    return _Partition(treedef, flatten(full)[0], keys)
+    return _Partition(treedef, flatten(full)[0], keys, where)
 
 
 def _check_labels(part: _Partition, known: Mapping, where: str, what: str = "transforms") -> None:
     for label, idx in part.groups.items():
-        if not _hashable(label) or label not in known:
+        if label not in known:
             name = paths_of(part.treedef)[idx[0]]
             raise ValueError(
                 f"{where}: leaf {name!r} has the label {label!r}, which is not one of the {what} "
@@ -414,5 +419,10 @@ def grouped(transforms: Mapping[Hashable, GradientTransformation], labels: Label
             new_fields.append(part.merge({label: st[k] for label, st in states.items()}) if s else f)
         return (Applied(merged) if apply else merged), type(state)(*new_fields)
 
-    return GradientTransformationExtraArgs(first.init, update)
+    def init(params: Params) -> OptState:
+        leaves, treedef = flatten(params)
+        _check_labels(_partition(labels, params, leaves, treedef, f"{where}.init"), transforms, f"{where}.init", "mask values")
+        return first.init(params)
+
+    return GradientTransformationExtraArgs(init, update)
 

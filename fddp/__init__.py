@@ -14,7 +14,7 @@ Example:
 """
 
 from fddp import checkpoint, diloco, optim, scaling, zero
-from fddp._dist import Checks, checks, set_checks
+from fddp._dist import Checks, PeerError, checks, set_checks
 from fddp.batchnorm import SyncBatchNorm, sync_batchnorm
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
@@ -48,6 +48,7 @@ __all__ = [
     "Join",
     "LossScaleState",
     "MismatchError",
+    "PeerError",
     "PowerSGD",
     "PowerSGDState",
     "SyncBatchNorm",

@@ -177,16 +177,16 @@ def sync_batch_norm(
                 "fddp.SyncBatchNorm cannot run inside torch.func.vmap (its statistics would mix the members' batches "
                 "with the ranks'); use one model per vmap member with plain BatchNorm, or no vmap"
             )
-    with _dist.exclusive(group, _WHAT):
+    with _dist.call(group, _WHAT):
         _agree(x, group, name)
         y, *_ = _SyncBatchNorm.apply(x, weight, bias, running_mean, running_var, eps, momentum, group, name)
     return y
 
 
-def _agree(x: Tensor, group: dist.ProcessGroup | None, name: str) -> None:
+def _agree(x: Tensor, group: dist.ProcessGroup | None, name: str, what: str = _WHAT) -> None:
     """Agree with the other ranks on this call before its all-gather (a rank out of step raises here)."""
-    _dist.count_call(group, _WHAT)
-    key = (_WHAT, name, x.shape[1], x.dtype, x.device.type)
+    _dist.count_call(group, what)
+    key = (what, name, x.shape[1], x.dtype, x.device.type)
 
     def rows() -> list[tuple]:
         return [
@@ -195,7 +195,7 @@ def _agree(x: Tensor, group: dist.ProcessGroup | None, name: str) -> None:
             ("option input", f"dtype={x.dtype} device={x.device.type}", None),
         ]
 
-    _signature.check(_signature.signature_digest(key, rows), rows, group, _WHAT)
+    _signature.check(_signature.signature_digest(key, rows), rows, group, what)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -286,9 +286,14 @@ class _SumOverRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(t, group, name):
-        out = t.clone()
-        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        _dist.wait(work, group, _WHAT, f"the backward all-reduce of {_label(name)}")
+        # A call of its own, agreed like the forward's: a rank whose loss leaves this layer out
+        # (no backward here) meets its peers' header with another call's, and every rank raises.
+        what = f"{_WHAT} (backward)"
+        with _dist.call(group, what):
+            _agree(t.view(1, -1), group, name, what)
+            out = t.clone()
+            work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            _dist.wait(work, group, what, f"the backward all-reduce of {_label(name)}")
         return out
 
     @staticmethod

@@ -87,11 +87,11 @@ def start(
         >>> pending = start(params, pseudo_grads, what="diloco.step")
         >>> mean, info = pending.wait()
     """
-    sync_options = make_options(what, **options, return_info=True, weighted=weight is not None)
-    w = None if weight is None else as_weight(weight, what)
-    check_state(sync_options, compression_state, what, options.get("compression"))
-    options = sync_options
-    with _dist.exclusive(options.group, what):  # the collectives are issued here; only their waits come later
+    with _dist.call(options.get("group"), what):  # the collectives are issued here; only their waits come later
+        sync_options = make_options(what, **options, return_info=True, weighted=weight is not None)
+        w = None if weight is None else as_weight(weight, what)
+        check_state(sync_options, compression_state, what, options.get("compression"))
+        options = sync_options
         sync = setup(params, options, what, compression_state, weight=w)
         reducer = sync.reducer(compression_state)
         reducer.push([g.detach() for g in optree.tree_leaves(grads, none_is_leaf=True)])
@@ -109,6 +109,6 @@ def agree(rows: Sequence[tuple[str, str]], group: dist.ProcessGroup | None, what
         >>> agree([("every", "8"), ("fragments", "1")], None, "diloco.step")
     """
     described = [(f"option {name}", value, None) for name, value in rows]
-    with _dist.exclusive(group, what):
+    with _dist.call(group, what):
         _dist.count_call(group, what)
         _signature.check(_signature.signature_digest((what, tuple(described)), lambda: described), lambda: described, group, what)

@@ -120,7 +120,7 @@ def _marked_blocks(path: Path, marker: str) -> list[str]:
 
 def test_concepts_loops_run(tmp_path: Path) -> None:
     blocks = _marked_blocks(ROOT / "docs" / "concepts.md", "run by tests/test_docs.py")
-    assert len(blocks) == 2, "the Join and PowerSGD loops"
+    assert len(blocks) == 3, "the Join, PowerSGD and injected-hyperparameter loops"
     for i, block in enumerate(blocks):
         script = tmp_path / f"loop{i}.py"
         script.write_text(PRELUDE + block + CHECK)

@@ -17,7 +17,7 @@ full training state (parameters, gradients and AdamW's two moments: 16 bytes a v
 and the run checks that what each rank holds, plus the gathered blocks at their peak, fits::
 
     torchrun --standalone --nproc-per-node=2 examples/transformer_lm.py --fully-shard \
-        --d-model 256 --layers 8 --budget-mb 60
+        --d-model 128 --layers 4 --budget-mb 10 --steps 200
 
 Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
 """

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from test_docs import quickstart_output_patterns
+from test_readme import zero3_command
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -129,12 +130,17 @@ def test_transformer_lm_trains(tmp_path: Path) -> None:
 
 
 def test_transformer_lm_fully_sharded_fits_a_budget_the_full_state_exceeds(tmp_path: Path) -> None:
+    # The README's command, shortened to 30 steps (the memory it prints does not depend on them),
+    # prints the lines the README quotes.
+    args, quoted = zero3_command()
     out = launch(
         "transformer_lm.py",
-        *("--fully-shard", "--d-model", "128", "--layers", "4", "--budget-mb", "10"),
+        *args,
         *("--steps", "30", "--warmup", "5", "--micro-batch", "32", "--eval-every", "30", "--out-dir", "lm3"),
         tmp=tmp_path,
     )
+    for line in quoted:
+        assert line in out.splitlines(), f"the README quotes {line!r}; the command printed:\n{out}"
     assert "exceeds the budget of 10.0 MiB; sharded over 2 ranks it fits" in out
     m = read_outputs(tmp_path / "lm3")
     mem = m["memory"]

@@ -19,7 +19,7 @@ full training state (parameters, gradients and AdamW's two moments: 16 bytes a v
 and the run checks that what each rank holds, plus the gathered blocks at their peak, fits::
 
     torchrun --standalone --nproc-per-node=2 examples/transformer_lm.py --fully-shard \
-        --d-model 256 --layers 8 --budget-mb 60
+        --d-model 128 --layers 4 --budget-mb 10 --steps 200
 
 Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import matplotlib
@@ -113,9 +114,11 @@ def report_memory(args: argparse.Namespace, apply_fn, shards, grads, opt_state, 
     mib = 2**20
     full = 16 * n_params  # float32 parameters, gradients and AdamW's two moments, unsharded
     total = sum(per_rank.values())
-    print(f"rank {fddp.rank()}: params {per_rank['params'] / mib:.2f} MiB, grads {per_rank['grads'] / mib:.2f}, "
-          f"AdamW state {per_rank['adamw_state'] / mib:.2f}, gathered units at their peak {per_rank['gathered_peak'] / mib:.2f}: "
-          f"{total / mib:.2f} MiB per rank; unsharded, the training state alone is {full / mib:.2f} MiB", flush=True)  # fmt: skip
+    line = (f"rank {fddp.rank()}: params {per_rank['params'] / mib:.2f} MiB, grads {per_rank['grads'] / mib:.2f}, "
+            f"AdamW state {per_rank['adamw_state'] / mib:.2f}, gathered units at their peak {per_rank['gathered_peak'] / mib:.2f}: "
+            f"{total / mib:.2f} MiB per rank; unsharded, the training state alone is {full / mib:.2f} MiB\n")  # fmt: skip
+    sys.stdout.write(line)  # one write, newline included: the ranks' lines do not interleave
+    sys.stdout.flush()
     if args.budget_mb is not None:
         budget = args.budget_mb * mib
         if total > budget:

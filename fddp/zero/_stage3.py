@@ -25,10 +25,10 @@ or not at all (``remat=None``: autograd keeps the full parameters). Parameters t
 form the *root* unit, gathered at the start of the call and kept until backward (as FSDP2 keeps
 its root's).
 
-The gathers are prefetched (the next ``prefetch`` buckets start before the current unit runs, in
-the order the previous call ran them; in backward, the previous ones), the reductions run behind
-the backward pass, and with a ``replica_group`` (hybrid sharding) each shard is all-reduced across
-the replicas after its reduce-scatter within the shard group.
+The gathers are prefetched (the next ``prefetch`` buckets, one per unit and dtype, start before
+the current unit runs, in the order the previous call ran them; in backward, the previous ones),
+the reductions run behind the backward pass, and with a ``replica_group`` (hybrid sharding) each
+shard is all-reduced across the replicas after its reduce-scatter within the shard group.
 """
 
 from __future__ import annotations
@@ -593,7 +593,9 @@ def fully_shard(
         replica_group: hybrid sharding: replicate the shards across this group (e.g. shard within
             a host, replicate across hosts); gradients are reduce-scattered within ``group`` and
             all-reduced across ``replica_group``.
-        prefetch: how many buckets' all-gathers run ahead of the one in use (0: none).
+        prefetch: how many buckets' all-gathers run ahead of the one in use (0: none). A unit is
+            one bucket per dtype and device of its parameters, so for a model in one dtype this
+            counts units: ``prefetch=1`` gathers the next unit while one runs.
         remat: what backward gathers again. ``"params"``: each unit's parameters, gathered back
             into the memory its forward's autograd views look into (the activations are kept, as
             in stage 2 and FSDP2); ``"unit"``: the parameters, and the unit is recomputed (its

@@ -248,10 +248,9 @@ class DiLoCo:
         """
         self._check_state(state)
         leaves, spec = _leaves(params, _WHAT)
+        self._refuse_split(spec, _WHAT)
         snap_leaves, snap_spec = _tree.flatten(state.snapshot)
         problem = _mismatch(leaves, spec, snap_leaves, snap_spec)
-        if problem is None:
-            self._refuse_split(spec, _WHAT)
         t = int(state.count) + 1
         weights = state.weight
         if weight is not None:

@@ -284,11 +284,13 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
 def table(record: dict[str, Any]) -> str:
     c, s = record["cluster"], record["summary"]
     lines = [
+        f"task {record.get('task', 'teacher')} ({record.get('protocol', 'teacher')}); "
         f"{c['hosts']} hosts x 1 rank, links {c['rate']} each way (TCP measured {c['tcp_bps'] / 1e6:.0f} Mbit/s); "
         f"{record['values'] / 1e6:.2f}M values ({4 * record['values'] / 2**20:.2f} MiB); target = DDP's final eval loss "
         f"{s['target_eval_loss']:.4f} after {record['args']['steps']} steps ({s['ddp_total_s']:.1f} s); "
         f"load average before {', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, after "
-        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} on {record['load_avg']['cpus']} CPUs",
+        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} on {record['load_avg']['cpus']} CPUs "
+        f"({c['hosts']} ranks share them)",
         "",
         f"  {'mode':<20}{'steps':>6}{'time s':>9}{'to target s':>12}{'x DDP':>7}{'loss @N':>9}{'vs DDP':>8}"
         f"{'kB/step':>10}{'x bytes':>9}{'step ms':>9}{'vs floor':>9}{'outer us':>9}{'sync ms':>9}{'max wait':>9}",
@@ -346,7 +348,8 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
     if reason is not None:
         raise SystemExit(f"cannot make a test bed here: {reason}")
     rate_bps = parse_rate(args.rate)
-    name = f"lowcomm_{args.hosts}x1_{format_rate(rate_bps)}"
+    task = "" if args.task == "teacher" else f"{args.task}_"
+    name = f"lowcomm_{task}{args.hosts}x1_{format_rate(rate_bps)}{args.tag}"
     out_json = Path(args.out_dir) / f"{name}.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     raw = out_json.with_suffix(".raw.tmp")
@@ -371,6 +374,8 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python", "benchmarks/lowcomm.py", *sys.argv[1:]]),
         "args": vars(args),
         "torch": torch.__version__,
+        "task": args.task,
+        "protocol": "held out" if args.task in lowcomm_tasks.HELD_OUT else "tuned" if args.task in lowcomm_tasks.TUNED else "teacher",
         "cluster": {"hosts": args.hosts, "rate": format_rate(rate_bps), "rate_bps": rate_bps, "tcp_bps": max(tcps), "tcp_bps_all": tcps},
         "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "values": res["results"]["ddp"]["values"],
@@ -501,6 +506,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=None)
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--tag", default="", help="appended to the result's file name (repeats: _run2)")
     args = p.parse_args()
     if args.lr is None:
         args.lr = LR[args.task]

@@ -95,6 +95,9 @@ def main() -> None:
             tree = {"params": params, "inner": inner_state, "outer": outer_state}
             ckpt.save(path, tree, group=own)
             loaded = ckpt.load(path, like=tree)
+            if fddp.is_main():
+                print(f"step {step:4d}  checkpointed each rank's state to {os.path.join(args.out_dir, 'ckpt-rank<r>.pt')} "
+                      "and resumed from it", flush=True)  # fmt: skip
             params, inner_state, outer_state = loaded["params"], loaded["inner"], loaded["outer"]
         if step % args.eval_every == 0 or step == args.steps:
             with torch.no_grad():  # the global model: the same on every rank
@@ -112,6 +115,7 @@ def main() -> None:
             json.dump({"world_size": world, "args": vars(args), **history}, f)
         plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
         print(f"final test accuracy {history['test_acc'][-1]:.3f}; {sent / args.steps / 1e3:.1f} kB sent per inner step")
+        print(f"wrote {os.path.join(args.out_dir, 'metrics.json')} and {os.path.join(args.out_dir, 'curves.png')}")
     fddp.shutdown()
 
 

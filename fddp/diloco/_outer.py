@@ -667,6 +667,7 @@ def local_sgd(
     group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
+    warmup: int = 0,
 ) -> DiLoCo:
     """Local SGD: average the parameters over the ranks every ``every`` inner steps.
 
@@ -681,6 +682,7 @@ def local_sgd(
         group: the process group (``None``: the default group).
         bucket_cap_mb: the synchronisations' bucket cap, in MiB.
         first_bucket_mb: their first bucket's cap, in MiB.
+        warmup: synchronous inner steps at the start (see :func:`diloco`).
 
     Returns:
         A :class:`DiLoCo`.
@@ -691,4 +693,4 @@ def local_sgd(
         >>> params, state = outer.step(params, state)  # after each inner step
     """
     return diloco(every, optim.sgd(1.0), compression=compression, group=group, bucket_cap_mb=bucket_cap_mb,
-                  first_bucket_mb=first_bucket_mb)  # fmt: skip
+                  first_bucket_mb=first_bucket_mb, warmup=warmup)  # fmt: skip

@@ -6,7 +6,7 @@ minus their parameters) with fddp's bucketed all-reduce and any comm hook, and a
 (any ``fddp.optim`` transformation) steps the snapshot with the mean. One synchronisation every
 ``every`` steps sends what data parallelism sends every step. Two lines join a local loop::
 
-    outer = fddp.diloco.diloco(every=50)       # outer SGD, Nesterov momentum 0.9, lr 0.7
+    outer = fddp.diloco.diloco(every=50)       # outer SGD at lr 1 (the ranks' mean); any fddp.optim
     state = outer.init(params)
     for x, y in loader:
         grads = torch.func.grad(loss_fn)(params, x, y)              # local: no communication

@@ -1,8 +1,15 @@
 """Low-communication training on slow links: time to accuracy of DDP, fddp every step and DiLoCo.
 
     python benchmarks/lowcomm.py --hosts 4 --rate 100mbit
-    python benchmarks/lowcomm.py --hosts 2 --rate 1gbit
+    python benchmarks/lowcomm.py --task vision --hosts 2 --rate 100mbit --modes ddp diloco_H20 --tag _run1
+    python benchmarks/lowcomm.py local --task lm --nproc 2 --modes ddp diloco_H20 local_H20_w20   # quality only
+    python benchmarks/lowcomm.py report          # medians of the _run<k> repeats, held-out and tuned tasks apart
     python benchmarks/lowcomm.py memory          # outer state per rank, 2 and 4 ranks, no test bed
+
+The tasks (``--task``) are in ``benchmarks/lowcomm_tasks.py``: DiLoCo's defaults were chosen on
+``lowcomm_tasks.TUNED`` (``lm``, ``noniid``) with ``local`` runs, then run unchanged on
+``lowcomm_tasks.HELD_OUT`` (``vision``, ``regression``); ``report`` keeps the two apart. What
+follows describes the default task, ``teacher``.
 
 Makes a test bed (tools/cluster.py: network namespaces on a bridge, each host's link capped at
 ``--rate`` both ways; needs root), measures the link, and runs every mode, one after the other, in
@@ -18,11 +25,13 @@ transformer spends ~20x more compute per byte of gradients, so 4 processes on 2 
 compute-bound, not link-bound, before the link mattered.)
 
 Modes (AdamW inside every one, one learning-rate schedule: warmup, cosine to 0.1x by DDP's last step,
-then flat; 64 samples per rank per step):
+then flat; lowcomm_tasks.BATCH samples per rank per step):
     floor           no communication at all: each rank trains alone (the compute floor)
     ddp             torch DDP (gloo) + torch.optim.AdamW: the reference
     fddp            fddp.ddp_step every step (plain, bf16, powersgd)
-    diloco_H<h>     fddp.diloco.diloco(every=h): outer Nesterov SGD (lr 0.7, momentum 0.5)
+    diloco_H<h>     fddp.diloco.diloco(every=h), the library's defaults; _lr<x>_m<y> for outer Nesterov SGD at
+                    learning rate x and momentum y (m0: plain SGD), _w<n> for warmup=n
+    local_H<h>      fddp.diloco.local_sgd(every=h)
     stream_H<h>     the same, streaming: fragments, delay, mixing (--fragments, --delay, --mixing)
     ..._int8        pseudo-gradients sent as int8 with error feedback (fddp.Int8)
     paired_...      the same for --paired-steps, each step preceded by a floor step on a copy of its own:
@@ -39,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -421,6 +431,27 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def run_report(args: argparse.Namespace) -> None:
+    """Medians over the repeats (``--tag _run<k>``) of each task's test-bed runs, tuned and held-out apart."""
+    for protocol, tasks in (("held out", lowcomm_tasks.HELD_OUT), ("tuned", lowcomm_tasks.TUNED)):
+        for task in tasks:
+            for path_glob in sorted({p.name.rsplit("_run", 1)[0] for p in Path(args.out_dir).glob(f"lowcomm_{task}_*_run*.json")}):
+                runs = [json.loads(p.read_text()) for p in sorted(Path(args.out_dir).glob(f"{path_glob}_run*.json"))]
+                c = runs[0]["cluster"]
+                loads = ", ".join(f"{r['load_avg']['before'][0]:.1f}-{r['load_avg']['after'][0]:.1f}" for r in runs)
+                print(f"{protocol}: {task}, {c['hosts']} hosts x 1 rank (sharing {runs[0]['load_avg']['cpus']} cores), "
+                      f"{c['rate']}, {len(runs)} runs, load average {loads}")  # fmt: skip
+                for mode in runs[0]["summary"]["modes"]:
+                    ms = [r["summary"]["modes"][mode] for r in runs if mode in r["summary"]["modes"]]
+                    ratio = [m["ratio_to_ddp"] for m in ms]
+                    loss = [m["loss_vs_ddp"] for m in ms]
+                    med = statistics.median([math.inf if x is None else x for x in ratio])
+                    each = ", ".join("-" if x is None else f"{x:.3f}" for x in ratio)
+                    each_loss = ", ".join(f"{100 * x:+.1f}%" for x in loss)
+                    print(f"  {mode:<24} time to DDP's loss / DDP's: median {med:.3f} ({each}); "
+                          f"loss @N vs DDP: median {100 * statistics.median(loss):+.1f}% ({each_loss})")  # fmt: skip
+
+
 # ------------------------------------------------------------------------------- memory
 
 
@@ -482,7 +513,7 @@ def run_memory(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", nargs="?", default="cluster", choices=["cluster", "local", "worker", "memory", "memory-worker"])
+    p.add_argument("what", nargs="?", default="cluster", choices=["cluster", "local", "report", "worker", "memory", "memory-worker"])
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--nproc", type=int, default=2, help="local: processes")
     p.add_argument("--rate", default="100mbit")
@@ -512,7 +543,9 @@ def main() -> None:
         args.lr = LR[args.task]
     if args.batch is None:
         args.batch = lowcomm_tasks.BATCH[args.task]
-    {"cluster": run_cluster, "local": run_local, "worker": worker, "memory": run_memory, "memory-worker": memory_worker}[args.what](args)
+    run = {"cluster": run_cluster, "local": run_local, "report": run_report, "worker": worker, "memory": run_memory,
+           "memory-worker": memory_worker}  # fmt: skip
+    run[args.what](args)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,10 @@ class DiLoCo:
     @property
     def count(self) -> int:
         """``F``, the number of fragments."""
+        return self._n
+
+    @functools.cached_property
+    def _n(self) -> int:
         return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
 
     # --- the pure functions ------------------------------------------------------------------
@@ -247,16 +251,13 @@ class DiLoCo:
             ...     params, state = outer.step(params, state)
         """
         self._check_state(state)
-        leaves, spec = _leaves(params, _WHAT)
-        self._refuse_split(spec, _WHAT)
-        snap_leaves, snap_spec = _tree.flatten(state.snapshot)
-        problem = _mismatch(leaves, spec, snap_leaves, snap_spec)
+        leaves, spec, snap_leaves, snap_spec, problem = _against(params, state.snapshot)
         t = int(state.count) + 1
         weights = state.weight
         if weight is not None:
             w = _as_weight(weight)
             weights = tuple(a + w for a in weights)
-        n = self.count
+        n = self._n
         due_merge = [p for p, f in enumerate(state.flights) if int(f.merge_at) == t]
         warming = warm(t, self.warmup)
         due_launch = list(range(n)) if warming else [p for p in range(n) if launches(t, p, n, self.every, self.delay, self.warmup)]
@@ -268,6 +269,8 @@ class DiLoCo:
             new_state = state._replace(count=count, weight=weights)
             return (params, new_state, OuterInfo((), (), (), 0, 0.0)) if return_info else (params, new_state)
 
+        leaves, spec = _leaves(params, _WHAT)
+        self._refuse_split(spec, _WHAT)
         frags = self._fragments(params) if problem is None else ()
         if first or due_launch:
             # Before anything moves, the ranks agree on the configuration, the step, the tree, and
@@ -412,7 +415,13 @@ class DiLoCo:
     def _first_step(self) -> bool:
         """Whether this is the first step of this configuration on its group in this process
         (every rank's is the same call: the loops start together)."""
+        if self.__dict__.get("_agreed_on") is _started:  # this object's first step is behind it (a fast path)
+            return False
         return self._digest not in _started.get(self.group if self.group is not None else dist.group.WORLD, ())
+
+    def _note_started(self) -> None:
+        _started.setdefault(self.group if self.group is not None else dist.group.WORLD, set()).add(self._digest)
+        self.__dict__["_agreed_on"] = _started  # forgotten with fddp.clear_caches(), which replaces nothing but empties it
 
     def _agree(self, t: int, snapshot: Any, leaves: list, spec: Any, checked: Sequence[int], problem: str | None) -> None:
         """Agree across the group on the configuration, the step ``t``, the tree, whether the params
@@ -428,7 +437,7 @@ class DiLoCo:
         if not _dist.checks().agreement:
             agree(_dist.digest((self._digest, tree)), lambda: [*self._rows, *_tree.structure_rows(snapshot)],
                   self.group, _WHAT, _name_difference)  # fmt: skip
-            _started.setdefault(self.group if self.group is not None else dist.group.WORLD, set()).add(self._digest)
+            self._note_started()
             return
         sums = torch.stack([checksum(leaves[i]).cpu() for i in checked]).tolist() if checked else []
         state = problem or "match the state's shapes"
@@ -443,8 +452,7 @@ class DiLoCo:
             ]
 
         agree(_dist.digest((self._digest, tree, t, state, tuple(checked), tuple(sums))), rows, self.group, _WHAT, _name_difference)
-        # Noted once the ranks agreed: a first step that failed is a first step again next time.
-        _started.setdefault(self.group if self.group is not None else dist.group.WORLD, set()).add(self._digest)
+        self._note_started()  # once the ranks agreed: a first step that failed is a first step again next time
 
     def _refuse_split(self, spec: Any, what: str) -> None:
         """Raise unless every rank of the group holds the same slices: ZeRO's shards on the group
@@ -467,6 +475,8 @@ class DiLoCo:
                 )
 
     def _check_state(self, state: Any) -> None:
+        if type(state) is DiLoCoState and len(state.flights) == self._n == len(state.outer_state):
+            return
         if not isinstance(state, tuple) or getattr(type(state), "_fields", None) != DiLoCoState._fields:
             raise TypeError(f"fddp.{_WHAT}: state must be the DiLoCoState from outer.init(params), got {type(state).__name__}")
         if len(state.flights) != self.count or len(state.outer_state) != self.count:
@@ -506,6 +516,40 @@ def _prefixes(fragments: Any) -> tuple[tuple[str, ...], ...]:
             raise bad
         out.append(group)
     return tuple(out)
+
+
+def _against(params: Any, snapshot: Any) -> tuple[list, Any, list, Any, str | None]:
+    """Both trees' leaves and structures, and :func:`_mismatch`'s words (a few microseconds for
+    trees that match: this runs at every step)."""
+    leaves, spec = _tree.flatten(params)
+    snap_leaves, snap_spec = _tree.flatten(snapshot)
+    try:
+        if spec == snap_spec and _shapes(leaves) == _snapshot_shapes(snap_leaves):
+            return leaves, spec, snap_leaves, snap_spec, None
+    except AttributeError:  # a leaf that is not a tensor: _leaves names it
+        _leaves(params, _WHAT)
+    return leaves, spec, snap_leaves, snap_spec, _mismatch(leaves, spec, snap_leaves, snap_spec)
+
+
+def _shapes(leaves: list) -> list:
+    return [(t.shape, t.dtype) for t in leaves]
+
+
+# The last snapshot's shapes, while its first and last leaves live (weakly held): between two
+# syncs the state carries the same snapshot, so its shapes are read once per sync, not per step.
+_last_snapshot: list[Any] = [None, None, None]
+
+
+def _snapshot_shapes(leaves: list) -> list:
+    refs, n, shapes = _last_snapshot
+    if refs is not None and n == len(leaves) and refs[0]() is leaves[0] and refs[1]() is leaves[-1]:
+        return shapes
+    shapes = _shapes(leaves)
+    _last_snapshot[:] = [(weakref.ref(leaves[0]), weakref.ref(leaves[-1])) if leaves else None, len(leaves), shapes]
+    return shapes
+
+
+_caches.register("fddp.diloco._outer._last_snapshot", lambda: _last_snapshot.__setitem__(slice(None), [None, None, None]))
 
 
 def _mismatch(leaves: list, spec: Any, snap_leaves: list, snap_spec: Any) -> str | None:

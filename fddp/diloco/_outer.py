@@ -415,13 +415,13 @@ class DiLoCo:
     def _first_step(self) -> bool:
         """Whether this is the first step of this configuration on its group in this process
         (every rank's is the same call: the loops start together)."""
-        if self.__dict__.get("_agreed_on") is _started:  # this object's first step is behind it (a fast path)
+        if self.__dict__.get("_agreed_in") == _generation[0]:  # this object's first step is behind it (a fast path)
             return False
         return self._digest not in _started.get(self.group if self.group is not None else dist.group.WORLD, ())
 
     def _note_started(self) -> None:
         _started.setdefault(self.group if self.group is not None else dist.group.WORLD, set()).add(self._digest)
-        self.__dict__["_agreed_on"] = _started  # forgotten with fddp.clear_caches(), which replaces nothing but empties it
+        self.__dict__["_agreed_in"] = _generation[0]  # forgotten with fddp.clear_caches(), which starts a new generation
 
     def _agree(self, t: int, snapshot: Any, leaves: list, spec: Any, checked: Sequence[int], problem: str | None) -> None:
         """Agree across the group on the configuration, the step ``t``, the tree, whether the params
@@ -571,7 +571,15 @@ def _mismatch(leaves: list, spec: Any, snap_leaves: list, snap_spec: Any) -> str
 
 # The (group, configuration) pairs that have made their first step in this process.
 _started: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
-_caches.register("fddp.diloco._outer._started", _started.clear)
+_generation = [0]
+
+
+def _forget_started() -> None:
+    _started.clear()
+    _generation[0] += 1
+
+
+_caches.register("fddp.diloco._outer._started", _forget_started)
 
 
 def _name_difference(per_rank: Sequence[list[tuple]]) -> str:

@@ -225,7 +225,14 @@ class DiLoCo:
              return_info: bool = False) -> Any:  # fmt: skip
         """Count one inner step; synchronise the fragments that are due. Pure: nothing is modified.
 
-        Between synchronisations this only counts (a few microseconds). When a fragment is due:
+        Between synchronisations this counts and checks ``params`` against the state's shapes and
+        dtypes (tens of microseconds; a ``ValueError`` naming the leaf at once for a resized
+        model). At the first step of this configuration in the process, and before every
+        synchronisation, the ranks agree on the configuration (the outer optimizer by value), the
+        step count, the tree and the checksums of the snapshot's leaves about to be synchronised
+        (all of them at the first step): another step (a rank resumed from an older file),
+        another start (no :func:`fddp.broadcast`) or another tree on one rank is a
+        :class:`fddp.MismatchError` on every rank, naming the difference. When a fragment is due:
         its pseudo-gradient ``snapshot - params`` is averaged over the ranks (the weighted mean
         with ``weight=``), the outer optimizer steps the snapshot with it, and the fragment's
         parameters become the new global values (mixed with the local ones by ``mixing``). Every

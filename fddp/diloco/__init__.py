@@ -14,7 +14,7 @@ minus their parameters) with fddp's bucketed all-reduce and any comm hook, and a
         params, state = outer.step(params, state)                   # syncs every 50th call
 
 ``fddp.diloco.local_sgd(every=H)`` averages the parameters (outer SGD, learning rate 1: also
-``diloco``'s default outer step, chosen on held-out-checked tasks, docs/lowcomm.md); ``warmup=W``
+``diloco``'s default outer step: docs/lowcomm.md says how it was chosen); ``warmup=W``
 makes the first ``W`` inner steps synchronous. Streaming DiLoCo (``fragments=F, delay=tau,
 mixing=alpha``) synchronises ``F`` groups of leaves at staggered steps, each overlapping ``tau``
 inner steps; ``fragments=[["embed", "blocks.0"], ["blocks.1", "head"]]`` names them by leaf prefix.

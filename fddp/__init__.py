@@ -14,7 +14,7 @@ Example:
 """
 
 from fddp import checkpoint, diloco, optim, scaling, zero
-from fddp._dist import Checks, checks, set_checks
+from fddp._dist import Checks, PeerError, checks, set_checks
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.no_sync import GradAccumulator, accumulate_grads
@@ -47,6 +47,7 @@ __all__ = [
     "Join",
     "LossScaleState",
     "MismatchError",
+    "PeerError",
     "PowerSGD",
     "PowerSGDState",
     "SyncInfo",

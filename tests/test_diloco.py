@@ -608,7 +608,7 @@ def _state_checks_worker():
     def attempt(name, fn):
         try:
             fn()
-        except (fddp.MismatchError, ValueError, TypeError) as e:
+        except (fddp.MismatchError, fddp.PeerError, ValueError, TypeError) as e:
             errors[name] = (type(e).__name__, str(e))
 
     # A start without fddp.broadcast: rank 1's parameters differ by one ulp in one value.
@@ -644,6 +644,18 @@ def _state_checks_worker():
     resized = {**p, "2.weight": torch.zeros(7, 6)}
     attempt("resized", lambda: outer.step(resized, o))
 
+    # The same on one rank only: it raises at once, and its peer learns of it at its next synchronisation.
+    outer = fddp.diloco.diloco(4, fddp.optim.sgd(0.55))
+    p, s, o = _train(apply_fn, sgd, outer, params, sgd.init(params), outer.init(params), data, range(1))
+
+    def resized_on_one_rank():
+        q, state = p, o
+        for t in range(2, 5):  # steps 2 and 3 count; step 4 synchronises
+            q = {**q, "2.weight": torch.zeros(7, 6)} if (r == 1 and t == 2) else q
+            q, state = outer.step(q, state)
+
+    attempt("resized on one rank", resized_on_one_rank)
+
     # ZeRO shards over the group that DiLoCo averages across: refused, as ddp_step refuses them.
     _, shards = fddp.zero.fully_shard(_mlp())
     attempt("fully_shard", lambda: fddp.diloco.local_sgd(2).init(shards))
@@ -666,8 +678,14 @@ def test_stale_or_mismatched_state_is_an_error_on_every_rank_naming_what_differs
         assert kind == "MismatchError" and "Rank 1's params do not match the DiLoCo state at leaf '2.bias'" in msg, msg
         kind, msg = errors["resized"]
         assert kind == "ValueError" and "leaf '2.weight'" in msg and "(7, 6)" in msg and "(6, 6)" in msg, msg
+    kind, msg = outs[1]["resized on one rank"]
+    assert kind == "ValueError" and "leaf '2.weight'" in msg, msg
+    kind, msg = outs[0]["resized on one rank"]
+    assert kind == "PeerError" and "rank 1" in msg and "ValueError" in msg, msg
+    for errors in outs:
         for name in ("fully_shard", "fully_shard step"):
             kind, msg = errors[name]
             assert kind == "TypeError" and "fully sharded" in msg and "group=replica_group" in msg, msg
         assert errors["shard"][0] == "TypeError" and "fddp.zero.shard" in errors["shard"][1]
-    assert outs[0] == outs[1]  # the same error, word for word, on every rank
+    same = {k: v for k, v in outs[0].items() if k != "resized on one rank"}
+    assert same == {k: v for k, v in outs[1].items() if k != "resized on one rank"}  # word for word on every rank

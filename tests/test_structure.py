@@ -37,6 +37,7 @@ LAYERS = {
     "fddp._caches": 0,
     "fddp._tree": 1,
     "fddp._pool": 1,
+    "fddp._channel": 1,
     "fddp._dist": 1,
     "fddp.runtime": 1,
     "fddp._layout": 2,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _dist
-from fddp._dist import collective_device, count_call, wait
+from fddp._dist import collective_device, count_call, issue, wait
 from fddp.sync import _signature
 
 __all__ = ["agree", "is_distributed", "is_writer", "rank", "world_size"]
@@ -61,5 +61,6 @@ def agree(values: Sequence[int], group: dist.ProcessGroup | None, what: str, doi
     described = [("checkpoint", f"fddp.{what}: {doing} ({len(values)} values)", None)]
     _signature.check(_dist.digest(described), lambda: described, group, what)
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
+    issue(group, "all-reduce (sum)", t, doing)
     wait(dist.all_reduce(t, group=group, async_op=True), group, what, doing)
     return [int(v) for v in t.tolist()]

@@ -272,12 +272,14 @@ class DiLoCo:
         count = torch.tensor(t, dtype=torch.int64)
         if not due_merge and not due_launch and not first:
             if problem is not None:
-                raise ValueError(f"fddp.{_WHAT}: {problem}")
+                with _dist.call(self.group, _WHAT):  # announced: the peers raise at their next synchronisation
+                    raise ValueError(f"fddp.{_WHAT}: {problem}")
             new_state = state._replace(count=count, weight=weights)
             return (params, new_state, OuterInfo((), (), (), 0, 0.0)) if return_info else (params, new_state)
 
-        leaves, spec = _leaves(params, _WHAT)
-        self._refuse_split(spec, _WHAT)
+        with _dist.call(self.group, _WHAT):  # a refusal here is announced in place of this call's header
+            leaves, spec = _leaves(params, _WHAT)
+            self._refuse_split(spec, _WHAT)
         frags = self._fragments(params) if problem is None else ()
         if first or due_launch:
             # Before anything moves, the ranks agree on the configuration, the step, the tree, and

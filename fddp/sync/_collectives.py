@@ -25,12 +25,11 @@ _MODES = ("broadcast", "mean")
 
 
 def _run(tree: Any, options: SyncOptions, what: str) -> Any:
-    with _dist.exclusive(options.group, what):
-        sync = setup(tree, options, what)
-        reducer = sync.reducer()
-        reducer.push([t.detach() for t in sync.leaves])
-        flats, _ = reducer.finish()
-        return sync.tree(flats, reducer.made_views(flats))
+    sync = setup(tree, options, what)
+    reducer = sync.reducer()
+    reducer.push([t.detach() for t in sync.leaves])
+    flats, _ = reducer.finish()
+    return sync.tree(flats, reducer.made_views(flats))
 
 
 def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0) -> Any:
@@ -57,11 +56,12 @@ def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = N
         >>> params = fddp.broadcast(params)  # every rank now starts from rank 0's initialisation
     """
     _differentiable.refuse_under_transforms("broadcast")
-    options = make_options("broadcast", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-    n = dist.get_world_size(group) if dist.is_initialized() else 1
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
-        raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
-    return _run(tree, dataclasses.replace(options, hook=Broadcast(src)), "broadcast")
+    with _dist.call(group, "broadcast"):  # a rank whose arguments fail a check tells its peers
+        options = make_options("broadcast", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+        n = _dist.size(group) if dist.is_initialized() else 1
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+            raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
+        return _run(tree, dataclasses.replace(options, hook=Broadcast(src)), "broadcast")
 
 
 def sync_buffers(
@@ -102,14 +102,15 @@ def sync_buffers(
         >>> out, buffers = apply_fn(params, buffers, torch.randn(8, 3))
         >>> buffers = fddp.sync_buffers(buffers, "mean")
     """
-    if mode not in _MODES:
-        raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
-    not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
-    if mode == "broadcast":
-        return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
-    _differentiable.refuse_under_transforms("sync_buffers")
-    options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-    return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
+    with _dist.call(group, "sync_buffers"):
+        if mode not in _MODES:
+            raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
+        not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
+        if mode == "broadcast":
+            return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
+        _differentiable.refuse_under_transforms("sync_buffers")
+        options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+        return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
 
 
 def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> None:
@@ -135,7 +136,7 @@ def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> 
         >>> fddp.verify_replicas(params)  # passes; raises on every rank if any rank drifted
     """
     _differentiable.refuse_under_transforms("verify_replicas")
-    with _dist.exclusive(group, "verify_replicas"):
+    with _dist.call(group, "verify_replicas"):
         _verify(tree, group)
 
 

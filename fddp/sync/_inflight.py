@@ -87,11 +87,11 @@ def start(
         >>> pending = start(params, pseudo_grads, what="diloco.step")
         >>> mean, info = pending.wait()
     """
-    sync_options = make_options(what, **options, return_info=True, weighted=weight is not None)
-    w = None if weight is None else as_weight(weight, what)
-    check_state(sync_options, compression_state, what, options.get("compression"))
-    options = sync_options
-    with _dist.exclusive(options.group, what):  # the collectives are issued here; only their waits come later
+    with _dist.call(options.get("group"), what):  # the collectives are issued here; only their waits come later
+        sync_options = make_options(what, **options, return_info=True, weighted=weight is not None)
+        w = None if weight is None else as_weight(weight, what)
+        check_state(sync_options, compression_state, what, options.get("compression"))
+        options = sync_options
         sync = setup(params, options, what, compression_state, weight=w)
         reducer = sync.reducer(compression_state)
         reducer.push([g.detach() for g in optree.tree_leaves(grads, none_is_leaf=True)])
@@ -116,6 +116,6 @@ def agree(
         >>> rows = [("option every", "8", None), ("option step", "16", None)]
         >>> agree(fddp._dist.digest(rows), lambda: rows, None, "diloco.step")
     """
-    with _dist.exclusive(group, what):
+    with _dist.call(group, what):
         _dist.count_call(group, what)
         _dist.agree(group, what, digest, rows, name_difference)

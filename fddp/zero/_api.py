@@ -57,7 +57,7 @@ def shard(
     options = make_options(
         "zero.shard", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=ReduceScatter()
     )
-    with _dist.exclusive(group, "zero.shard"):
+    with _dist.call(group, "zero.shard"):
         sync = setup(params, options, "zero.shard")
     lay = shard_layout.layout(sync.plan, sync.spec, dist.get_world_size(group), dist.get_rank(group), group)
     out = shard_layout.new_shards(lay)
@@ -142,7 +142,7 @@ def gather(shards: Sharded, /) -> Gathered:
                 f"fddp.zero.gather: shard {k} must be a tensor of shape ({c.size},), dtype {b.dtype}, device "
                 f"{b.device}; got {got}"
             )
-    with _dist.exclusive(lay.group, "zero.gather"):
+    with _dist.call(lay.group, "zero.gather"):
         _dist.count_call(lay.group, "zero.gather")
         _signature.check(_signature.signature_digest(("zero.gather", lay), lay.describe), lay.describe, lay.group, "zero.gather")
         comm = Comm(lay.group, "zero.gather", lay.plan)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
+from fddp import _dist
 from fddp.sync._comm import Comm
 from fddp.zero import _layout as shard_layout
 
@@ -203,12 +204,37 @@ class _Comms:
         self.replica = Comm(replica_group, what, lay.plan) if self.replicas > 1 else None
         self.n = lay.world * self.replicas
         self.pow2 = self.n & (self.n - 1) == 0
-        # Two ranks reduce-scatter by exchanging halves (point to point), the peer's global rank.
-        self.pair = (
-            dist.get_global_rank(lay.group, 1 - lay.rank)
-            if lay.world == 2 and lay.group is not None
-            else (1 - lay.rank if lay.world == 2 else None)
-        )
+        # Two ranks reduce-scatter by exchanging halves (Comm.swap): the peer's rank in the group.
+        self.pair = 1 - lay.rank if lay.world == 2 else None
+
+
+class _Debt:
+    """Whether a call's backward still owes its collectives to the layout's groups (``fddp._dist.owe``)."""
+
+    __slots__ = ("groups", "what", "owing")
+
+    def __init__(self, lay: shard_layout.ShardLayout, what: str) -> None:
+        replica_group = getattr(lay, "replica_group", None)
+        self.groups = [lay.group] + ([replica_group] if replica_group is not None else [])
+        self.what, self.owing = what, False
+
+    def owe(self) -> None:
+        if not self.owing and dist.is_initialized():
+            self.owing = True
+            for g in self.groups:
+                _dist.owe(g, 1)
+
+    def settle(self, dropped: bool = False) -> None:
+        """The backward ran; or, ``dropped``, the pipeline died without it (its graph was freed)."""
+        if self.owing:
+            self.owing = False
+            for g in self.groups:
+                try:
+                    _dist.owe(g, -1)
+                    if dropped:
+                        _dist.dropped(g, self.what)  # the peers may be waiting in its collectives
+                except Exception:  # noqa: BLE001 - at interpreter exit the group may be gone
+                    pass
 
 
 class Pipeline:
@@ -242,9 +268,22 @@ class Pipeline:
         self.reduces: collections.deque[_Pending] = collections.deque()
         self.seq: list[int] = []  # the forward sequence, as it happened
         self.repeated: set[int] = set()  # buckets gathered more than once in it
+        self.uses: dict[int, int] = {}  # per bucket, the gathers of the forward sequence
+        self.left: dict[int, int] = {}  # per gathered-again bucket, its gathers' backwards still to come
         self.cursor = 0
         self.back: list[int] | None = None  # the backward sequence, once backward starts
         self.bcursor = 0
+        # The backward this forward leaves to run owes its collectives to the groups: a failure
+        # before it has run is fatal for them (fddp._dist.owe). Settled by the backward, or when
+        # the pipeline is dropped without one (the finalizer).
+        self.debt = _Debt(lay, what)
+        weakref.finalize(self, self.debt.settle, True)
+
+    def tag(self, k: int) -> str:
+        """What bucket ``k``'s collectives carry, in words (the sequence agreement names it)."""
+        units = getattr(self.lay, "unit_of", None)
+        name = units(k) if units is not None else None
+        return f"bucket {k}" + (f" of unit {name!r}" if name is not None else "")
 
     # -- gathers --------------------------------------------------------------------------------
 
@@ -258,7 +297,7 @@ class Pipeline:
         # the counters) alive exactly as long as they need it, and remat="params" resizes it.
         buf = torch.empty(lay.world * src.numel(), dtype=src.dtype, device=src.device)
         held = self.counters.hold(buf)
-        work = comms.shard.all_gather_into(buf, src.reshape(-1))
+        work = comms.shard.all_gather_into(buf, src.reshape(-1), tag=self.tag(k))
         self.counters.gathers += 1
         self.counters.gathered_bytes += src.numel() * src.element_size()
         return _Pending(_key(shard), buf, work, batch, held=held)
@@ -305,15 +344,25 @@ class Pipeline:
         p = self.last.pop(k, None)
         if p is None or p.work is None and self.comms.shard is None:
             return  # one rank: the full buffer is the shard itself
+        if k in self.released:
+            # A unit called again in this forward (a block applied twice): the earlier call's
+            # memory is gathered back once in backward, for every use; this call's buffer stays
+            # alive, held by autograd's views until its backward (one unit's bytes more).
+            return
         base = p.buf if full.untyped_storage().data_ptr() == p.buf.untyped_storage().data_ptr() else None
-        r = _Released(full, base, full.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
+        # A detached alias: the same storage and version counter, but no grad_fn. Under autograd
+        # ``full`` is the gather's output, whose grad_fn holds this pipeline: kept here, it would
+        # close a cycle through autograd's C++ graph that gc cannot see, and every step would
+        # leave its pipeline and shards behind.
+        alias = full.detach()
+        r = _Released(alias, base, alias.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
         r.free()
         self.released[k] = r
 
     def _start_refill(self, k: int, r: _Released) -> _Pending:
         r.restore()
         if r.base is not None:  # gather straight into the memory autograd's views look into
-            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1))
+            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1), tag=self.tag(k))
             self.counters.gathers += 1
             self.counters.gathered_bytes += r.shard.numel() * r.shard.element_size()
             p = _Pending(None, r.base, work, tuple(r.shard.shape[:-1]))
@@ -348,10 +397,17 @@ class Pipeline:
     @_eager
     def release_again(self, k: int) -> None:
         """Bucket ``k``'s unit has run backward: give its memory back again (a second backward gathers again)."""
-        r = self.done.pop(k, None)
-        if r is not None:
-            r.free()
-            self.released[k] = r
+        r = self.done.get(k)
+        if r is None:
+            return
+        left = self.left.get(k, 1) - 1
+        if left > 0:  # a unit used several times: the other uses' backwards still read it
+            self.left[k] = left
+            return
+        del self.done[k]
+        self.left[k] = self.uses.get(k, 1)
+        r.free()
+        self.released[k] = r
 
     @_eager
     def gather_now(self, k: int, shard: torch.Tensor) -> torch.Tensor:
@@ -380,8 +436,13 @@ class Pipeline:
             self._finish_gather(k, self.gathers.pop(k))
         self.last.clear()
         self.back = [k for k in reversed(self.seq) if k in self.remat]
-        self.repeated = {k for k, n in collections.Counter(self.seq).items() if n > 1}
+        if self.release_after_forward:  # each released bucket is gathered back once, for all its uses
+            self.back = list(dict.fromkeys(self.back))
+        self.uses = dict(collections.Counter(self.seq))
+        self.left = dict(self.uses)
+        self.repeated = {k for k, n in self.uses.items() if n > 1}
         if will_backward:
+            self.debt.owe()
             self._prefetch(self.back[: self.depth])
 
     def _prefetch_backward(self, k: int) -> None:
@@ -432,12 +493,12 @@ class Pipeline:
             work = self._exchange(k, buf)
         elif comms.shard is not None:
             counters.reduced_bytes += buf.numel() * buf.element_size()
-            work = comms.shard.all_reduce(buf)
+            work = comms.shard.all_reduce(buf, tag=self.tag(k))
         p = _Pending(k, buf, work, batch, out, held=held)
         self.reduces.append(p)
         return out
 
-    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Two ranks: a reduce-scatter as one exchange, each rank sending the other its half.
 
         Gloo's reduce-scatter is an all-reduce inside, which sends the whole bucket; this sends
@@ -450,8 +511,7 @@ class Pipeline:
         send = buf[..., theirs.lo : theirs.hi].contiguous()
         got = torch.empty(*buf.shape[:-1], c.held, dtype=buf.dtype, device=buf.device)
         self.counters.reduced_bytes += send.numel() * send.element_size()
-        peer = comms.pair
-        return dist.isend(send, peer, group=self.lay.group), dist.irecv(got, peer, group=self.lay.group), got
+        return comms.shard.swap(send, got, comms.pair, tag=self.tag(k)), got
 
     def _advance(self, p: _Pending) -> None:
         """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
@@ -459,9 +519,8 @@ class Pipeline:
         c = lay.cuts[p.key]
         doing = f"the reduction of bucket {p.key}'s gradients (of {len(lay.cuts)})"
         if comms.pair is not None:
-            sent, received, got = p.work
-            comms.shard.wait(sent, doing)
-            comms.shard.wait(received, doing)
+            swapped, got = p.work
+            comms.shard.wait(swapped, doing)
             torch.add(p.buf[..., c.lo : c.hi], got, out=p.out[..., : c.held])
         else:
             if p.work is not None:
@@ -473,7 +532,7 @@ class Pipeline:
         p.buf, p.work, p.phase = None, None, 2
         if comms.replica is not None:
             self.counters.replica_bytes += p.out.numel() * p.out.element_size()
-            p.work = comms.replica.all_reduce(p.out)
+            p.work = comms.replica.all_reduce(p.out, tag=self.tag(p.key))
 
     def _finish(self, p: _Pending) -> None:
         comms = self.comms
@@ -490,6 +549,11 @@ class Pipeline:
         """Wait for every reduction in flight: the gradient shards are complete after this."""
         while self.reduces:
             self._finish(self.reduces.popleft())
+
+    def end_backward(self) -> None:
+        """The backward has run (the shards' boundary): nothing of this call is owed any more."""
+        self.finish_reduces()
+        self.debt.settle()
 
     @_eager
     def reduce_now(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -604,7 +668,7 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
-        ctx.pipe.finish_reduces()
+        ctx.pipe.end_backward()
         return (None, *cts)
 
     @staticmethod

@@ -7,9 +7,9 @@
 Each rank draws its own mini-batches from scikit-learn's digits and steps its own copy of an MLP
 with AdamW, with no communication. ``outer.step`` after every inner step counts; every ``--every``
 steps it averages the ranks' pseudo-gradients (the parameters at the last synchronisation minus
-the current ones) and steps the global parameters with Nesterov SGD (momentum 0.5: this short run
-has 30 outer steps, too few for the paper's 0.9): one all-reduce per
-``--every`` steps instead of one per step. ``--fragments`` / ``--delay`` / ``--mixing`` turn on
+the current ones) and steps the global parameters with the outer optimizer (by default the
+library's: SGD at learning rate 1, the ranks' mean; ``--outer-lr`` / ``--outer-momentum`` for
+Nesterov SGD): one all-reduce per ``--every`` steps instead of one per step. ``--fragments`` / ``--delay`` / ``--mixing`` turn on
 Streaming DiLoCo; ``--local-sgd`` averages the parameters instead. Halfway through, the outer state
 is settled and checkpointed with ``fddp.checkpoint.save_step``: every rank's parameters, inner and
 outer state go in as ``fddp.checkpoint.PerRank`` (they differ between synchronisations), so each
@@ -43,9 +43,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--delay", type=int, default=0, help="Streaming DiLoCo: steps each sync overlaps (tau)")
     p.add_argument("--mixing", type=float, default=0.0, help="Streaming DiLoCo: weight of the local values at a merge")
     p.add_argument("--compression", choices=["none", "bf16", "int8"], default="none")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD's learning rate")
-    p.add_argument("--outer-momentum", type=float, default=0.5,
-                   help="its momentum (the paper's 0.9 suits runs of hundreds of outer steps; this one has 30)")  # fmt: skip
+    p.add_argument("--outer-lr", type=float, default=None, help="outer Nesterov SGD's learning rate (default: the library's outer step)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="its momentum, with --outer-lr (the paper's 0.9 suits runs of hundreds of outer steps)")  # fmt: skip
     p.add_argument("--local-sgd", action="store_true", help="average the parameters (outer SGD, lr 1) instead")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
@@ -74,7 +74,7 @@ def main() -> None:
     if args.local_sgd:
         outer = fddp.diloco.local_sgd(args.every, compression=compression)
     else:
-        nesterov = fddp.optim.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
+        nesterov = None if args.outer_lr is None else fddp.optim.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
         outer = fddp.diloco.diloco(args.every, nesterov, compression=compression, fragments=args.fragments,
                                    delay=args.delay, mixing=args.mixing)  # fmt: skip
     inner_state, outer_state = inner.init(params), outer.init(params)

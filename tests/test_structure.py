@@ -192,6 +192,8 @@ CACHES = {
     "fddp.optim._kernels._kernel_items",
     "fddp.scaling._alone",
     "fddp.diloco._outer._split_of",
+    "fddp.diloco._outer._started",
+    "fddp.diloco._outer._last_snapshot",
 }
 
 

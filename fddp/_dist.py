@@ -83,6 +83,17 @@ __all__ = [
     "checks",
 ]
 
+class _Costs:
+    """What ``benchmarks/step.py``'s ``*_lean`` modes switch off to measure what they cost: the
+    error channel (sliced waits, announced and posted failures) and the fingerprint in the header.
+    Not an option for users: without them a failure is a hang again."""
+
+    channel = True
+    fingerprint = True
+
+
+_costs = _Costs()
+
 _REMEMBERED = 256  # agreed signatures kept per group: a loop uses a handful, a sweep must not grow without bound
 _SLICE = datetime.timedelta(milliseconds=100)  # a wait looks at the channel this often
 _STUCK_S = 2.0  # a rank waiting this long posts what it waits for (deadlock detection)
@@ -549,7 +560,7 @@ class call:
                 st.owner = None
         if st.frames and st.frames[-1] is frame:
             st.frames.pop()
-        if e is None or _is_collective(e) or st.failed is not None:
+        if e is None or _is_collective(e) or st.failed is not None or not _costs.channel:
             return
         if size(self.group) == 1:
             return
@@ -713,7 +724,7 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
     one plain wait.
     """
     try:
-        if not _sliced(group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
+        if not _costs.channel or not _sliced(group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
             work.wait()  # NCCL's, a traced collective's, or a hook's own kind of work: one plain wait
             return
         try:

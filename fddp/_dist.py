@@ -704,7 +704,7 @@ def _agree_token(group: dist.ProcessGroup | None, st: _GroupState, seg: Segment,
     if out[_FAILED]:
         _raise_announced(group, st, seg.what, seg.call, out[_FAILED])
     if out[:_BOTH] != [-x for x in out[_BOTH : 2 * _BOTH]]:
-        _disagree(group, seg.what, seg.call, lambda: [("collective", describe_token(token), None)], _no_rows, (position, token))
+        _disagree(group, seg.what, seg.call, lambda: [("collective", describe_token(token), None)], _no_rows, (position, token), out)
 
 
 def _no_rows(per_rank: Sequence[list[tuple]]) -> str:
@@ -975,10 +975,14 @@ def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int
     """The header of a compiled call: a functional all-reduce in the graph, and an assertion that
     fails, on every rank alike, where the ranks' signatures or functions differ."""
     name = traced_digest(what)
-    h = torch.tensor([signature, name, -signature, -name], dtype=torch.int64, device=collective_device(group))
-    out = funcol.wait_tensor(funcol.all_reduce(h, "max", group if group is not None else dist.group.WORLD))
+    # The eager header's size and layout (call number -1: a graph keeps no count), so that a
+    # compiled call that meets an eager one on another rank pairs with its header, not its
+    # buckets: the eager rank raises too, instead of an abort in the backend.
+    h = [signature, -1, name, 0, 1]
+    t = torch.tensor(h + [-x for x in h] + [0] * (_HEADER - 2 * _BOTH), dtype=torch.int64, device=collective_device(group))
+    out = funcol.wait_tensor(funcol.all_reduce(t, "max", group if group is not None else dist.group.WORLD))
     torch._assert_async(
-        (out[:2] == -out[2:]).all(),
+        (out[:_BOTH] == -out[_BOTH : 2 * _BOTH]).all() & (out[_FAILED] == 0),
         f"fddp.{what} (compiled): the ranks disagree on what they synchronise: the tree's structure, shapes or dtypes, "
         "an option (bucket caps, compression), or the fddp function (every rank must run the same compiled step, "
         "the same number of times). Run the step once without torch.compile: the eager agreement names the difference.",
@@ -1028,7 +1032,7 @@ class Agreement:
             _raise_announced(group, st, what, call_, h[_FAILED])
         low = [-x for x in h[_BOTH : 2 * _BOTH]]
         if h[:_PRINT] != low[:_PRINT] or h[_PRINT + 1 : _BOTH] != low[_PRINT + 1 :]:
-            _disagree(group, what, call_, rows, name_difference)
+            _disagree(group, what, call_, rows, name_difference, seen=h)
         # Fingerprints compare only values that were equal once (replicas, after fddp.broadcast):
         # a tree whose values differ at its first comparison differs by design and is left alone.
         equal = h[_PRINT] == low[_PRINT]
@@ -1065,16 +1069,39 @@ def _disagree(
     rows: Callable[[], list[tuple]],
     name_difference: Callable[[Sequence[list[tuple]]], str],
     token: tuple | None = None,
+    seen: Sequence[int] = (),
 ) -> None:
-    """Every rank is here together (the all-reduced header is the same everywhere): gather what
-    each rank is doing and raise the same error on all of them. ``token``: this rank is at the
-    ``(position, token)`` collective of a call being learnt, not at a header."""
+    """The all-reduced header (``seen``, the same everywhere) says the ranks differ: tell each
+    other what each is doing and raise the same error on all of them. ``token``: this rank is at
+    the ``(position, token)`` collective of a call being learnt, not at a header.
+
+    Through the group's store, not a collective: a rank that does not join in (inside a compiled
+    step, whose header is in its graph, or gone) is named as silent after a few seconds instead
+    of holding the others in a collective it will never enter.
+    """
     thread = threading.current_thread().name
     mine = {"what": what, "call": call_, "agreement": _checks.agreement, "thread": thread, "rows": rows()}
     mine["token"] = None if token is None else (token[0], describe_token(token[1]))
-    everyone: list[Any] = [None] * size(group)
-    with temporarily_clear_interpreter_stack():  # its tensors must be plain, under torch.func.grad too
-        dist.all_gather_object(everyone, mine, group=group)
+    st = _state(group)
+    channel = _channel_of(st, group)
+    n = size(group)
+    if channel is not None:
+        said = channel.exchange(f"{digest(tuple(seen)):x}", rank(group), n, mine)
+    else:  # a group with no store: the collective way
+        said = [None] * n
+        with temporarily_clear_interpreter_stack():  # its tensors must be plain, under torch.func.grad too
+            dist.all_gather_object(said, mine, group=group)
+    silent = [r for r, e in enumerate(said) if e is None]
+    if silent:
+        e = MismatchError(
+            f"fddp.{what}: ranks differ in what they run, and rank(s) {silent} did not say what: they may be inside a "
+            "compiled step (whose agreement is in its graph: a compiled step on some ranks and an eager call on others), "
+            f"or gone. This rank is at its call {call_ + 1} (fddp.{what}). Every rank must make the same fddp calls in the "
+            "same order."
+        )
+        fail(group, what, e)  # a rank that is not here cannot be in step
+        raise e
+    everyone: list[dict] = said  # type: ignore[assignment]
     if any(e["token"] is not None for e in everyone):
         def doing_of(r: int, e: dict) -> str:
             if e["token"] is None:

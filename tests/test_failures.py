@@ -265,12 +265,29 @@ def _compiled_worker():
     def step(g):
         return fddp.ddp_step(p, g, group=group, compression=compression)
 
-    return _outcome(lambda: step({"w": torch.full((8,), 1.0 + fddp.rank())})["w"])
+    differ = _outcome(lambda: step({"w": torch.full((8,), 1.0 + fddp.rank())})["w"])
+
+    @torch.compile(fullgraph=True)
+    def same(g):
+        return fddp.ddp_step(p, g, group=group)
+
+    g = {"w": torch.full((8,), 1.0 + fddp.rank())}
+    same(g)  # both ranks, once
+    if fddp.rank() == 1:  # one compiled call more, where rank 0 makes an eager one
+        more = _outcome(lambda: same(g)["w"])
+    else:
+        more = _outcome(lambda: fddp.ddp_step(p, g, group=group)["w"])
+    return differ, more
 
 
 def test_compiled_steps_that_differ_between_ranks_raise_on_every_rank():
-    for out in run(_compiled_worker, 2, timeout=240):
+    (d0, m0), (d1, m1) = run(_compiled_worker, 2, timeout=300)
+    for out in (d0, d1):
         assert out[0] == "RuntimeError" and "fddp.ddp_step (compiled): the ranks disagree" in out[1], out
+    # A compiled call meets an eager one: the graph's header has the eager one's size, so the eager
+    # rank raises (its peer did not say what it runs: it was in a compiled step) instead of an abort.
+    assert m1[0] == "RuntimeError" and "(compiled): the ranks disagree" in m1[1], m1
+    assert m0[0] == "MismatchError" and "compiled step" in m0[1] and m0[2] < 10, m0
 # --- fully sharded forwards that differ between ranks (ZeRO stage 3) ----------------------------------------
 
 

@@ -161,6 +161,36 @@ def test_a_derivative_through_ddp_step_on_one_rank_only_is_an_error_not_a_wrong_
         assert out[0] == "MismatchError" and "different fddp calls" in out[1] and "fddp.ddp_step (backward)" in out[1], out
 
 
+def _unsynced_worker():
+    group = _group()
+    params = fddp.broadcast({"w": torch.ones(8), "b": torch.zeros(2)}, group=group)
+    opt = fddp.optim.sgd(0.1)
+    state = opt.init(params)
+    seen = []
+    for i in range(4):
+        g = {"w": torch.full((8,), float(i + 1 + fddp.rank())), "b": torch.ones(2)}
+        if i == 1 and fddp.rank() == 1:  # rank 1 applies its own gradients once, unsynchronised
+            params, state = fddp.optim.apply_gradients(opt, g, state, params)
+            continue
+        for _ in range(2 if i == 1 and fddp.rank() == 0 else 1):  # (rank 0 meets its next call here)
+            t0 = time.monotonic()
+            try:
+                mean = fddp.ddp_step(params, g, group=group)
+            except fddp.MismatchError as e:
+                return seen + ["MismatchError"], str(e), time.monotonic() - t0
+            seen.append("ok")
+        params, state = fddp.optim.apply_gradients(opt, mean, state, params)
+    return seen, None, None
+
+
+def test_a_rank_that_applies_its_own_gradients_once_is_named_at_its_next_call():
+    """Each ddp_step pairs with one of the same signature, a valid mean; but rank 1's parameters
+    drifted from its peer's, and the next call's header says so on both ranks, with the fix."""
+    for seen, message, took in run(_unsynced_worker, 2, timeout=60):
+        assert seen == ["ok", "MismatchError"], (seen, message)
+        assert "drifted apart" in message and "at leaf 'b'" in message and took < 10, (message, took)
+
+
 # --- an option that adds a collective on one rank only ------------------------------------------------------
 
 

@@ -264,7 +264,7 @@ class Sync:
             self._comm = Comm(o.group, self.what, self.plan, self.weight)
         return self._comm
 
-    def agree(self, *, replicas: bool = False) -> bool:
+    def agree(self, *, replicas: bool = False, drift: bool = False) -> bool:
         """Agree with the other ranks on this call (``fddp._dist.agree``); keep in :attr:`new`
         whether its signature is new to some rank.
 
@@ -273,16 +273,17 @@ class Sync:
         ``fddp.broadcast`` since) also compares the leaves' checksums across the ranks, unless
         ``fddp.set_checks(replicas=False)``; return whether it did.
         """
-        return self.start_agreement(replicas=replicas).finish()
+        return self.start_agreement(replicas=replicas, drift=drift).finish()
 
     def start_agreement(self, *, replicas: bool = False, drift: bool = False) -> PendingAgreement:
         """:meth:`agree`, started: the header is sent; finish it before this call's other collectives.
 
-        With ``drift`` (the leaves are the point where replicas differentiate the same function:
-        ``grad_and_value``'s arguments), the header also carries a fingerprint of the leaves, and
-        replicas that drifted apart since the last call are compared leaf by leaf and named.
-        ``ddp_step``'s ``params`` only fix the gradients' layout (a mean of any tree is legitimate),
-        so they are compared once, fresh from ``fddp.functionalize``.
+        With ``drift`` (the leaves are the replicas' parameters: ``grad_and_value``'s arguments,
+        ``ddp_step``'s ``params``), the header also carries a fingerprint of the leaves, and replicas
+        that were equal once and drifted apart since are compared leaf by leaf and named (a rank
+        that skipped a step's update, or applied its own). Leaves that differed at their first
+        comparison are values that differ by design (a mean of any tree is legitimate): they are
+        not fingerprinted again.
         """
         replicas = replicas and _dist.checks().replicas
         ask = replicas and module_aliases(self.leaves)
@@ -407,7 +408,7 @@ def setup(
     _dist.count_call(options.group, what)
     sync = Sync(leaves, spec, record.plan, options, what, weight, record.digest, rows)
     if agree:
-        sync.agree(replicas=replicas)
+        sync.agree(replicas=replicas, drift=replicas)
     return sync
 
 

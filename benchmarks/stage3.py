@@ -17,9 +17,10 @@ Modes:
     fsdp2          torch.distributed.fsdp.fully_shard on every block and on the root, AdamW(fused=True)
     stage2         fddp.grad_and_value(compression=fddp.zero.ReduceScatter()) + apply_gradients on
                    the shards + fddp.zero.gather (ZeRO-2: the full parameters are kept)
-    stage3         fddp.zero.fully_shard (one unit per block; remat="params": each unit's parameters
-                   gathered again in backward) + fddp.grad_and_value (autograd; the gathers' backward
-                   averages) + apply_gradients on the shards
+    stage3         fddp.zero.fully_shard (its default units, chosen by size: min_unit_mb=0.5;
+                   remat="params": each unit's parameters gathered again in backward) +
+                   fddp.grad_and_value (autograd; the gathers' backward averages) + apply_gradients
+    stage3_fine    the same with min_unit_mb=0: every block a unit, however small (the old default)
     stage3_blocks  the same with FSDP2's units: the blocks, everything else in the root unit
     stage3_func    the same, differentiated by torch.func.grad_and_value (every op through its level)
     stage3_unit    the same with remat="unit": units recomputed in backward (activation checkpointing)
@@ -61,9 +62,42 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step import LM, MODELS, model_and_batch  # noqa: E402  (benchmarks/step.py's models and batches)
+import step  # noqa: E402  (benchmarks/step.py's models and batches)
+from step import LM  # noqa: E402
 
 import fddp  # noqa: E402
+
+
+class GPT2(nn.Module):
+    """Hugging Face's GPT-2 (``transformers``, the ``hf`` extra), random weights, a small config: 4
+    blocks, d=128, a 2048-token vocabulary, the embedding tied to the head. A model the unit rule
+    (``min_unit_mb``) was not tuned on. Its input is token ids; its output, one row of logits per
+    position."""
+
+    VOCAB, CONTEXT = 2048, 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=self.VOCAB, n_positions=self.CONTEXT,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits.flatten(0, 1)
+
+
+MODELS = {**step.MODELS, "gpt2": (GPT2, (8, GPT2.CONTEXT))}
+TOKENS = (LM, GPT2)  # models whose input is token ids
+
+
+def model_and_batch(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The model (the same initialisation on every rank) and this rank's own batch."""
+    if name != "gpt2":
+        return step.model_and_batch(name)
+    torch.manual_seed(0)
+    return GPT2(), batch_for(name, 1 + fddp.rank())
 
 LR = 1e-3
 MODES = (
@@ -71,6 +105,7 @@ MODES = (
     "fsdp2",
     "stage2",
     "stage3",
+    "stage3_fine",
     "stage3_blocks",
     "stage3_func",
     "stage3_unit",
@@ -95,20 +130,24 @@ def nbytes(tensors: Any) -> int:
 
 def batch_for(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch for model ``name`` (as benchmarks/step.py makes them) from ``seed``."""
-    shape = MODELS[name][1]
+    ctor, shape = MODELS[name]
     g = torch.Generator().manual_seed(seed)
-    if MODELS[name][0] is LM:
-        ids = torch.randint(0, LM.VOCAB, (shape[0], shape[1] + 1), generator=g)
+    if ctor in TOKENS:
+        ids = torch.randint(0, ctor.VOCAB, (shape[0], shape[1] + 1), generator=g)
         return ids[:, :-1].contiguous(), ids[:, 1:].reshape(-1)
     return torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks, as FSDP2 users wrap them (fddp's default units find the same ones)."""
+    """The model's blocks, as FSDP2 users wrap them (the rest goes to the root)."""
     if hasattr(model, "encoder"):
         return list(model.encoder.layers)
     if isinstance(model, LM):
         return list(model.blocks.layers)
+    if isinstance(model, GPT2):
+        return list(model.model.transformer.h)
+    if isinstance(model, step.ConvNet):
+        return []  # 114k values: the root alone (fddp's default units make the same choice)
     return list(model.blocks)
 
 
@@ -175,9 +214,11 @@ def stage2_mode(model: nn.Module) -> Mode:
 
 def stage3_mode(
     model: nn.Module, remat: str | None = "params", prefetch: int = 1, group: Any = None, replica_group: Any = None,
-    func: bool = False, units: Any = None,
+    func: bool = False, units: Any = None, **options: Any,
 ) -> Mode:  # fmt: skip
-    apply_fn, shards = fddp.zero.fully_shard(model, units=units, remat=remat, prefetch=prefetch, group=group, replica_group=replica_group)
+    apply_fn, shards = fddp.zero.fully_shard(
+        model, units=units, remat=remat, prefetch=prefetch, group=group, replica_group=replica_group, **options
+    )
     opt = fddp.optim.adamw(LR)
     box: dict[str, Any] = {"shards": shards, "state": opt.init(shards), "fn": apply_fn}
     loss = lambda s, x, y: F.cross_entropy(apply_fn(s, x), y)  # noqa: E731
@@ -212,6 +253,8 @@ def make_mode(name: str, model: nn.Module) -> Mode:
         return stage3_mode(model, group=own)
     if name == "stage3_func":
         return stage3_mode(model, func=True)
+    if name == "stage3_fine":
+        return stage3_mode(model, min_unit_mb=0)
     if name == "stage3_blocks":
         return stage3_mode(model, units=[*blocks(model), ""])
     if name == "stage3_noprefetch":
@@ -492,8 +535,8 @@ def same_worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["transformer", "lm"], choices=list(MODELS))
-    parser.add_argument("--memory-worlds", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--models", nargs="+", default=["mlp", "transformer", "conv", "lm", "gpt2"], choices=list(MODELS))
+    parser.add_argument("--memory-worlds", nargs="*", type=int, default=[2, 4], help="none: step times only")
     parser.add_argument("--time-world", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--memory-modes", nargs="+", default=["ddp", "fsdp2", "stage2", "stage3", "stage3_unit"], choices=MODES)

@@ -82,7 +82,7 @@ def test_units_layout_and_the_released_module():
     fddp.init()
     model = _model("lm")
     full = {k: v.detach().clone() for k, v in model.named_parameters()}
-    apply_fn, shards = fddp.zero.fully_shard(model)
+    apply_fn, shards = fddp.zero.fully_shard(model, min_unit_mb=0)  # every block a unit, however small
     assert apply_fn.units == ("tokens", "positions", "blocks.layers.0", "blocks.layers.1", "norm", "head")
     lay = shards.layout
     assert isinstance(lay, fddp.zero.UnitLayout) and lay.stage == 3 and len(lay.plan.buckets) == 6
@@ -116,7 +116,7 @@ def test_unit_rules_and_their_errors():
     tied = _model("lm")
     tied.head.weight = tied.tokens.weight  # tied across two units
     with pytest.raises(ValueError, match=r"'tokens.weight' .*(is also 'head.weight'|in units).*one unit"):
-        fddp.zero.fully_shard(tied)
+        fddp.zero.fully_shard(tied, units=["tokens", "positions", "blocks", "norm", "head"])
     for bad, message in (({"prefetch": -1}, "prefetch must be"), ({"remat": True}, "remat must be 'params', 'unit' or None")):
         with pytest.raises((TypeError, ValueError), match=message):
             fddp.zero.fully_shard(_model("mlp"), **bad)
@@ -128,6 +128,36 @@ def test_unit_rules_and_their_errors():
     fddp.zero.fully_shard(sharded)
     with pytest.raises(ValueError, match=r"Transformer is already sharded: parameter 'embed.weight' was taken by an earlier fully_shard"):
         fddp.zero.fully_shard(sharded)
+
+
+def test_units_by_size():
+    """The default units: at least min_unit_mb each, small modules merged into the module around
+    them (or the root); on the benchmark models, FSDP2's usual wrapping (the blocks, the rest in
+    the root), and a tied embedding in the root with its head."""
+    fddp.init()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from step import MODELS as BENCHMARKS
+
+    def sizes(model, **kw):
+        lay = fddp.zero.fully_shard(model, **kw)[1].layout
+        return {u or "": sum(lay.plan.buckets[k].numel for k in ks) for u, ks in zip(lay.units, lay.unit_buckets)}
+
+    got = {name: sizes(ctor()) for name, (ctor, _) in BENCHMARKS.items()}
+    assert got["mlp"] == {"": 5130, **{f"blocks.{i}": 263680 for i in range(8)}}  # each Linear with its LayerNorm
+    assert got["transformer"] == {"": 5514, **{f"encoder.layers.{i}": 198272 for i in range(8)}}  # embed + head: the root
+    assert got["conv"] == {"": 113738}  # 455 KB in all: less than one unit's worth, gathered once
+    assert got["lm"] == {"": 12672, "tokens": 393216, **{f"blocks.layers.{i}": 444864 for i in range(4)}, "head": 395264}
+    # Every unit of at least min_unit_mb, except the root's leftovers; 0 keeps every block a unit.
+    for name, (ctor, _) in BENCHMARKS.items():
+        assert all(n >= 2**19 // 4 for u, n in got[name].items() if u), (name, got[name])
+        assert len(sizes(ctor(), min_unit_mb=0)) == {"mlp": 17, "transformer": 10, "conv": 4, "lm": 8}[name]
+    # Larger units: two blocks' worth each is not possible without nesting; the encoder as one unit is.
+    assert sizes(BENCHMARKS["transformer"][0](), min_unit_mb=1.0) == {"": 5514, "encoder": 8 * 198272}
+    tied = _model("lm")
+    tied.head.weight = tied.tokens.weight  # GPT-2's tied embedding: both in the root, not an error
+    assert sizes(tied, min_unit_mb=0) == {"": 1024 + 64, "positions": 128, "blocks.layers.0": 2224, "blocks.layers.1": 2224, "norm": 32}
+    with pytest.raises(ValueError, match="min_unit_mb must be a number of MiB >= 0"):
+        fddp.zero.fully_shard(_model("mlp"), min_unit_mb=-1)
 
 
 class _Iterated(nn.Module):
@@ -144,7 +174,7 @@ class _Iterated(nn.Module):
 def test_a_unit_whose_forward_is_not_called_is_named():
     fddp.init()
     x = torch.randn(3, 4)
-    apply_fn, shards = fddp.zero.fully_shard(_Iterated())  # the default: its children, which are called
+    apply_fn, shards = fddp.zero.fully_shard(_Iterated(), min_unit_mb=0)  # its children, which are called
     assert apply_fn.units == ("seq.0", "seq.2") and apply_fn(shards, x).shape == (3, 2)
     apply_fn, shards = fddp.zero.fully_shard(_Iterated(), units=["seq"])
     with pytest.raises(RuntimeError, match=r"parameter 'seq.0.weight' belongs to unit 'seq', whose forward was not called"):
@@ -181,7 +211,7 @@ def _same_numbers_worker(steps: int, models: tuple[str, ...]):
             sh2 = fddp.zero.shard(params, **CAPS)
             st2, full2 = opt.init(sh2), params
             # Stage 3: no full tree; torch.func.grad gives the gradient shards.
-            apply_fn, sh3 = fddp.zero.fully_shard(_model(name))
+            apply_fn, sh3 = fddp.zero.fully_shard(_model(name), min_unit_mb=0)
             st3 = opt.init(sh3)
             step3 = grad(lambda s, x, y: _loss(apply_fn, s, x, y))
             for step in range(steps):
@@ -287,7 +317,7 @@ def _reference_mean(seed, loss, batches, make=_flow):
 def _transforms_worker(remat):
     rank, n = fddp.rank(), fddp.world_size()
     out = {}
-    apply_fn, shards = fddp.zero.fully_shard(_flow(0), remat=remat)
+    apply_fn, shards = fddp.zero.fully_shard(_flow(0), remat=remat, min_unit_mb=0)
     # grad of a loss with torch.func.jvp inside (forward-over-reverse through the gathers).
     g = fddp.zero.gather(grad(lambda s: _meanflow(apply_fn, s, *_flow_data(rank)))(shards)).wait()
     out["meanflow"] = _max_diff(g, _reference_mean(0, _meanflow, [_flow_data(q) for q in range(n)]))
@@ -306,7 +336,7 @@ def _transforms_worker(remat):
     ]
     out["hvp"] = _max_diff(fddp.zero.gather(hv).wait(), {k: sum(h[k] for h in ref_hv) / n for k in ref_p})
     # An ensemble of 3 stacked members under vmap(grad) and grad(vmap): one collective per bucket.
-    members = [fddp.zero.fully_shard(_flow(10 + m), remat=remat)[1] for m in range(3)]
+    members = [fddp.zero.fully_shard(_flow(10 + m), remat=remat, min_unit_mb=0)[1] for m in range(3)]
     stacked = fddp.zero.Sharded([torch.stack([s.shards[k] for s in members]) for k in range(len(shards.shards))], shards.layout)
     batches = [_flow_data(100 * m + rank) for m in range(3)]
     zs, vs, ts, rs = (torch.stack([b[i] for b in batches]) for i in range(4))
@@ -324,7 +354,7 @@ def _transforms_worker(remat):
     out["grad_of_vmap"] = max((a - b).abs().max().item() for a, b in zip(gv.shards, ge.shards))
     # Per-sample gradients with invariant gathers (DP-SGD): every rank differentiates the same
     # samples and gets its slice of each; one all-reduce of the squared norms clips them exactly.
-    inv_fn, inv = fddp.zero.fully_shard(_flow(0), invariant=True, remat=remat)
+    inv_fn, inv = fddp.zero.fully_shard(_flow(0), invariant=True, remat=remat, min_unit_mb=0)
     z, v, t, _ = _flow_data(7, n=6)
     per = vmap(grad(lambda s, *b: ((inv_fn(s, b[0][None], b[2][None]) - b[1][None]) ** 2).mean()), in_dims=(None, 0, 0, 0))(inv, z, v, t)
     sq = sum((g_**2).sum(-1) for g_ in per.shards)
@@ -338,7 +368,7 @@ def _transforms_worker(remat):
     out["dpsgd"] = _max_diff(clipped, {k: (rc.view(-1, *[1] * (rper[k].dim() - 1)) * rper[k]).sum(0) for k in ref_p})
     out["dpsgd_clipped"] = int((rc < 1).sum())
     # A unit used three times in one forward, under each entry point.
-    tw_fn, tw = fddp.zero.fully_shard(_twice(0), remat=remat)
+    tw_fn, tw = fddp.zero.fully_shard(_twice(0), remat=remat, min_unit_mb=0)
     ref = _reference_mean(0, _mse, [_flow_data(q) for q in range(n)], make=_twice)
     loss = lambda s: _mse(tw_fn, s, *_flow_data(rank))  # noqa: E731
     leaves = fddp.zero.Sharded([t.detach().requires_grad_() for t in tw.shards], tw.layout)
@@ -403,7 +433,7 @@ def _soak_worker(steps: int, check_at: int):
         for entry in ("grad_and_value", "torch.func.grad", ".backward()"):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-            apply_fn, shards = fddp.zero.fully_shard(model, remat=remat)
+            apply_fn, shards = fddp.zero.fully_shard(model, remat=remat, min_unit_mb=0)  # a tiny model: units all the same
             opt = fddp.optim.adamw(1e-3)
             state = opt.init(shards)
             loss_fn = lambda s, x, y: F.cross_entropy(apply_fn(s, x), y)  # noqa: E731
@@ -451,8 +481,8 @@ def _hybrid_worker(directory: str):
     sg, rg = shard_groups[rank // 2], replica_groups[rank % 2]
     out = {}
     # The second replica starts from other values: the first replica's shards are broadcast over them.
-    hyb_fn, hyb = fddp.zero.fully_shard(_model("transformer", seed=0 if rank < 2 else 7), group=sg, replica_group=rg)
-    flat_fn, flat = fddp.zero.fully_shard(_model("transformer"))
+    hyb_fn, hyb = fddp.zero.fully_shard(_model("transformer", seed=0 if rank < 2 else 7), group=sg, replica_group=rg, min_unit_mb=0)
+    flat_fn, flat = fddp.zero.fully_shard(_model("transformer"), min_unit_mb=0)
     out["same_start"] = _max_diff(fddp.zero.gather(hyb).wait(), fddp.zero.gather(flat).wait())
     x, y = _batch("transformer", rank)
     g_func = grad(lambda s: _loss(hyb_fn, s, x, y))(hyb)
@@ -520,7 +550,7 @@ def _errors_worker():
     rank = fddp.rank()
     out = {}
     try:  # units that differ across ranks
-        fddp.zero.fully_shard(_model("transformer"), units=["embed", "encoder", "head"] if rank == 0 else None)
+        fddp.zero.fully_shard(_model("transformer"), units=["embed", "encoder", "head"] if rank == 0 else None, min_unit_mb=0)
     except fddp.MismatchError as e:
         out["units_differ"] = str(e)
     try:  # one rank's list misses parameters: all fail (the verdict is agreed on first)

@@ -488,6 +488,7 @@ def fully_shard(
     prefetch: int = 1,
     remat: str | None = "params",
     invariant: bool = False,
+    min_unit_mb: float = 0.5,
 ) -> tuple[FullyShardedForward, shard_layout.Sharded]:
     """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
 
@@ -507,17 +508,20 @@ def fully_shard(
     replica group, the first replica's shards are broadcast to the others).
 
     A *unit* is a submodule whose forward uses only its own parameters (a transformer block, an
-    embedding, a head), run through its ``__call__``. ``units=None`` takes one per block: the
-    children of every ``ModuleList`` / ``Sequential`` / ``ModuleDict``, and every other module that
-    owns parameters itself (with its whole subtree); parameters in no unit form the root unit,
-    gathered for the whole forward (as FSDP2's root). Every rank must run the units in the same
-    order (they do when they run the same code).
+    embedding, a head), run through its ``__call__``. ``units=None`` chooses them by size, as
+    FSDP's ``size_based_auto_wrap_policy`` does: from the finest units (the children of every
+    ``ModuleList`` / ``Sequential`` / ``ModuleDict``, and every other module that owns parameters
+    itself, with its whole subtree), a module of at least ``min_unit_mb`` is a unit; smaller ones
+    merge into their enclosing module (a unit when its leftovers reach ``min_unit_mb`` and nothing
+    inside it is one) and, at the top, into the root unit, gathered for the whole forward (as
+    FSDP2's root); modules whose weights are tied together land in one that holds them all.
+    Every rank must run the units in the same order (they do when they run the same code).
 
     Args:
         model: the module; its trainable parameters (``requires_grad=True``) are taken.
         units: the units: submodule names (``""``: the root, for parameters in no other unit),
-            submodules, or module classes (every outermost submodule of the class); ``None``: one
-            per block, as above. A parameter must belong to exactly one unit (tied weights: put the
+            submodules, or module classes (every outermost submodule of the class); ``None``: by
+            size, as above. A parameter must belong to exactly one unit (tied weights: put the
             modules that share them in one unit).
         group: the process group to shard over (``None``: the default group).
         replica_group: hybrid sharding: replicate the shards across this group (e.g. shard within
@@ -533,6 +537,9 @@ def fully_shard(
         invariant: gradients of this rank's objective alone, the other ranks' shards held
             constant: each bucket's cotangent is cut to this rank's slice, with no reduction
             (per-sample gradients; see :func:`unshard`).
+        min_unit_mb: with ``units=None``, the fewest MiB of trainable parameters a unit holds
+            (each unit costs three collectives a step; 0.5 MiB hides their latency on gloo and
+            NCCL alike); 0: every finest unit is one (one per block, however small).
 
     Returns:
         ``(apply_fn, shards)``: a :class:`FullyShardedForward` and this rank's shards.
@@ -543,7 +550,7 @@ def fully_shard(
             what is not a submodule.
 
     Example:
-        >>> apply_fn, shards = fddp.zero.fully_shard(model)  # one unit per block
+        >>> apply_fn, shards = fddp.zero.fully_shard(model)  # units of at least 0.5 MiB
         >>> opt_state = opt.init(shards)
         >>> grads, loss = torch.func.grad_and_value(loss_fn)(shards, x, y)  # loss_fn calls apply_fn
         >>> shards, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, shards)
@@ -555,6 +562,8 @@ def fully_shard(
         raise TypeError(f"fddp.{what}: invariant must be True or False, got {invariant!r}")
     if remat not in ("params", "unit", None):
         raise ValueError(f"fddp.{what}: remat must be 'params', 'unit' or None, got {remat!r}")
+    if isinstance(min_unit_mb, bool) or not isinstance(min_unit_mb, (int, float)) or not min_unit_mb >= 0:
+        raise ValueError(f"fddp.{what}: min_unit_mb must be a number of MiB >= 0, got {min_unit_mb!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
     if not dist.is_initialized():
@@ -586,7 +595,7 @@ def fully_shard(
         leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
         flat_names = list(paths(spec))
         index = {n: i for i, n in enumerate(flat_names)}
-        units_ = _units.resolve(model, units, params, trainable, index, what)
+        units_ = _units.resolve(model, units, params, trainable, index, what, int(min_unit_mb * 2**20))
         if not units_:
             raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
     except (TypeError, ValueError) as e:

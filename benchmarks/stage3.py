@@ -4,6 +4,7 @@
     python benchmarks/stage3.py --models lm --repeats 5
     python benchmarks/stage3.py --same-numbers --models mlp transformer lm   # 20 steps, SGD-momentum and AdamW, 2, 3 and 4 ranks
     python benchmarks/stage3.py --soak 2000 --models transformer   # RSS every 100 steps of a long run, per mode
+    python benchmarks/stage3.py --mixed-precision   # bf16 gathers: stage 3's parameters against FSDP2's, same policy
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
 LM), trained with AdamW (torch's fused kernel everywhere; fddp's shards donated, so that every
@@ -28,6 +29,8 @@ Modes:
     stage3_noprefetch  stage3 with prefetch=0: each gather starts when its unit needs it
     stage3_floor   stage3 over a group of one rank: the same code with no collective (its compute)
     hybrid         stage3 sharded within each host (torchrun's local ranks), replicated across hosts
+    fsdp2_bf16     fsdp2 with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    stage3_bf16    stage3 with the same policy: fully_shard(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 Memory columns, per rank (the fullest rank), MB:
     held       what the loop keeps between steps: parameters + gradients + optimizer state (distinct
@@ -113,6 +116,8 @@ MODES = (
     "stage3_noprefetch",
     "stage3_floor",
     "hybrid",
+    "fsdp2_bf16",
+    "stage3_bf16",
 )
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -158,15 +163,23 @@ class Mode:
         self.step, self.memory, self.comm = step, memory, comm
 
 
-def torch_mode(model: nn.Module, fsdp: bool) -> Mode:
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+def fsdp2(model: nn.Module, bf16: bool = False) -> nn.Module:
+    """torch FSDP2 as its users wrap a model: every block, then the root; ``bf16``: with
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for b in blocks(model):
-            torch_fully_shard(b, mesh=mesh)
-        net = torch_fully_shard(model, mesh=mesh)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for b in blocks(model):
+        torch_fully_shard(b, mesh=mesh, mp_policy=policy)
+    return torch_fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def torch_mode(model: nn.Module, fsdp: bool, bf16: bool = False) -> Mode:
+    if fsdp:
+        net = fsdp2(model, bf16)
     else:
         net = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
@@ -244,8 +257,10 @@ def stage3_mode(
 
 def make_mode(name: str, model: nn.Module) -> Mode:
     model = copy.deepcopy(model)
-    if name in ("ddp", "fsdp2"):
-        return torch_mode(model, fsdp=name == "fsdp2")
+    if name in ("ddp", "fsdp2", "fsdp2_bf16"):
+        return torch_mode(model, fsdp=name != "ddp", bf16=name == "fsdp2_bf16")
+    if name == "stage3_bf16":
+        return stage3_mode(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if name == "stage2":
         return stage2_mode(model)
     if name == "stage3_floor":
@@ -391,7 +406,7 @@ def soak(args: argparse.Namespace) -> None:
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     fddp.init()
-    tasks = {"memory": memory_worker, "time": time_worker, "soak": soak_worker}
+    tasks = {"memory": memory_worker, "time": time_worker, "soak": soak_worker, "mp": mp_worker}
     result = tasks[args.task](args)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
@@ -481,6 +496,55 @@ def same_numbers(args: argparse.Namespace) -> None:
         json.dump({"torch": torch.__version__, "steps": args.same_steps, "results": results}, f, indent=1)
 
 
+def mixed_precision(args: argparse.Namespace) -> None:
+    """bf16 gathers and compute, float32 master weights: stage 3 against torch FSDP2 with the same policy."""
+    r = launch(2, ["--task", "mp", "--models", *args.models, "--same-steps", str(args.same_steps)])[0]
+    print(f"{args.same_steps} AdamW steps (lr {LR}), 2 ranks, param_dtype=torch.bfloat16, reduce_dtype=torch.float32; "
+          "parameters afterwards, max |difference|:")  # fmt: skip
+    print(f"  {'model':<12}{'stage3 == fsdp2':>16}{'|stage3 - fsdp2|':>18}{'|fsdp2 - float32|':>19}"
+          f"{'gathered KB/step':>18}{'(float32)':>11}{'reduced KB/step':>17}{'(float32)':>11}")  # fmt: skip
+    for name, v in r.items():
+        kb = [v[k] / 1024 for k in ("gathered", "gathered32", "reduced", "reduced32")]
+        print(f"  {name:<12}{str(v['equal']):>16}{v['vs_fsdp2']:18.1e}{v['fsdp2_vs_float32']:19.1e}"
+              f"{kb[0]:18.1f}{kb[1]:11.1f}{kb[2]:17.1f}{kb[3]:11.1f}")  # fmt: skip
+    with open(os.path.join(RESULTS, "stage3_bf16.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "steps": args.same_steps, "results": r}, f, indent=1)
+
+
+def mp_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One process group of :func:`mixed_precision`."""
+    out = {}
+    bf16 = torch.bfloat16
+    for name in args.models:
+        model, _ = model_and_batch(name)
+        batches = [batch_for(name, 10_000 * step + fddp.rank()) for step in range(args.same_steps)]
+        net = fsdp2(copy.deepcopy(model), bf16=True)
+        topt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+        for x, y in batches:
+            topt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            topt.step()
+        ref = {k: v.full_tensor() for k, v in net.state_dict().items()}
+        runs = {}
+        for dtype in (bf16, None):
+            fn, shards = fddp.zero.fully_shard(copy.deepcopy(model), param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+            opt = fddp.optim.adamw(LR)
+            state = opt.init(shards)
+            step = fddp.grad_and_value(lambda s, x, y: F.cross_entropy(fn(s, x), y))  # noqa: B023
+            for x, y in batches:
+                grads, _ = step(shards, x, y)
+                shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
+            c = fn.counters
+            runs[dtype] = fddp.zero.gather(shards).wait(), c.gathered_bytes / len(batches), c.reduced_bytes / len(batches)
+        diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in f32)  # noqa: E731  (tied weights: once)
+        (got, gathered, reduced), (f32, gathered32, reduced32) = runs[bf16], runs[None]
+        out[name] = {
+            "equal": all(torch.equal(got[k], ref[k]) for k in f32), "vs_fsdp2": diff(got, ref), "fsdp2_vs_float32": diff(ref, f32),
+            "gathered": gathered, "gathered32": gathered32, "reduced": reduced, "reduced32": reduced32,
+        }  # fmt: skip
+    return out
+
+
 def same_worker(args: argparse.Namespace) -> None:
     """One world size of :func:`same_numbers` (under torchrun)."""
     torch.set_num_threads(1)
@@ -550,7 +614,8 @@ def main() -> None:
     parser.add_argument("--soak", type=int, default=0, help="a long run of this many steps per mode, 2 ranks: RSS as it goes")
     parser.add_argument("--soak-every", type=int, default=100, help="with --soak: print RSS every this many steps")
     parser.add_argument("--soak-modes", nargs="+", default=["stage3", "stage3_func", "stage3_unit", "stage3_keep"], choices=MODES)
-    parser.add_argument("--task", choices=["memory", "time", "same", "soak"], help=argparse.SUPPRESS)
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 policy: stage 3's numbers against FSDP2's")
+    parser.add_argument("--task", choices=["memory", "time", "same", "soak", "mp"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -564,6 +629,9 @@ def main() -> None:
         return
     if args.soak:
         soak(args)
+        return
+    if args.mixed_precision:
+        mixed_precision(args)
         return
     before = load_average()
     results: dict[str, Any] = {}

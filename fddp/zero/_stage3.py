@@ -51,7 +51,7 @@ from fddp.sync import _signature
 from fddp.sync._differentiable import active_transforms
 from fddp.zero import _gather, _units
 from fddp.zero import _layout as shard_layout
-from fddp.zero._gather import Counters, GatherCall, Pipeline
+from fddp.zero._gather import Counters, GatherCall, Pipeline, Precision
 from fddp.zero._units import Unit, UnitLayout
 
 __all__ = ["FullyShardedForward", "fully_shard", "unshard"]
@@ -79,12 +79,13 @@ def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequenc
         _signature.check(_signature.signature_digest((what, key), rows), rows, g, what)
 
 
-def _agree_on(lay: UnitLayout, what: str) -> None:
+def _agree_on(lay: UnitLayout, what: str, precision: Precision = _gather.FULL_PRECISION) -> None:
     """Agree on a call across the shard group and, with hybrid sharding, across the replica group,
     whose members must also hold the same place in their shard groups."""
-    _agree(what, lay, lay.describe, [lay.group])
+    _agree(what, (lay, precision), lambda: [*lay.describe(), *precision.rows()], [lay.group])
     if lay.replica_group is not None:
-        _agree(what, (lay, "replica"), lambda: [*lay.describe(), ("shard rank", str(lay.rank), None)], [lay.replica_group])
+        rows = lambda: [*lay.describe(), *precision.rows(), ("shard rank", str(lay.rank), None)]  # noqa: E731
+        _agree(what, (lay, precision, "replica"), rows, [lay.replica_group])
 
 
 # ----------------------------------------------------------------------------- the unit as a Function
@@ -308,6 +309,9 @@ class FullyShardedForward:
             recomputed: its activations are not kept either), ``None`` (nothing: autograd keeps
             each unit's full parameters from the forward until backward).
         counters: a :class:`fddp.zero.Counters` of what the collectives moved.
+        param_dtype: the dtype floating-point parameters are gathered and computed in (``None``:
+            their own); see :func:`fully_shard`.
+        reduce_dtype: the dtype their gradients are reduced in (``None``: ``param_dtype``'s).
 
     Example:
         >>> apply_fn, shards = fddp.zero.fully_shard(model)
@@ -315,10 +319,15 @@ class FullyShardedForward:
         >>> grads, value = torch.func.grad_and_value(loss)(shards, x, y)
     """
 
-    def __init__(self, model: nn.Module, layout: UnitLayout, units: list[Unit], prefetch: int, remat: str | None, invariant: bool) -> None:
+    def __init__(
+        self, model: nn.Module, layout: UnitLayout, units: list[Unit], prefetch: int, remat: str | None, invariant: bool,
+        precision: Precision = _gather.FULL_PRECISION,
+    ) -> None:  # fmt: skip
         self.model, self.layout, self._units = model, layout, units
         self.units = layout.units
         self.prefetch, self.remat, self.invariant = prefetch, remat, invariant
+        self._precision = precision
+        self.param_dtype, self.reduce_dtype = precision.param_dtype, precision.reduce_dtype
         self.counters = Counters()
         self._root = next((u for u in units if u.name == ""), None)
         self._order: list[int] = [k for u in units for k in u.buckets]  # refined by each call
@@ -389,15 +398,17 @@ class FullyShardedForward:
             # keeps only the first): a rank that skipped or reordered a forward is named here,
             # not left to time out inside a gather.
             _dist.count_call(lay.group, "zero.fully_shard")
-            _agree_on(lay, "zero.fully_shard")
+            _agree_on(lay, "zero.fully_shard", self._precision)
         differentiated = _differentiated(shards.shards)
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
-            release=self.remat == "params",
+            release=self.remat == "params", precision=self._precision,
         )  # fmt: skip
         leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated)
         patched = [u for u in self._units if u.name]
+        if self.param_dtype is not None:  # the model's inputs in the compute dtype, as every unit's
+            args, kwargs = torch_pytree.tree_map(self._precision.cast, (args, kwargs))
         self._run = run
         try:
             for u in patched:
@@ -457,7 +468,7 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
         calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
         ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
         fulls = [run.gather(k) for k in unit.buckets]
-        tensors = [flat[i] for i in pos]
+        tensors = [owner._precision.cast(flat[i]) for i in pos]  # mixed precision: inputs in the compute dtype
         if run.differentiated and owner.remat == "unit":
             shards = [run.leaves[k] for k in unit.buckets]
             outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
@@ -489,6 +500,8 @@ def fully_shard(
     remat: str | None = "params",
     invariant: bool = False,
     min_unit_mb: float = 0.5,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[FullyShardedForward, shard_layout.Sharded]:
     """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
 
@@ -540,6 +553,14 @@ def fully_shard(
         min_unit_mb: with ``units=None``, the fewest MiB of trainable parameters a unit holds
             (each unit costs three collectives a step; 0.5 MiB hides their latency on gloo and
             NCCL alike); 0: every finest unit is one (one per block, however small).
+        param_dtype: mixed precision, as FSDP2's ``MixedPrecisionPolicy``: gather the floating-point
+            parameters in this dtype (half the bytes for ``torch.bfloat16``) and compute in it (the
+            floating-point inputs of the model and of every unit are cast to it). The shards,
+            their gradients and the optimizer state keep the parameters' own dtype (float32 master
+            weights). ``None``: the parameters' dtype.
+        reduce_dtype: the dtype gradients are reduced in (then written into the shards' dtype):
+            ``torch.float32`` sums bf16 gradients in float32, as FSDP2 with
+            ``reduce_dtype=torch.float32``; ``None``: ``param_dtype`` (FSDP2's default).
 
     Returns:
         ``(apply_fn, shards)``: a :class:`FullyShardedForward` and this rank's shards.
@@ -566,6 +587,10 @@ def fully_shard(
         raise ValueError(f"fddp.{what}: min_unit_mb must be a number of MiB >= 0, got {min_unit_mb!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
+    for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise TypeError(f"fddp.{what}: {name} must be a floating-point torch.dtype (torch.bfloat16, say) or None, got {dt!r}")
+    precision = Precision(param_dtype, reduce_dtype)
     if not dist.is_initialized():
         raise RuntimeError(f"fddp.{what}: no process group; call fddp.init() first")
     if torch._C._are_functorch_transforms_active():
@@ -612,7 +637,7 @@ def fully_shard(
         unit_buckets=tuple(u.buckets for u in units_), replica_group=replica_group, replicas=replicas,
     )  # fmt: skip
     _dist.count_call(group, what)
-    _agree_on(lay, what)
+    _agree_on(lay, what, precision)
 
     out = shard_layout.new_shards(lay)
     for leaf, pieces in zip(leaves, shard_layout.leaf_pieces(lay)):
@@ -636,7 +661,7 @@ def fully_shard(
         for n in names_:
             prefix, _, attr = n.rpartition(".")
             model.get_submodule(prefix)._parameters[attr] = ghost
-    apply_fn = FullyShardedForward(model, lay, units_, prefetch, remat, invariant)
+    apply_fn = FullyShardedForward(model, lay, units_, prefetch, remat, invariant, precision)
     for u in units_:
         for i in u.leaves:
             for n in trainable[id(params[flat_names[i]])]:

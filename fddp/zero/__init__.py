@@ -36,6 +36,7 @@ Example:
 """
 
 from fddp.zero._api import Gathered, gather, shard
+from fddp.zero._full import load_full, release, write_back
 from fddp.zero._gather import Counters
 from fddp.zero._hook import ReduceScatter
 from fddp.zero._layout import Sharded, ShardLayout
@@ -52,6 +53,9 @@ __all__ = [
     "UnitLayout",
     "fully_shard",
     "gather",
+    "load_full",
+    "release",
     "shard",
     "unshard",
+    "write_back",
 ]

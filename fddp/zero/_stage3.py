@@ -334,6 +334,7 @@ class FullyShardedForward:
         self._remat_buckets = frozenset(k for u in units if u.name for k in u.buckets) if remat else frozenset()
         self._run: _Call | None = None
         self._owner: dict[str, str] = {}  # every name of every trainable parameter: its unit's name
+        self._placeholders: list[tuple[nn.Module, str, _units.Released]] = []  # (module, attribute, what it holds)
 
     def __repr__(self) -> str:
         return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat})"
@@ -614,8 +615,8 @@ def fully_shard(
             raise ValueError(
                 f"fddp.{what}: {type(model).__name__} is already sharded: parameter {taken!r} was taken by an earlier "
                 "fully_shard call and lives in its shards. Use the apply_fn and shards that call returned (its "
-                "units cannot change), or shard a new module (fddp.zero.gather(shards).wait() gives the full tree "
-                "to load into it)"
+                "units cannot change), or put the values back first (fddp.zero.write_back(apply_fn, shards)) and "
+                "shard it anew"
             )
         leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
         flat_names = list(paths(spec))
@@ -655,13 +656,16 @@ def fully_shard(
                 for n in trainable[id(params[flat_names[i]])]:
                     prefix, _, attr = n.rpartition(".")
                     u.slots.append((model.get_submodule(prefix), attr, j, pos))
+    placeholders = []
     for names_ in trainable.values():
         like = params[names_[0]]
         ghost = _units.Released(names_[0], like)
         for n in names_:
             prefix, _, attr = n.rpartition(".")
             model.get_submodule(prefix)._parameters[attr] = ghost
+            placeholders.append((model.get_submodule(prefix), attr, ghost))
     apply_fn = FullyShardedForward(model, lay, units_, prefetch, remat, invariant, precision)
+    apply_fn._placeholders = placeholders
     for u in units_:
         for i in u.leaves:
             for n in trainable[id(params[flat_names[i]])]:

@@ -129,8 +129,7 @@ class Released(nn.Parameter):
             f"fddp.zero.fully_shard: parameter {name!r} lives in the shards now, and the module holds no "
             f"value for it ({func} was called on it). Run the module through the apply_fn fully_shard "
             "returned; a parameter used outside its unit's forward must be in a unit that encloses "
-            "that use; to write trained values back, fddp.zero.gather(shards).wait() gives the full "
-            "tree, for model.load_state_dict(tree, strict=False, assign=True)",
+            "that use; to put the trained values back into the module, fddp.zero.write_back(apply_fn, shards)",
             name,
         )
 

@@ -160,6 +160,24 @@ def test_units_by_size():
         fddp.zero.fully_shard(_model("mlp"), min_unit_mb=-1)
 
 
+def test_load_full_from_mappings_and_its_errors(tmp_path):
+    fddp.init()
+    _, shards = fddp.zero.fully_shard(_model("transformer"), min_unit_mb=0)
+    before = fddp.zero.gather(shards).wait()
+    values = {k: torch.randn_like(v) for k, v in before.items()}
+    torch.save(values, tmp_path / "values.pt")
+    for source in (values, torch.load(tmp_path / "values.pt", mmap=True)):  # a dict; a lazy, memory-mapped one
+        got = fddp.zero.gather(fddp.zero.load_full(shards, source)).wait()
+        assert all(torch.equal(got[k], values[k]) for k in values)
+    assert all(torch.equal(fddp.zero.gather(shards).wait()[k], before[k]) for k in before)  # the input is not modified
+    some = fddp.zero.gather(fddp.zero.load_full(shards, {"head.bias": values["head.bias"]}, strict=False)).wait()
+    assert all(torch.equal(some[k], values[k] if k == "head.bias" else before[k]) for k in before)
+    with pytest.raises(ValueError, match=r"no value for 1 of 28 leaves: 'head.bias'.*strict=False"):
+        fddp.zero.load_full(shards, {k: v for k, v in values.items() if k != "head.bias"})
+    with pytest.raises(ValueError, match=r"leaf 'head.weight' has shape \(4, 16\) in the shards and \(16, 4\) in the source"):
+        fddp.zero.load_full(shards, {**values, "head.weight": values["head.weight"].T})
+
+
 class _Iterated(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -125,8 +125,8 @@ def load_full(shards: shard_layout.Sharded, source: Any, /, *, strict: bool = Tr
         New shards with the same layout.
 
     Raises:
-        KeyError: ``strict`` and ``source`` lacks leaves (all are named).
-        ValueError: a leaf's shape differs from the source's.
+        ValueError: ``strict`` and ``source`` lacks leaves (the first are named), or a leaf's shape
+            differs from the source's.
 
     Example:
         >>> model = transformers.GPT2LMHeadModel(config)  # random weights
@@ -156,7 +156,7 @@ def load_full(shards: shard_layout.Sharded, source: Any, /, *, strict: bool = Tr
         missing = [n for n in names if not has(n)]
         if strict and missing:
             shown = ", ".join(repr(n) for n in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-            raise KeyError(
+            raise ValueError(
                 f"fddp.{what}: the source has no value for {len(missing)} of {len(names)} leaves: {shown}. Name them as the "
                 "model's parameters are named (model.named_parameters()), or pass strict=False to keep their values"
             )

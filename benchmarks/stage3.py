@@ -31,6 +31,7 @@ Modes:
     hybrid         stage3 sharded within each host (torchrun's local ranks), replicated across hosts
     fsdp2_bf16     fsdp2 with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     stage3_bf16    stage3 with the same policy: fully_shard(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    stage3_bf16_floor  stage3_bf16 over a group of one rank (its compute, in bf16)
 
 Memory columns, per rank (the fullest rank), MB:
     held       what the loop keeps between steps: parameters + gradients + optimizer state (distinct
@@ -118,6 +119,7 @@ MODES = (
     "hybrid",
     "fsdp2_bf16",
     "stage3_bf16",
+    "stage3_bf16_floor",
 )
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -263,9 +265,10 @@ def make_mode(name: str, model: nn.Module) -> Mode:
         return stage3_mode(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if name == "stage2":
         return stage2_mode(model)
-    if name == "stage3_floor":
+    if name in ("stage3_floor", "stage3_bf16_floor"):
         own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-        return stage3_mode(model, group=own)
+        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if name == "stage3_bf16_floor" else {}
+        return stage3_mode(model, group=own, **bf16)
     if name == "stage3_func":
         return stage3_mode(model, func=True)
     if name == "stage3_fine":
@@ -438,6 +441,12 @@ def load_average() -> list[float]:
     return list(os.getloadavg())
 
 
+def paired(times: dict[str, list[float]], mode: str, ref: str) -> float:
+    """The median over repeats of ``mode``'s time over ``ref``'s in the same repeat (the modes run
+    interleaved, so a ratio within a repeat cancels the machine's load drifting between repeats)."""
+    return statistics.median(a / b for a, b in zip(times[mode], times[ref]))
+
+
 def report(record: dict[str, Any]) -> str:
     lines = []
     for model, r in record["results"].items():
@@ -465,12 +474,13 @@ def report(record: dict[str, Any]) -> str:
             med = {n: statistics.median(v) for n, v in t["times_ms"].items()}
             lines.append(
                 f"  step time, {t['world']} ranks, median of {len(next(iter(t['times_ms'].values())))} repeats "
-                f"x {record['args']['steps']} steps (ms; range)"
+                f"x {record['args']['steps']} steps (ms; range); ratios: the median over repeats of each repeat's ratio"
             )
             cpu = {n: statistics.median(v) for n, v in t.get("cpu_ms", {}).items()}
             lines.append(f"  {'mode':<18}{'median':>8}{'x stage2':>10}{'x fsdp2':>9}{'x ddp':>7}   range      CPU ms  x stage2")
             for n, v in med.items():
-                cols = "".join(f"{v / med[b]:{w}.2f}" if b in med else " " * w for b, w in (("stage2", 10), ("fsdp2", 9), ("ddp", 7)))
+                cols = "".join(f"{paired(t['times_ms'], n, b):{w}.2f}" if b in med else " " * w
+                               for b, w in (("stage2", 10), ("fsdp2", 9), ("ddp", 7)))  # fmt: skip
                 c = f"{cpu[n]:9.1f}{cpu[n] / cpu['stage2']:9.2f}" if n in cpu and "stage2" in cpu else ""
                 lines.append(f"  {n:<18}{v:8.1f}{cols}   {min(t['times_ms'][n]):4.0f}-{max(t['times_ms'][n]):<4.0f}{c}")
             if "stage3" in med and "stage3_keep" in med:

@@ -353,6 +353,8 @@ class Pipeline:
         p = self.last.pop(k, None)
         if p is None or p.work is None and self.comms.shard is None:
             return  # one rank: the full buffer is the shard itself
+        if self.order and k == self.order[-1] and self.cursor == len(self.order):
+            return  # the forward's last bucket, as predicted: backward starts with it (no gather back)
         if k in self.released:
             # A unit called again in this forward (a block applied twice): the earlier call's
             # memory is gathered back once in backward, for every use; this call's buffer stays
@@ -447,7 +449,7 @@ class Pipeline:
         self.last.clear()
         self.back = [k for k in reversed(self.seq) if k in self.remat]
         if self.release_after_forward:  # each released bucket is gathered back once, for all its uses
-            self.back = list(dict.fromkeys(self.back))
+            self.back = [k for k in dict.fromkeys(self.back) if k in self.released]
         self.uses = dict(collections.Counter(self.seq))
         self.left = dict(self.uses)
         self.repeated = {k for k, n in self.uses.items() if n > 1}

@@ -253,6 +253,7 @@ def _same_numbers_worker(steps: int, models: tuple[str, ...]):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_matches_stage2_and_torch_ddp(world):
     results = run(_same_numbers_worker, world, 20, ("transformer", "lm"), timeout=600)  # the mlp too: benchmarks/stage3.py --same-numbers
+    assert len(results[0]) == 4, results  # 2 models x 2 optimizers: a loop over nothing would pass
     for case, r in results[0].items():
         assert r["units"] >= 4, case
         if world == 2:
@@ -483,6 +484,7 @@ def test_long_runs_keep_live_memory_flat():
     every remat mode and entry point (before the fix, each autograd step left its pipeline and
     its shards behind, held through autograd's C++ graph where gc cannot see them)."""
     for results in run(_soak_worker, 2, 200, 20, timeout=300):
+        assert len(results) == 9, results  # 3 remat modes x 3 entry points
         for case, seen in results.items():
             (b0, t0, p0), (b1, t1, p1) = seen[20], seen[200]
             assert abs(b1 - b0) <= 4096 and t1 - t0 <= 8, (case, seen)
@@ -542,6 +544,7 @@ def test_mixed_precision_matches_torch_fsdp2():
     """bf16 gathers and compute, float32 master shards and AdamW, reductions in float32 or bf16:
     FSDP2's numbers with the same policy, at half the gathered bytes."""
     for r in run(_mixed_precision_worker, 2, 5, timeout=300):
+        assert len(r) == 5, r  # float32's bytes, and 2 reduce dtypes x 2 remat modes
         for (reduce, remat), v in ((k, v) for k, v in r.items() if k != "bytes32"):
             gathered32, reduced32 = r["bytes32"][remat]
             # The same bf16 kernels on the same bf16 values, two-term sums and a mean by 1/2:

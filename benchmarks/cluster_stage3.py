@@ -1,6 +1,7 @@
 """ZeRO stage 3 across the test bed, where bytes cost: prefetch against the link, and hybrid sharding.
 
     python benchmarks/cluster_stage3.py --rate 1gbit --repeats 5            # 2 hosts x 1 rank, then 2 x 2
+    python benchmarks/cluster_stage3.py --rate 1gbit --repeats 7 --skip-hybrid   # 2 hosts x 1 rank: FSDP2, bf16
 
 Makes a test bed (tools/cluster.py: network namespaces on a bridge, each host's link capped at
 ``--rate`` both ways; needs root), measures the link (TCP goodput between node0 and node1, both
@@ -18,7 +19,8 @@ agent per host:
   host, replicate across hosts): the bytes each rank hands to collectives that cross hosts
   (DDP: its whole gradient; hybrid: its gradient shard) and the step times.
 
-Writes ``benchmarks/results/cluster_stage3_<rate>.json`` and prints the tables.
+Writes ``benchmarks/results/cluster_stage3_<rate>.json`` (``_2x1`` with ``--skip-hybrid``,
+``_hybrid`` with ``--only-hybrid``) and prints the tables.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def main() -> None:
             record["two_hosts_two_ranks"] = summarise(hyb, 4, tcp)
         (RESULTS / "_c3.json").unlink(missing_ok=True)
     record["load_after"] = os.getloadavg()
-    out = RESULTS / f"cluster_stage3_{format_rate(rate)}{'_hybrid' if args.only_hybrid else ''}.json"
+    part = "_hybrid" if args.only_hybrid else "_2x1" if args.skip_hybrid else ""
+    out = RESULTS / f"cluster_stage3_{format_rate(rate)}{part}.json"
     out.write_text(json.dumps(record, indent=1))
     print(table(record))
     print(f"\nwrote {out}")

@@ -7,11 +7,13 @@
     python benchmarks/stage3.py --mixed-precision   # bf16 gathers: stage 3's parameters against FSDP2's, same policy
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
-LM), trained with AdamW (torch's fused kernel everywhere; fddp's shards donated, so that every
+conv net, the LM) and GPT-2 from ``transformers`` (a small random config, the model the default
+units were not tuned on), trained with AdamW (torch's fused kernel everywhere; fddp's shards donated, so that every
 optimizer updates in place) on each rank's own batch. Memory: one process group per mode and world
 size, so that each peak RSS is that mode's alone; step time: the modes interleaved within every
 repeat, the median over repeats of the mean step time (the slowest rank's). Prints tables and
-writes ``benchmarks/results/stage3.json`` (``--same-numbers``: ``stage3_same.json``).
+writes ``benchmarks/results/stage3.json`` (``--out``; ``--same-numbers``: ``stage3_same.json``;
+``--mixed-precision``: ``stage3_bf16.json``; ``--soak``: ``stage3_soak_<models>.json``).
 
 Modes:
     ddp            torch DDP + torch.optim.AdamW(fused=True): everything replicated (the reference)
@@ -401,7 +403,7 @@ def soak(args: argparse.Namespace) -> None:
             change = f"{(last - first) / 2**20:+.2f} MB ({grew:+.2f} KB a step)"
             print(f"  step {steps[-1]} - step {steps[0]}: {change}; {ms:.1f} ms a step", flush=True)
     print(f"load average (1, 5, 15 min) before {before}, after {load_average()} on {os.cpu_count()} CPUs")
-    with open(os.path.join(RESULTS, "stage3_soak.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"stage3_soak_{'_'.join(args.models)}.json"), "w") as f:
         json.dump({"torch": torch.__version__, "steps": args.soak, "every": args.soak_every, "load_before": before,
                    "load_after": load_average(), "results": results}, f, indent=1)  # fmt: skip
 

@@ -476,7 +476,8 @@ class Pipeline:
         batch = tuple(ct.shape[:-1])
         # The gradient shard has the shard's dtype; the reduction runs in the bucket's reduce dtype
         # (mixed precision: the cotangent arrives in the gather's dtype).
-        out = torch.zeros(*batch, c.size, dtype=b.dtype, device=ct.device)
+        out = torch.empty(*batch, c.size, dtype=b.dtype, device=ct.device)
+        out[..., c.held :].zero_()  # the padding; the reduction writes the rest
         dtype = self.reduce_dtypes[k]
         if invariant:
             out[..., : c.held].copy_(ct[..., c.lo : c.hi])

@@ -337,7 +337,8 @@ class FullyShardedForward:
         self._placeholders: list[tuple[nn.Module, str, _units.Released]] = []  # (module, attribute, what it holds)
 
     def __repr__(self) -> str:
-        return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat})"
+        mixed = f", param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}" if self._precision.rows() else ""
+        return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat}{mixed})"
 
     def _check(self, shards: Any) -> None:
         lay = self.layout
@@ -552,8 +553,9 @@ def fully_shard(
             constant: each bucket's cotangent is cut to this rank's slice, with no reduction
             (per-sample gradients; see :func:`unshard`).
         min_unit_mb: with ``units=None``, the fewest MiB of trainable parameters a unit holds
-            (each unit costs three collectives a step; 0.5 MiB hides their latency on gloo and
-            NCCL alike); 0: every finest unit is one (one per block, however small).
+            (each unit costs three collectives a step; 0.5 MiB is about four times a gloo
+            all-gather's latency at its bandwidth on a CPU host); 0: every finest unit is one
+            (one per block, however small).
         param_dtype: mixed precision, as FSDP2's ``MixedPrecisionPolicy``: gather the floating-point
             parameters in this dtype (half the bytes for ``torch.bfloat16``) and compute in it (the
             floating-point inputs of the model and of every unit are cast to it). The shards,

@@ -14,7 +14,8 @@ Example:
 """
 
 from fddp import checkpoint, diloco, optim, scaling, zero
-from fddp._dist import Checks, checks, set_checks
+from fddp._dist import Checks, PeerError, checks, set_checks
+from fddp.batchnorm import SyncBatchNorm, sync_batchnorm
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.no_sync import GradAccumulator, accumulate_grads
@@ -47,8 +48,10 @@ __all__ = [
     "Join",
     "LossScaleState",
     "MismatchError",
+    "PeerError",
     "PowerSGD",
     "PowerSGDState",
+    "SyncBatchNorm",
     "SyncInfo",
     "accumulate_grads",
     "apply_if_finite",
@@ -74,6 +77,7 @@ __all__ = [
     "scaling",
     "set_checks",
     "shutdown",
+    "sync_batchnorm",
     "sync_buffers",
     "verify_replicas",
     "world_size",

@@ -92,7 +92,7 @@ def _split_norm(grads: SplitTree, gs: list) -> torch.Tensor:
     split = grads.split
     if split.world > 1:
         moved = total.to(_dist.collective_device(split.group))
-        with _dist.exclusive(split.group, what):
+        with _dist.call(split.group, what, headerless=True):
             _dist.wait(dist.all_reduce(moved, group=split.group, async_op=True), split.group, what, "the all-reduce of a sharded sum")
         total = moved.to(device)
     return total.sqrt().to(gs[0].dtype)

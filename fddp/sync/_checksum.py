@@ -52,15 +52,26 @@ def checksum(t: torch.Tensor, /) -> torch.Tensor:
     return total & _MASK
 
 
-def check_replicas(leaves: list[torch.Tensor], spec: Any, group: dist.ProcessGroup | None, what: str) -> None:
-    """The first synchronisation of a new tree: raise :class:`MismatchError` on every rank unless
-    the ranks hold the same parameters (what ``fddp.broadcast`` makes sure of, as torch DDP's
-    constructor does). One checksum pass over the leaves and one small all-reduce, once per tree."""
+def check_replicas(leaves: list[torch.Tensor], spec: Any, group: dist.ProcessGroup | None, what: str, drifted: bool = False) -> None:
+    """Raise :class:`MismatchError` on every rank unless the ranks hold the same parameters: at
+    the first synchronisation of a new tree (what ``fddp.broadcast`` makes sure of, as torch DDP's
+    constructor does), or when the header's fingerprints say the replicas ``drifted`` apart. One
+    checksum pass over the leaves and one small all-reduce."""
+    if drifted:
+        advice = (
+            f" fddp.{what} averages gradients of replicas, which must stay bitwise equal, and they drifted apart "
+            "since they last agreed: a rank skipped an update or applied its own (gradients not averaged), loaded "
+            "another checkpoint, or drew a rank-dependent learning rate or random number."
+        )
+    else:
+        advice = (
+            f" fddp.{what} averages gradients of replicas, which must start equal: did you call "
+            "params = fddp.broadcast(params) on every rank after fddp.functionalize?"
+        )
     compare_replicas(
         leaves, spec, group, what,
-        f" fddp.{what} averages gradients of replicas, which must start equal: did you call "
-        "params = fddp.broadcast(params) on every rank after fddp.functionalize? (To average values that "
-        "differ between ranks by design, turn this check off on every rank: fddp.set_checks(replicas=False).)",
+        advice + " (To average values that differ between ranks by design, turn this check off on every rank: "
+        "fddp.set_checks(replicas=False).)",
     )  # fmt: skip
 
 

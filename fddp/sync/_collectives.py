@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from fddp import _dist
+from fddp import _dist, _layout
 from fddp._tree import BUFFERS_FIX, not_a_module
 from fddp.sync import _differentiable
 from fddp.sync._checksum import checksum, compare_replicas
@@ -25,12 +25,11 @@ _MODES = ("broadcast", "mean")
 
 
 def _run(tree: Any, options: SyncOptions, what: str) -> Any:
-    with _dist.exclusive(options.group, what):
-        sync = setup(tree, options, what)
-        reducer = sync.reducer()
-        reducer.push([t.detach() for t in sync.leaves])
-        flats, _ = reducer.finish()
-        return sync.tree(flats, reducer.made_views(flats))
+    sync = setup(tree, options, what)
+    reducer = sync.reducer()
+    reducer.push([t.detach() for t in sync.leaves])
+    flats, _ = reducer.finish()
+    return sync.tree(flats, reducer.made_views(flats))
 
 
 def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0) -> Any:
@@ -57,11 +56,12 @@ def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = N
         >>> params = fddp.broadcast(params)  # every rank now starts from rank 0's initialisation
     """
     _differentiable.refuse_under_transforms("broadcast")
-    options = make_options("broadcast", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-    n = dist.get_world_size(group) if dist.is_initialized() else 1
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
-        raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
-    return _run(tree, dataclasses.replace(options, hook=Broadcast(src)), "broadcast")
+    with _dist.call(group, "broadcast"):  # a rank whose arguments fail a check tells its peers
+        options = make_options("broadcast", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+        n = _dist.size(group) if dist.is_initialized() else 1
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+            raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
+        return _run(tree, dataclasses.replace(options, hook=Broadcast(src)), "broadcast")
 
 
 def sync_buffers(
@@ -102,14 +102,15 @@ def sync_buffers(
         >>> out, buffers = apply_fn(params, buffers, torch.randn(8, 3))
         >>> buffers = fddp.sync_buffers(buffers, "mean")
     """
-    if mode not in _MODES:
-        raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
-    not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
-    if mode == "broadcast":
-        return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
-    _differentiable.refuse_under_transforms("sync_buffers")
-    options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-    return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
+    with _dist.call(group, "sync_buffers"):
+        if mode not in _MODES:
+            raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
+        not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
+        if mode == "broadcast":
+            return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
+        _differentiable.refuse_under_transforms("sync_buffers")
+        options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+        return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
 
 
 def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> None:
@@ -135,8 +136,25 @@ def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> 
         >>> fddp.verify_replicas(params)  # passes; raises on every rank if any rank drifted
     """
     _differentiable.refuse_under_transforms("verify_replicas")
-    with _dist.exclusive(group, "verify_replicas"):
+    with _dist.call(group, "verify_replicas"):
+        _refuse_shards(tree)
         _verify(tree, group)
+
+
+def _refuse_shards(tree: Any) -> None:
+    """Say what to verify instead of ZeRO's shards, which differ between ranks by design."""
+    nodes = _layout.split_nodes(tree)
+    if not nodes:
+        return
+    kind = (
+        "fully sharded parameters (ZeRO stage 3, fddp.zero.fully_shard)" if any(n.stage == 3 for n in nodes)
+        else "a sharded tree (fddp.zero.Sharded, from fddp.zero.shard or ReduceScatter)"
+    )  # fmt: skip
+    raise TypeError(
+        f"fddp.verify_replicas: got {kind}: each rank holds its own slices of the buckets, which differ between "
+        "ranks by design, so there is nothing to compare. Verify the gathered tree, which every rank holds whole: "
+        "fddp.verify_replicas(fddp.zero.unshard(shards)) (or fddp.zero.gather(shards).wait())"
+    )
 
 
 def _verify(tree: Any, group: dist.ProcessGroup | None) -> None:

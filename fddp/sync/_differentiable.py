@@ -32,13 +32,13 @@ import torch.distributed as dist
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 from torch.autograd import forward_ad
 
-from fddp import _layout
+from fddp import _dist, _layout
 from fddp._tree import LeafSpec
 from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import SyncOptions, setup
 from fddp.sync.hooks import LOW_PRECISION, Mean, WeightedMean
 
-__all__ = ["needed", "ddp_step", "active_transforms", "refuse_under_transforms"]
+__all__ = ["needed", "ddp_step", "active_transforms", "transform_stack", "refuse_under_transforms"]
 
 _functorch = torch._C._functorch
 _TT = _functorch.TransformType
@@ -65,6 +65,26 @@ def active_transforms() -> list[Any]:
 
     walk()
     return keys
+
+
+def transform_stack() -> tuple[str, ...]:
+    """The active torch.func transforms in words, innermost first, with each ``vmap``'s batch size
+    (what shapes a batched call's collectives), and whether a forward-mode dual level is open."""
+    stack: list[str] = []
+
+    def walk() -> None:
+        if not torch._C._are_functorch_transforms_active():
+            return
+        interp = retrieve_current_functorch_interpreter()
+        key = interp.key()
+        stack.append(f"vmap({interp.batch_size()})" if key == _TT.Vmap else str(key).rsplit(".", 1)[-1].lower())
+        with interp.lower():
+            walk()
+
+    walk()
+    if forward_ad._current_level >= 0:
+        stack.append("dual level")
+    return tuple(stack)
 
 
 def refuse_under_transforms(what: str, instead: str = "") -> None:
@@ -109,14 +129,17 @@ class _Call:
     weight: torch.Tensor | None = None
     infos: list = dataclasses.field(default_factory=list)
     plan: _layout.BucketPlan | None = None  # while dynamo traces: the buckets, planned outside the Function
+    what: str = "ddp_step"  # its own name in the agreement: a backward on one rank only is a mismatch
 
-    def derived(self, *, weighted: bool) -> "_Call":
-        """The call that averages cotangents or tangents: the same buckets, no finite check."""
+    def derived(self, *, weighted: bool, mode: str) -> "_Call":
+        """The call that averages cotangents (``mode="backward"``) or tangents (``"forward mode"``):
+        the same buckets, no finite check, its own name in the agreement."""
         o = self.options
         weighted = weighted and self.weight is not None
         hook = WeightedMean() if weighted else Mean()
         options = dataclasses.replace(o, hook=hook, weighted=weighted, check_finite=False)
-        return _Call(options, self.spec, self.members, weight=self.weight if weighted else None, plan=self.plan)
+        what = f"{self.what.split(' (')[0]} ({mode})"
+        return _Call(options, self.spec, self.members, weight=self.weight if weighted else None, plan=self.plan, what=what)
 
     def describe(self) -> str:
         return f"compression={self.options.hook!r}"
@@ -129,10 +152,11 @@ def _differentiable(options: SyncOptions) -> bool:
 def _sync(call: _Call, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """The eager sync of plain tensors: the same setup, reducer and hook as ``ddp_step``'s."""
     tree = optree.tree_unflatten(call.spec, list(leaves))
-    sync = setup(tree, call.options, "ddp_step", call.state, weight=call.weight, members=call.members)
-    reducer = sync.reducer(call.state)
-    reducer.push([t.detach() for t in leaves])
-    flats, info = reducer.finish()
+    with _dist.call(call.options.group, call.what):  # a backward runs outside ddp_step's own call
+        sync = setup(tree, call.options, call.what, call.state, weight=call.weight, members=call.members)
+        reducer = sync.reducer(call.state)
+        reducer.push([t.detach() for t in leaves])
+        flats, info = reducer.finish()
     call.infos.append(info)
     return _layout.unflatten(sync.plan, flats)
 
@@ -159,7 +183,7 @@ class _Mean(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
         call = ctx.call
-        out = _Mean.apply(call.derived(weighted=False), *cts)
+        out = _Mean.apply(call.derived(weighted=False, mode="backward"), *cts)
         w = call.weight
         if w is not None:
             # d/dg_r of sum_s w_s g_s / W is w_r / W times the sum of the cotangents, which is
@@ -177,7 +201,7 @@ class _Mean(torch.autograd.Function):
                 f"fddp.ddp_step: {call.describe()} has no derivative, but forward mode (torch.func.jvp, jacfwd) asked for one"
             )
         filled = [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(tangents, ctx.metas)]
-        return tuple(_Mean.apply(call.derived(weighted=True), *filled))
+        return tuple(_Mean.apply(call.derived(weighted=True, mode="forward mode"), *filled))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple, call: _Call, *leaves: torch.Tensor) -> tuple:

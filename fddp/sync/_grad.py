@@ -182,6 +182,13 @@ class _Transform:
         return self.weighted
 
     def __call__(self, args: tuple, kwargs: dict, weight: Any, state: Any) -> tuple[Any, Any, SyncInfo]:
+        # One fddp call on the group from the first check on: a rank whose arguments fail a check,
+        # or whose fn raises, tells its peers (they raise fddp.PeerError at this call) instead of
+        # leaving them waiting in its header.
+        with _dist.call(self.options.group, self.what) as scope:
+            return self._call(scope, args, kwargs, weight, state)
+
+    def _call(self, scope: _dist.call, args: tuple, kwargs: dict, weight: Any, state: Any) -> tuple[Any, Any, SyncInfo]:
         what = self.what
         _differentiable.refuse_under_transforms(what, "use torch.func.grad inside the transform and fddp.ddp_step, which composes with it")
         options = self.call_options(weight)
@@ -196,7 +203,7 @@ class _Transform:
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what, name=self.tree_name)
         if _fully_sharded(flat[1], what):
-            return self._fully_sharded(args, kwargs, flat, options, state, weight)
+            return self._fully_sharded(scope, args, kwargs, flat, options, state, weight)
         leaves = flat[0]
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*leaves):
             for i, t in enumerate(leaves):
@@ -208,41 +215,36 @@ class _Transform:
                         "and differentiating through fddp.grad/grad_and_value is not supported; use "
                         "torch.func.grad and fddp.ddp_step, which compose, or detach the input"
                     )
-        with _dist.exclusive(options.group, what):
-            # Agreed after the forward pass: a rank whose fn raises has sent nothing, and its next
-            # call's header meets this call's on the other ranks (a call number apart: an error).
-            sync = setup(tree, options, what, state, weight=w, flat=flat, agree=False)
-            if not all(b.dtype.is_floating_point or b.dtype.is_complex for b in sync.plan.buckets):  # per bucket, not per leaf
-                i = next(i for i, t in enumerate(leaves) if not (t.is_floating_point() or t.is_complex()))
-                raise TypeError(
-                    f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}"
-                )
-            check_dtypes(sync, what, self.compression)  # a complex leaf with compression='bf16'
-            self.held = None  # freed before fn runs, as zero_grad(set_to_none=True) frees .grad
-            inputs = [t.detach().requires_grad_() for t in leaves]
-            reducer = sync.reducer(state)
-            # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
-            # tensor's hooks run.
-            _hook_all(inputs, reducer.arrive)
-            call_args = self.with_inputs(args, optree.tree_unflatten(sync.spec, inputs))
-            with torch.enable_grad():
-                try:
-                    out = self.fn(*call_args, **kwargs)
-                    loss = _loss_of(out, self.has_aux, what)
-                except BaseException:
-                    _dist.abandon(options.group)  # the call counts: this rank's next header says so
-                    raise
-                reducer.mark_backward()
-                # Sent now and finished when backward has a bucket to send (or at the flush): a
-                # rank whose peer is still in its forward pass goes on with its backward meanwhile.
-                reducer.gate = sync.start_agreement(replicas=True)
-                if loss.requires_grad:
-                    raw = torch.autograd.grad(loss, inputs, allow_unused=True)
-                    if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
-                        self.held = raw
-            reducer.flush()
-            flats, info = reducer.finish()
-            return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
+        # Agreed after the forward pass: a rank whose fn raises has sent nothing, and announces
+        # its failure in place of this call's header (fddp._dist.call).
+        sync = setup(tree, options, what, state, weight=w, flat=flat, agree=False)
+        if not all(b.dtype.is_floating_point or b.dtype.is_complex for b in sync.plan.buckets):  # per bucket, not per leaf
+            i = next(i for i, t in enumerate(leaves) if not (t.is_floating_point() or t.is_complex()))
+            raise TypeError(
+                f"fddp.{what}: can only differentiate floating-point leaves, but leaf {paths(flat[1])[i]!r} is {leaves[i].dtype}"
+            )
+        check_dtypes(sync, what, self.compression)  # a complex leaf with compression='bf16'
+        self.held = None  # freed before fn runs, as zero_grad(set_to_none=True) frees .grad
+        inputs = [t.detach().requires_grad_() for t in leaves]
+        reducer = sync.reducer(state)
+        # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
+        # tensor's hooks run.
+        _hook_all(inputs, reducer.arrive)
+        call_args = self.with_inputs(args, optree.tree_unflatten(sync.spec, inputs))
+        with torch.enable_grad():
+            out = self.fn(*call_args, **kwargs)
+            loss = _loss_of(out, self.has_aux, what)
+            reducer.mark_backward()
+            # Sent now and finished when backward has a bucket to send (or at the flush): a
+            # rank whose peer is still in its forward pass goes on with its backward meanwhile.
+            reducer.gate = sync.start_agreement(replicas=True, drift=True)
+            if loss.requires_grad:
+                raw = torch.autograd.grad(loss, inputs, allow_unused=True)
+                if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
+                    self.held = raw
+        reducer.flush()
+        flats, info = reducer.finish()
+        return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
 
     def with_inputs(self, args: tuple, views: Any) -> list:
         """``args`` with the differentiated argument(s) replaced by ``views`` (a tuple of them for a tuple ``argnums``)."""
@@ -255,7 +257,7 @@ class _Transform:
         return call_args
 
     def _fully_sharded(
-        self, args: tuple, kwargs: dict, flat: tuple, options: SyncOptions, state: Any, weight: Any
+        self, scope: _dist.call, args: tuple, kwargs: dict, flat: tuple, options: SyncOptions, state: Any, weight: Any
     ) -> tuple[Any, Any, SyncInfo]:
         """ZeRO stage 3's shards (``fddp.zero.fully_shard``): the backward of the gathers inside
         ``fn`` already averages their gradients, so this is autograd alone, with no sync."""
@@ -268,10 +270,14 @@ class _Transform:
         leaves, spec = flat
         inputs = [t.detach().requires_grad_() for t in leaves]
         call_args = self.with_inputs(args, optree.tree_unflatten(spec, inputs))
+        scope.without_header()  # from here the collectives are fully_shard's apply_fn's, on its groups
         with torch.enable_grad():
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)
             grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+        # A forward whose backward did not run here (its output unused in this rank's loss) fails
+        # the shards' groups as its graph is freed (fddp._dist.dropped): raise it in this call.
+        _dist.raise_if_failed_here()
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
         return optree.tree_unflatten(spec, grads), _detached(out), SyncInfo(None, None, 0, 0)
 

@@ -74,9 +74,12 @@ class SyncOptions:
         """The options as signature rows: any per-rank difference names the option and both values."""
         return (
             ("option weight", "a weight" if self.weighted else "no weight", None),
-            ("option bucket_cap_mb", repr(self.bucket_cap_mb), None),
-            ("option first_bucket_mb", repr(self.first_bucket_mb), None),
+            ("option bucket_cap_mb", repr(float(self.bucket_cap_mb)), None),
+            ("option first_bucket_mb", repr(float(self.first_bucket_mb)), None),
             ("option compression", self.hook.signature(state), None),
+            # A sharding hook adds an all-reduce for the finite check: one rank asking and one not
+            # would pair it with the next call's collectives.
+            ("option check_finite", repr(self.check_finite), None),
         )
 
 
@@ -136,7 +139,8 @@ def _make(
         raise ValueError(f"fddp.{what}: {hook!r} returns its next state in info.compression_state; pass return_info=True")
     if check_finite and not return_info:
         raise ValueError(f"fddp.{what}: check_finite=True computes info.finite, which only return_info=True returns; pass both")
-    return SyncOptions(group, bucket_cap_mb, first_bucket_mb, hook, weighted, bool(check_finite))
+    # Floats: 25 and 25.0 are one option (equal, and equal keys of the options cache).
+    return SyncOptions(group, float(bucket_cap_mb), float(first_bucket_mb), hook, weighted, bool(check_finite))
 
 
 _options = _caches.cached(maxsize=128, name="fddp.sync._setup._options")(_make)
@@ -271,10 +275,19 @@ class Sync:
         """
         return self.start_agreement(replicas=replicas).finish()
 
-    def start_agreement(self, *, replicas: bool = False) -> PendingAgreement:
-        """:meth:`agree`, started: the header is sent; finish it before this call's other collectives."""
-        ask = replicas and _dist.checks().replicas and module_aliases(self.leaves)
-        return PendingAgreement(self, _signature.start(self.digest, self.rows, self.options.group, self.what, ask))
+    def start_agreement(self, *, replicas: bool = False, drift: bool = False) -> PendingAgreement:
+        """:meth:`agree`, started: the header is sent; finish it before this call's other collectives.
+
+        With ``drift`` (the leaves are the point where replicas differentiate the same function:
+        ``grad_and_value``'s arguments), the header also carries a fingerprint of the leaves, and
+        replicas that drifted apart since the last call are compared leaf by leaf and named.
+        ``ddp_step``'s ``params`` only fix the gradients' layout (a mean of any tree is legitimate),
+        so they are compared once, fresh from ``fddp.functionalize``.
+        """
+        replicas = replicas and _dist.checks().replicas
+        ask = replicas and module_aliases(self.leaves)
+        values = _dist.fingerprint(self.leaves) if replicas and drift and _dist._costs.fingerprint else 0
+        return PendingAgreement(self, _signature.start(self.digest, self.rows, self.options.group, self.what, ask, values))
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
@@ -308,7 +321,9 @@ class PendingAgreement:
         sync.new = agreed.new
         if agreed.asked:
             check_replicas(sync.leaves, sync.spec, sync.options.group, sync.what)
-        return agreed.asked
+        elif agreed.drifted:
+            check_replicas(sync.leaves, sync.spec, sync.options.group, sync.what, drifted=True)
+        return agreed.asked or agreed.drifted
 
 
 class _Record(NamedTuple):
@@ -380,8 +395,9 @@ def setup(
         return [*option_rows, *structure_rows(tree)]
 
     key = (spec, specs, order, option_rows, members, options.bucket_cap_mb, options.first_bucket_mb)
-    if torch.compiler.is_compiling():  # dynamo traces neither the cache nor the digest
-        record = _Record(0, _plan(specs, members, order, options))
+    if torch.compiler.is_compiling():  # dynamo traces neither the cache nor hashlib: the digest is taken at trace time
+        record = _Record(_dist.traced_digest((option_rows, tuple((tuple(s[0]), str(s[1]), str(s[2])) for s in specs), order)),
+                         _plan(specs, members, order, options))
     else:
         record = _records.get(key)
     if record is None:

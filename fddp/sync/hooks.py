@@ -62,7 +62,7 @@ from fddp import _layout
 from fddp._layout import Bucket, new_flat
 from fddp.sync._comm import Comm
 
-__all__ = ["CommHook", "GradBucket", "Mean", "WeightedMean", "Cast", "Broadcast"]
+__all__ = ["CommHook", "GradBucket", "Mean", "WeightedMean", "Cast", "Broadcast", "describe"]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _TINY = torch.finfo(torch.float64).tiny
@@ -83,6 +83,24 @@ class GradBucket:
     buffer: torch.Tensor
     layout: Bucket
     comm: Comm
+
+
+def describe(value: Any) -> str:
+    """``repr(value)``, by value where ``repr`` would show an address (a plain class's default).
+
+    Example:
+        >>> class Hook:
+        ...     def __init__(self):
+        ...         self.bits = 8
+        >>> describe(Hook())
+        "Hook(bits=8)"
+    """
+    text = repr(value)
+    if type(value).__repr__ is not object.__repr__:
+        return text
+    fields = getattr(value, "__dict__", None) or {n: getattr(value, n) for n in getattr(type(value), "__slots__", ()) if hasattr(value, n)}
+    inner = ", ".join(f"{k}={describe(v)}" for k, v in sorted(fields.items()) if not k.startswith("__"))
+    return f"{type(value).__module__}.{type(value).__qualname__}({inner})"
 
 
 class CommHook:
@@ -114,8 +132,12 @@ class CommHook:
         return None
 
     def signature(self, state: Any) -> str:
-        """Describe what this hook sends with ``state``: ranks must produce the same string."""
-        return repr(self)
+        """Describe what this hook sends with ``state``: ranks must produce the same string.
+
+        By default its ``repr``, or, where that is ``object``'s (``<Int8 object at 0x...>``: an
+        address, different in every process), the class and its attributes by value.
+        """
+        return describe(self)
 
     def scale_in(self, comm: Comm, layout: Bucket) -> float | None:
         """A factor for the reducer to apply while it copies values into this bucket, or ``None``."""

@@ -221,24 +221,25 @@ def write_back(apply_fn: FullyShardedForward, shards: shard_layout.Sharded, /, *
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < lay.world):
         raise ValueError(f"fddp.{what}: rank must be None or a rank of the shard group (0 to {lay.world - 1}), got {rank!r}")
     keep = rank is None or rank == lay.rank
-    with _dist.exclusive(lay.group, what):
+    # One call scope for the header and the gathers: a rank that fails in them fails its peers too.
+    with _dist.call(lay.group, what):
         _dist.count_call(lay.group, what)
         _agree_on(lay, what)
-    pipe = Pipeline(lay, what, shards.shards, 0, [], Counters())
-    params: dict[int, nn.Parameter] = {}
-    for unit in apply_fn._units:
-        fulls = [pipe.gather_now(k, _gather.plain(shards.shards[k]).detach()) for k in unit.buckets]
-        if not keep:
-            continue
-        views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
-        for module, attr, j, pos in unit.slots:
-            old = module._parameters[attr]
-            key = id(old)  # the same placeholder for every name of a tied weight: one parameter
-            if key not in params:
-                params[key] = nn.Parameter(views[j][pos].clone(), requires_grad=old.requires_grad)
-            module._parameters[attr] = params[key]
-        del fulls, views
-    return apply_fn.model
+        pipe = Pipeline(lay, what, shards.shards, 0, [], Counters())
+        params: dict[int, nn.Parameter] = {}
+        for unit in apply_fn._units:
+            fulls = [pipe.gather_now(k, _gather.plain(shards.shards[k]).detach()) for k in unit.buckets]
+            if not keep:
+                continue
+            views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
+            for module, attr, j, pos in unit.slots:
+                old = module._parameters[attr]
+                key = id(old)  # the same placeholder for every name of a tied weight: one parameter
+                if key not in params:
+                    params[key] = nn.Parameter(views[j][pos].clone(), requires_grad=old.requires_grad)
+                module._parameters[attr] = params[key]
+            del fulls, views
+        return apply_fn.model
 
 
 def release(apply_fn: FullyShardedForward, /) -> None:

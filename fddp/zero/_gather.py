@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
+from fddp import _dist
 from fddp.sync._comm import Comm
 from fddp.zero import _layout as shard_layout
 
@@ -239,12 +240,45 @@ class _Comms:
         self.replica = Comm(replica_group, what, lay.plan) if self.replicas > 1 else None
         self.n = lay.world * self.replicas
         self.pow2 = self.n & (self.n - 1) == 0
-        # Two ranks reduce-scatter by exchanging halves (point to point), the peer's global rank.
-        self.pair = (
-            dist.get_global_rank(lay.group, 1 - lay.rank)
-            if lay.world == 2 and lay.group is not None
-            else (1 - lay.rank if lay.world == 2 else None)
-        )
+        # Two ranks reduce-scatter by exchanging halves (Comm.swap): the peer's rank in the group.
+        self.pair = 1 - lay.rank if lay.world == 2 else None
+
+
+class _Debt:
+    """What a call still owes its layout's groups: the collectives of a backward still to run
+    (``fddp._dist.owe``: a failure meanwhile is fatal), and the end of its agreed sequences
+    (``fddp._dist.Segment``: the shard group's and, with hybrid sharding, the replica group's)."""
+
+    __slots__ = ("groups", "segments", "owing")
+
+    def __init__(self, lay: shard_layout.ShardLayout, segments: Sequence[Any]) -> None:
+        replica_group = getattr(lay, "replica_group", None)
+        self.groups = [lay.group] + ([replica_group] if replica_group is not None else [])
+        self.segments = [s for s in segments if s is not None]
+        self.owing = False
+
+    def owe(self) -> None:
+        if not self.owing and dist.is_initialized():
+            self.owing = True
+            for g in self.groups:
+                _dist.owe(g, 1)
+
+    def settle(self, dropped: bool = False) -> None:
+        """The call's collectives are over: its backward ran (or it has none); or, ``dropped``,
+        the pipeline died without it (its graph was freed): the peers may be waiting in them."""
+        try:
+            if self.owing:
+                self.owing = False
+                for g in self.groups:
+                    _dist.owe(g, -1)
+            for seg in self.segments:
+                seg.drop() if dropped else seg.close()
+        except _dist.MismatchError:
+            if not dropped:
+                raise
+        except Exception:  # noqa: BLE001 - a finalizer at interpreter exit: the group may be gone
+            if not dropped:
+                raise
 
 
 class Pipeline:
@@ -262,7 +296,7 @@ class Pipeline:
     def __init__(
         self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
         order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
-        precision: "Precision | None" = None,
+        precision: "Precision | None" = None, segments: Sequence[Any] = (),
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
         # Mixed precision: per bucket, the dtype its gathers (and the compute) use, and its reductions'.
@@ -276,6 +310,11 @@ class Pipeline:
         self.done: dict[int, _Released] = {}  # gathered into again, until their gradient is reduced
         self.last: dict[int, _Pending] = {}  # each bucket's latest forward gather
         self.comms = _Comms(lay, what)
+        # The header's agreed sequences: every gather and reduction is checked against them.
+        if segments and self.comms.shard is not None:
+            self.comms.shard.segment = segments[0]
+        if len(segments) > 1 and self.comms.replica is not None:
+            self.comms.replica.segment = segments[1]
         self.plains = [plain(s) for s in shards]
         self.order = list(order)  # the predicted forward sequence of buckets
         self.remat = remat  # buckets gathered again in backward
@@ -288,6 +327,17 @@ class Pipeline:
         self.cursor = 0
         self.back: list[int] | None = None  # the backward sequence, once backward starts
         self.bcursor = 0
+        # The backward this forward leaves to run owes its collectives to the groups: a failure
+        # before it has run is fatal for them. Settled by the backward (or at the forward's end
+        # when there is none), or when the pipeline is dropped without one (the finalizer).
+        self.debt = _Debt(lay, segments)
+        weakref.finalize(self, self.debt.settle, True)
+
+    def tag(self, k: int) -> str:
+        """What bucket ``k``'s collectives carry, in words (the sequence agreement names it)."""
+        units = getattr(self.lay, "unit_of", None)
+        name = units(k) if units is not None else None
+        return f"bucket {k}" + (f" of unit {name!r}" if name is not None else "")
 
     # -- gathers --------------------------------------------------------------------------------
 
@@ -301,7 +351,7 @@ class Pipeline:
         # the counters) alive exactly as long as they need it, and remat="params" resizes it.
         buf = torch.empty(lay.world * src.numel(), dtype=src.dtype, device=src.device)
         held = self.counters.hold(buf)
-        work = comms.shard.all_gather_into(buf, src.reshape(-1))
+        work = comms.shard.all_gather_into(buf, src.reshape(-1), tag=self.tag(k))
         self.counters.gathers += 1
         self.counters.gathered_bytes += src.numel() * src.element_size()
         return _Pending(_key(shard), buf, work, batch, held=held)
@@ -374,7 +424,7 @@ class Pipeline:
         r.restore()
         if r.base is not None:  # gather straight into the memory autograd's views look into
             src = self._wire(k, r.shard).reshape(-1)
-            work = self.comms.shard.all_gather_into(r.base, src)
+            work = self.comms.shard.all_gather_into(r.base, src, tag=self.tag(k))
             self.counters.gathers += 1
             self.counters.gathered_bytes += src.numel() * src.element_size()
             p = _Pending(None, r.base, work, tuple(r.shard.shape[:-1]))
@@ -454,7 +504,10 @@ class Pipeline:
         self.left = dict(self.uses)
         self.repeated = {k for k, n in self.uses.items() if n > 1}
         if will_backward:
+            self.debt.owe()
             self._prefetch(self.back[: self.depth])
+        else:
+            self.debt.settle()  # an evaluation forward: its collectives are over
 
     def _prefetch_backward(self, k: int) -> None:
         back = self.back if self.back is not None else []
@@ -508,12 +561,12 @@ class Pipeline:
             work = self._exchange(k, buf)
         elif comms.shard is not None:
             counters.reduced_bytes += buf.numel() * buf.element_size()
-            work = comms.shard.all_reduce(buf)
+            work = comms.shard.all_reduce(buf, tag=self.tag(k))
         p = _Pending(k, buf, work, batch, out, held=held)
         self.reduces.append(p)
         return out
 
-    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, Any, torch.Tensor]:
+    def _exchange(self, k: int, buf: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """Two ranks: a reduce-scatter as one exchange, each rank sending the other its half.
 
         Gloo's reduce-scatter is an all-reduce inside, which sends the whole bucket; this sends
@@ -526,8 +579,7 @@ class Pipeline:
         send = buf[..., theirs.lo : theirs.hi].contiguous()
         got = torch.empty(*buf.shape[:-1], c.held, dtype=buf.dtype, device=buf.device)
         self.counters.reduced_bytes += send.numel() * send.element_size()
-        peer = comms.pair
-        return dist.isend(send, peer, group=self.lay.group), dist.irecv(got, peer, group=self.lay.group), got
+        return comms.shard.swap(send, got, comms.pair, tag=self.tag(k)), got
 
     def _advance(self, p: _Pending) -> None:
         """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
@@ -535,9 +587,8 @@ class Pipeline:
         c = lay.cuts[p.key]
         doing = f"the reduction of bucket {p.key}'s gradients (of {len(lay.cuts)})"
         if comms.pair is not None:
-            sent, received, got = p.work
-            comms.shard.wait(sent, doing)
-            comms.shard.wait(received, doing)
+            swapped, got = p.work
+            comms.shard.wait(swapped, doing)
             torch.add(p.buf[..., c.lo : c.hi], got, out=p.out[..., : c.held])
         else:
             if p.work is not None:
@@ -551,7 +602,7 @@ class Pipeline:
             dtype = self.reduce_dtypes[p.key]
             p.wire = p.out if p.out.dtype == dtype else p.out.to(dtype)
             self.counters.replica_bytes += p.wire.numel() * p.wire.element_size()
-            p.work = comms.replica.all_reduce(p.wire)
+            p.work = comms.replica.all_reduce(p.wire, tag=self.tag(p.key))
 
     def _finish(self, p: _Pending) -> None:
         comms = self.comms
@@ -570,6 +621,11 @@ class Pipeline:
         """Wait for every reduction in flight: the gradient shards are complete after this."""
         while self.reduces:
             self._finish(self.reduces.popleft())
+
+    def end_backward(self) -> None:
+        """The backward has run (the shards' boundary): nothing of this call is owed any more."""
+        self.finish_reduces()
+        self.debt.settle()
 
     @_eager
     def reduce_now(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -684,7 +740,7 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
-        ctx.pipe.finish_reduces()
+        ctx.pipe.end_backward()
         return (None, *cts)
 
     @staticmethod

@@ -58,6 +58,13 @@ class UnitLayout(shard_layout.ShardLayout):
             f"buckets={len(self.plan.buckets)}, leaves={self.plan.num_leaves}, elements={self.numel})"
         )
 
+    def unit_of(self, k: int) -> str | None:
+        """The name of the unit that holds bucket ``k`` (``'<root>'`` for the root unit)."""
+        for u, ks in zip(self.units, self.unit_buckets):
+            if k in ks:
+                return u or "<root>"
+        return None
+
     def describe(self) -> list[tuple]:
         """The layout as signature rows: the cut, the units and their leaves (not the rank)."""
         names = paths(self.spec)

@@ -1,23 +1,26 @@
 """ZeRO stage 3 across the test bed, where bytes cost: prefetch against the link, and hybrid sharding.
 
     python benchmarks/cluster_stage3.py --rate 1gbit --repeats 5            # 2 hosts x 1 rank, then 2 x 2
+    python benchmarks/cluster_stage3.py --rate 1gbit --repeats 7 --skip-hybrid   # 2 hosts x 1 rank: FSDP2, bf16
 
 Makes a test bed (tools/cluster.py: network namespaces on a bridge, each host's link capped at
 ``--rate`` both ways; needs root), measures the link (TCP goodput between node0 and node1, both
 ways: the best is the link's rate), and runs ``benchmarks/stage3.py``'s timing with one torchrun
 agent per host:
 
-- 2 hosts x 1 rank: torch DDP, fddp stage 2, stage 3 with and without prefetch, and stage 3's
-  floor (the same code over a one-rank group: its compute with no collective). The limit of
-  stage 3 is ``max(floor, wire)``, ``wire`` the bytes each rank sends per step at the measured
-  rate: its shard to the other rank for every gather (forward and backward, counted by
-  ``apply_fn.counters``) and, for the gradients, the half of each bucket it sends its peer (two
-  ranks reduce-scatter by one exchange);
+- 2 hosts x 1 rank: torch DDP, torch FSDP2 (float32 and bf16 with MixedPrecisionPolicy), fddp
+  stage 2, stage 3 (float32, bf16 gathers and compute with float32 reductions, and float32
+  without prefetch), and stage 3's floors (the same code over a one-rank group: its compute with
+  no collective, in float32 and in bf16). The limit of a stage-3 mode is ``max(floor, wire)``,
+  ``wire`` the bytes each rank sends per step at the measured rate: its shard to the other rank
+  for every gather (forward and backward, counted by ``apply_fn.counters``) and, for the
+  gradients, the half of each bucket it sends its peer (two ranks reduce-scatter by one exchange);
 - 2 hosts x 2 ranks: DDP, flat stage 3 over the 4 ranks, and hybrid sharding (shard within a
   host, replicate across hosts): the bytes each rank hands to collectives that cross hosts
   (DDP: its whole gradient; hybrid: its gradient shard) and the step times.
 
-Writes ``benchmarks/results/cluster_stage3_<rate>.json`` and prints the tables.
+Writes ``benchmarks/results/cluster_stage3_<rate>.json`` (``_2x1`` with ``--skip-hybrid``,
+``_hybrid`` with ``--only-hybrid``) and prints the tables.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--modes", nargs="+", default=["ddp", "fsdp2", "fsdp2_bf16", "stage2", "stage3", "stage3_bf16", "stage3_noprefetch",
+                                                   "stage3_floor", "stage3_bf16_floor"], help="2 hosts x 1 rank")  # fmt: skip
     p.add_argument("--skip-hybrid", action="store_true")
     p.add_argument("--only-hybrid", action="store_true", help="2 hosts x 2 ranks only")
     args = p.parse_args()
@@ -87,14 +92,15 @@ def main() -> None:
         record["tcp_bps"] = tcp
         print(f"TCP node0 <-> node1: {tcp / 1e9:.3f} Gbit/s", flush=True)
         if not args.only_hybrid:
-            flat = launch(c, 1, args.model, ["ddp", "stage2", "stage3", "stage3_noprefetch", "stage3_floor"], args, RESULTS / "_c3.json")
+            flat = launch(c, 1, args.model, args.modes, args, RESULTS / "_c3.json")
             record["two_hosts"] = summarise(flat, 2, tcp)
         if not args.skip_hybrid:
             hyb = launch(c, 2, args.model, ["ddp", "stage3", "hybrid"], args, RESULTS / "_c3.json")
             record["two_hosts_two_ranks"] = summarise(hyb, 4, tcp)
         (RESULTS / "_c3.json").unlink(missing_ok=True)
     record["load_after"] = os.getloadavg()
-    out = RESULTS / f"cluster_stage3_{format_rate(rate)}{'_hybrid' if args.only_hybrid else ''}.json"
+    part = "_hybrid" if args.only_hybrid else "_2x1" if args.skip_hybrid else ""
+    out = RESULTS / f"cluster_stage3_{format_rate(rate)}{part}.json"
     out.write_text(json.dumps(record, indent=1))
     print(table(record))
     print(f"\nwrote {out}")
@@ -106,13 +112,17 @@ def table(record: dict) -> str:
         f"load {record['load_before']} -> {record['load_after']}"
     ]
     t = record.get("two_hosts", {"median_ms": {}})
-    med, floor = t["median_ms"], t["median_ms"].get("stage3_floor")
+    med = t["median_ms"]
     if med:
-        lines.append("\n2 hosts x 1 rank: step ms (median), x DDP, wire ms at the link rate, limit = max(floor, wire)")
+        lines.append("\n2 hosts x 1 rank: step ms (median), x DDP, x FSDP2 (of the same precision), wire ms at the link rate, "
+                     "limit = max(floor, wire)")  # fmt: skip
     for m, v in med.items():
-        row = f"  {m:<18}{v:8.1f}{v / med['ddp']:7.2f}"
+        bf16 = "bf16" in m
+        ref = med.get("fsdp2_bf16" if bf16 else "fsdp2")
+        row = f"  {m:<18}{v:8.1f}{v / med['ddp']:7.2f}" + (f"{v / ref:7.2f}" if ref else " " * 7)
         c = t["per_step"].get(m)
-        if c and m != "stage3_floor":
+        floor = med.get("stage3_bf16_floor" if bf16 else "stage3_floor")
+        if c and "floor" not in m and floor is not None:
             limit = max(floor, c["wire_ms"])
             hits = f"{c['prefetch_hits']}/{c['prefetch_hits'] + c['prefetch_misses']}"
             row += f"   wire {c['wire_ms']:6.1f}   limit {limit:6.1f}   step / limit {v / limit:5.2f}   prefetch hits {hits}"

@@ -4,22 +4,26 @@
     python benchmarks/stage3.py --models lm --repeats 5
     python benchmarks/stage3.py --same-numbers --models mlp transformer lm   # 20 steps, SGD-momentum and AdamW, 2, 3 and 4 ranks
     python benchmarks/stage3.py --soak 2000 --models transformer   # RSS every 100 steps of a long run, per mode
+    python benchmarks/stage3.py --mixed-precision   # bf16 gathers: stage 3's parameters against FSDP2's, same policy
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
-LM), trained with AdamW (torch's fused kernel everywhere; fddp's shards donated, so that every
+conv net, the LM) and GPT-2 from ``transformers`` (a small random config, the model the default
+units were not tuned on), trained with AdamW (torch's fused kernel everywhere; fddp's shards donated, so that every
 optimizer updates in place) on each rank's own batch. Memory: one process group per mode and world
 size, so that each peak RSS is that mode's alone; step time: the modes interleaved within every
 repeat, the median over repeats of the mean step time (the slowest rank's). Prints tables and
-writes ``benchmarks/results/stage3.json`` (``--same-numbers``: ``stage3_same.json``).
+writes ``benchmarks/results/stage3.json`` (``--out``; ``--same-numbers``: ``stage3_same.json``;
+``--mixed-precision``: ``stage3_bf16.json``; ``--soak``: ``stage3_soak_<models>.json``).
 
 Modes:
     ddp            torch DDP + torch.optim.AdamW(fused=True): everything replicated (the reference)
     fsdp2          torch.distributed.fsdp.fully_shard on every block and on the root, AdamW(fused=True)
     stage2         fddp.grad_and_value(compression=fddp.zero.ReduceScatter()) + apply_gradients on
                    the shards + fddp.zero.gather (ZeRO-2: the full parameters are kept)
-    stage3         fddp.zero.fully_shard (one unit per block; remat="params": each unit's parameters
-                   gathered again in backward) + fddp.grad_and_value (autograd; the gathers' backward
-                   averages) + apply_gradients on the shards
+    stage3         fddp.zero.fully_shard (its default units, chosen by size: min_unit_mb=0.5;
+                   remat="params": each unit's parameters gathered again in backward) +
+                   fddp.grad_and_value (autograd; the gathers' backward averages) + apply_gradients
+    stage3_fine    the same with min_unit_mb=0: every block a unit, however small (the old default)
     stage3_blocks  the same with FSDP2's units: the blocks, everything else in the root unit
     stage3_func    the same, differentiated by torch.func.grad_and_value (every op through its level)
     stage3_unit    the same with remat="unit": units recomputed in backward (activation checkpointing)
@@ -27,6 +31,9 @@ Modes:
     stage3_noprefetch  stage3 with prefetch=0: each gather starts when its unit needs it
     stage3_floor   stage3 over a group of one rank: the same code with no collective (its compute)
     hybrid         stage3 sharded within each host (torchrun's local ranks), replicated across hosts
+    fsdp2_bf16     fsdp2 with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    stage3_bf16    stage3 with the same policy: fully_shard(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    stage3_bf16_floor  stage3_bf16 over a group of one rank (its compute, in bf16)
 
 Memory columns, per rank (the fullest rank), MB:
     held       what the loop keeps between steps: parameters + gradients + optimizer state (distinct
@@ -61,9 +68,42 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step import LM, MODELS, model_and_batch  # noqa: E402  (benchmarks/step.py's models and batches)
+import step  # noqa: E402  (benchmarks/step.py's models and batches)
+from step import LM  # noqa: E402
 
 import fddp  # noqa: E402
+
+
+class GPT2(nn.Module):
+    """Hugging Face's GPT-2 (``transformers``, the ``hf`` extra), random weights, a small config: 4
+    blocks, d=128, a 2048-token vocabulary, the embedding tied to the head. A model the unit rule
+    (``min_unit_mb``) was not tuned on. Its input is token ids; its output, one row of logits per
+    position."""
+
+    VOCAB, CONTEXT = 2048, 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=self.VOCAB, n_positions=self.CONTEXT,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits.flatten(0, 1)
+
+
+MODELS = {**step.MODELS, "gpt2": (GPT2, (8, GPT2.CONTEXT))}
+TOKENS = (LM, GPT2)  # models whose input is token ids
+
+
+def model_and_batch(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The model (the same initialisation on every rank) and this rank's own batch."""
+    if name != "gpt2":
+        return step.model_and_batch(name)
+    torch.manual_seed(0)
+    return GPT2(), batch_for(name, 1 + fddp.rank())
 
 LR = 1e-3
 MODES = (
@@ -71,6 +111,7 @@ MODES = (
     "fsdp2",
     "stage2",
     "stage3",
+    "stage3_fine",
     "stage3_blocks",
     "stage3_func",
     "stage3_unit",
@@ -78,6 +119,9 @@ MODES = (
     "stage3_noprefetch",
     "stage3_floor",
     "hybrid",
+    "fsdp2_bf16",
+    "stage3_bf16",
+    "stage3_bf16_floor",
 )
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -95,20 +139,24 @@ def nbytes(tensors: Any) -> int:
 
 def batch_for(name: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch for model ``name`` (as benchmarks/step.py makes them) from ``seed``."""
-    shape = MODELS[name][1]
+    ctor, shape = MODELS[name]
     g = torch.Generator().manual_seed(seed)
-    if MODELS[name][0] is LM:
-        ids = torch.randint(0, LM.VOCAB, (shape[0], shape[1] + 1), generator=g)
+    if ctor in TOKENS:
+        ids = torch.randint(0, ctor.VOCAB, (shape[0], shape[1] + 1), generator=g)
         return ids[:, :-1].contiguous(), ids[:, 1:].reshape(-1)
     return torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's blocks, as FSDP2 users wrap them (fddp's default units find the same ones)."""
+    """The model's blocks, as FSDP2 users wrap them (the rest goes to the root)."""
     if hasattr(model, "encoder"):
         return list(model.encoder.layers)
     if isinstance(model, LM):
         return list(model.blocks.layers)
+    if isinstance(model, GPT2):
+        return list(model.model.transformer.h)
+    if isinstance(model, step.ConvNet):
+        return []  # 114k values: the root alone (fddp's default units make the same choice)
     return list(model.blocks)
 
 
@@ -119,15 +167,23 @@ class Mode:
         self.step, self.memory, self.comm = step, memory, comm
 
 
-def torch_mode(model: nn.Module, fsdp: bool) -> Mode:
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+def fsdp2(model: nn.Module, bf16: bool = False) -> nn.Module:
+    """torch FSDP2 as its users wrap a model: every block, then the root; ``bf16``: with
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for b in blocks(model):
-            torch_fully_shard(b, mesh=mesh)
-        net = torch_fully_shard(model, mesh=mesh)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for b in blocks(model):
+        torch_fully_shard(b, mesh=mesh, mp_policy=policy)
+    return torch_fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def torch_mode(model: nn.Module, fsdp: bool, bf16: bool = False) -> Mode:
+    if fsdp:
+        net = fsdp2(model, bf16)
     else:
         net = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
@@ -175,9 +231,11 @@ def stage2_mode(model: nn.Module) -> Mode:
 
 def stage3_mode(
     model: nn.Module, remat: str | None = "params", prefetch: int = 1, group: Any = None, replica_group: Any = None,
-    func: bool = False, units: Any = None,
+    func: bool = False, units: Any = None, **options: Any,
 ) -> Mode:  # fmt: skip
-    apply_fn, shards = fddp.zero.fully_shard(model, units=units, remat=remat, prefetch=prefetch, group=group, replica_group=replica_group)
+    apply_fn, shards = fddp.zero.fully_shard(
+        model, units=units, remat=remat, prefetch=prefetch, group=group, replica_group=replica_group, **options
+    )
     opt = fddp.optim.adamw(LR)
     box: dict[str, Any] = {"shards": shards, "state": opt.init(shards), "fn": apply_fn}
     loss = lambda s, x, y: F.cross_entropy(apply_fn(s, x), y)  # noqa: E731
@@ -203,15 +261,20 @@ def stage3_mode(
 
 def make_mode(name: str, model: nn.Module) -> Mode:
     model = copy.deepcopy(model)
-    if name in ("ddp", "fsdp2"):
-        return torch_mode(model, fsdp=name == "fsdp2")
+    if name in ("ddp", "fsdp2", "fsdp2_bf16"):
+        return torch_mode(model, fsdp=name != "ddp", bf16=name == "fsdp2_bf16")
+    if name == "stage3_bf16":
+        return stage3_mode(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if name == "stage2":
         return stage2_mode(model)
-    if name == "stage3_floor":
+    if name in ("stage3_floor", "stage3_bf16_floor"):
         own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-        return stage3_mode(model, group=own)
+        bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if name == "stage3_bf16_floor" else {}
+        return stage3_mode(model, group=own, **bf16)
     if name == "stage3_func":
         return stage3_mode(model, func=True)
+    if name == "stage3_fine":
+        return stage3_mode(model, min_unit_mb=0)
     if name == "stage3_blocks":
         return stage3_mode(model, units=[*blocks(model), ""])
     if name == "stage3_noprefetch":
@@ -340,7 +403,7 @@ def soak(args: argparse.Namespace) -> None:
             change = f"{(last - first) / 2**20:+.2f} MB ({grew:+.2f} KB a step)"
             print(f"  step {steps[-1]} - step {steps[0]}: {change}; {ms:.1f} ms a step", flush=True)
     print(f"load average (1, 5, 15 min) before {before}, after {load_average()} on {os.cpu_count()} CPUs")
-    with open(os.path.join(RESULTS, "stage3_soak.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"stage3_soak_{'_'.join(args.models)}.json"), "w") as f:
         json.dump({"torch": torch.__version__, "steps": args.soak, "every": args.soak_every, "load_before": before,
                    "load_after": load_average(), "results": results}, f, indent=1)  # fmt: skip
 
@@ -348,7 +411,7 @@ def soak(args: argparse.Namespace) -> None:
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     fddp.init()
-    tasks = {"memory": memory_worker, "time": time_worker, "soak": soak_worker}
+    tasks = {"memory": memory_worker, "time": time_worker, "soak": soak_worker, "mp": mp_worker}
     result = tasks[args.task](args)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
@@ -380,6 +443,12 @@ def load_average() -> list[float]:
     return list(os.getloadavg())
 
 
+def paired(times: dict[str, list[float]], mode: str, ref: str) -> float:
+    """The median over repeats of ``mode``'s time over ``ref``'s in the same repeat (the modes run
+    interleaved, so a ratio within a repeat cancels the machine's load drifting between repeats)."""
+    return statistics.median(a / b for a, b in zip(times[mode], times[ref]))
+
+
 def report(record: dict[str, Any]) -> str:
     lines = []
     for model, r in record["results"].items():
@@ -407,12 +476,13 @@ def report(record: dict[str, Any]) -> str:
             med = {n: statistics.median(v) for n, v in t["times_ms"].items()}
             lines.append(
                 f"  step time, {t['world']} ranks, median of {len(next(iter(t['times_ms'].values())))} repeats "
-                f"x {record['args']['steps']} steps (ms; range)"
+                f"x {record['args']['steps']} steps (ms; range); ratios: the median over repeats of each repeat's ratio"
             )
             cpu = {n: statistics.median(v) for n, v in t.get("cpu_ms", {}).items()}
             lines.append(f"  {'mode':<18}{'median':>8}{'x stage2':>10}{'x fsdp2':>9}{'x ddp':>7}   range      CPU ms  x stage2")
             for n, v in med.items():
-                cols = "".join(f"{v / med[b]:{w}.2f}" if b in med else " " * w for b, w in (("stage2", 10), ("fsdp2", 9), ("ddp", 7)))
+                cols = "".join(f"{paired(t['times_ms'], n, b):{w}.2f}" if b in med else " " * w
+                               for b, w in (("stage2", 10), ("fsdp2", 9), ("ddp", 7)))  # fmt: skip
                 c = f"{cpu[n]:9.1f}{cpu[n] / cpu['stage2']:9.2f}" if n in cpu and "stage2" in cpu else ""
                 lines.append(f"  {n:<18}{v:8.1f}{cols}   {min(t['times_ms'][n]):4.0f}-{max(t['times_ms'][n]):<4.0f}{c}")
             if "stage3" in med and "stage3_keep" in med:
@@ -436,6 +506,55 @@ def same_numbers(args: argparse.Namespace) -> None:
             )
     with open(os.path.join(RESULTS, "stage3_same.json"), "w") as f:
         json.dump({"torch": torch.__version__, "steps": args.same_steps, "results": results}, f, indent=1)
+
+
+def mixed_precision(args: argparse.Namespace) -> None:
+    """bf16 gathers and compute, float32 master weights: stage 3 against torch FSDP2 with the same policy."""
+    r = launch(2, ["--task", "mp", "--models", *args.models, "--same-steps", str(args.same_steps)])[0]
+    print(f"{args.same_steps} AdamW steps (lr {LR}), 2 ranks, param_dtype=torch.bfloat16, reduce_dtype=torch.float32; "
+          "parameters afterwards, max |difference|:")  # fmt: skip
+    print(f"  {'model':<12}{'stage3 == fsdp2':>16}{'|stage3 - fsdp2|':>18}{'|fsdp2 - float32|':>19}"
+          f"{'gathered KB/step':>18}{'(float32)':>11}{'reduced KB/step':>17}{'(float32)':>11}")  # fmt: skip
+    for name, v in r.items():
+        kb = [v[k] / 1024 for k in ("gathered", "gathered32", "reduced", "reduced32")]
+        print(f"  {name:<12}{str(v['equal']):>16}{v['vs_fsdp2']:18.1e}{v['fsdp2_vs_float32']:19.1e}"
+              f"{kb[0]:18.1f}{kb[1]:11.1f}{kb[2]:17.1f}{kb[3]:11.1f}")  # fmt: skip
+    with open(os.path.join(RESULTS, "stage3_bf16.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "steps": args.same_steps, "results": r}, f, indent=1)
+
+
+def mp_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One process group of :func:`mixed_precision`."""
+    out = {}
+    bf16 = torch.bfloat16
+    for name in args.models:
+        model, _ = model_and_batch(name)
+        batches = [batch_for(name, 10_000 * step + fddp.rank()) for step in range(args.same_steps)]
+        net = fsdp2(copy.deepcopy(model), bf16=True)
+        topt = torch.optim.AdamW(net.parameters(), lr=LR, fused=True)
+        for x, y in batches:
+            topt.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            topt.step()
+        ref = {k: v.full_tensor() for k, v in net.state_dict().items()}
+        runs = {}
+        for dtype in (bf16, None):
+            fn, shards = fddp.zero.fully_shard(copy.deepcopy(model), param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+            opt = fddp.optim.adamw(LR)
+            state = opt.init(shards)
+            step = fddp.grad_and_value(lambda s, x, y: F.cross_entropy(fn(s, x), y))  # noqa: B023
+            for x, y in batches:
+                grads, _ = step(shards, x, y)
+                shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
+            c = fn.counters
+            runs[dtype] = fddp.zero.gather(shards).wait(), c.gathered_bytes / len(batches), c.reduced_bytes / len(batches)
+        diff = lambda a, b: max((a[k] - b[k]).abs().max().item() for k in f32)  # noqa: E731  (tied weights: once)
+        (got, gathered, reduced), (f32, gathered32, reduced32) = runs[bf16], runs[None]
+        out[name] = {
+            "equal": all(torch.equal(got[k], ref[k]) for k in f32), "vs_fsdp2": diff(got, ref), "fsdp2_vs_float32": diff(ref, f32),
+            "gathered": gathered, "gathered32": gathered32, "reduced": reduced, "reduced32": reduced32,
+        }  # fmt: skip
+    return out
 
 
 def same_worker(args: argparse.Namespace) -> None:
@@ -492,8 +611,8 @@ def same_worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["transformer", "lm"], choices=list(MODELS))
-    parser.add_argument("--memory-worlds", nargs="+", type=int, default=[2, 4])
+    parser.add_argument("--models", nargs="+", default=["mlp", "transformer", "conv", "lm", "gpt2"], choices=list(MODELS))
+    parser.add_argument("--memory-worlds", nargs="*", type=int, default=[2, 4], help="none: step times only")
     parser.add_argument("--time-world", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--memory-modes", nargs="+", default=["ddp", "fsdp2", "stage2", "stage3", "stage3_unit"], choices=MODES)
@@ -507,7 +626,8 @@ def main() -> None:
     parser.add_argument("--soak", type=int, default=0, help="a long run of this many steps per mode, 2 ranks: RSS as it goes")
     parser.add_argument("--soak-every", type=int, default=100, help="with --soak: print RSS every this many steps")
     parser.add_argument("--soak-modes", nargs="+", default=["stage3", "stage3_func", "stage3_unit", "stage3_keep"], choices=MODES)
-    parser.add_argument("--task", choices=["memory", "time", "same", "soak"], help=argparse.SUPPRESS)
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 policy: stage 3's numbers against FSDP2's")
+    parser.add_argument("--task", choices=["memory", "time", "same", "soak", "mp"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -521,6 +641,9 @@ def main() -> None:
         return
     if args.soak:
         soak(args)
+        return
+    if args.mixed_precision:
+        mixed_precision(args)
         return
     before = load_average()
     results: dict[str, Any] = {}

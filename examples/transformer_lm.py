@@ -13,10 +13,11 @@ then follows a cosine (``fddp.optim.warmup_cosine_decay``), held in the optimize
 measured by greedy decoding.
 
 With ``--fully-shard`` the parameters are sharded too (ZeRO stage 3, ``fddp.zero.fully_shard``):
-each rank holds 1/N of the parameters, gradients and AdamW state, and gathers one block at a time
-inside the forward and backward passes. ``--budget-mb`` sets a per-rank memory budget that the
-full training state (parameters, gradients and AdamW's two moments: 16 bytes a value) exceeds,
-and the run checks that what each rank holds, plus the gathered blocks at their peak, fits::
+each rank holds 1/N of the parameters, gradients and AdamW state, and gathers one unit at a time
+inside the forward and backward passes (a block, for blocks of 0.5 MiB and more: ``--d-model 128``).
+``--budget-mb`` sets a per-rank memory budget that the full training state (parameters,
+gradients and AdamW's two moments: 16 bytes a value) exceeds, and the run checks that what each
+rank holds, plus the gathered blocks at their peak, fits::
 
     torchrun --standalone --nproc-per-node=2 examples/transformer_lm.py --fully-shard \
         --d-model 128 --layers 4 --budget-mb 10 --steps 200
@@ -177,8 +178,8 @@ def main() -> None:
     model = GPT(args.d_model, args.layers, args.heads)
     n_params = sum(p.numel() for p in model.parameters())
     if args.fully_shard:
-        # One unit per block (and the embeddings, the norm, the head): `params` are this rank's
-        # shards, and apply_fn gathers each unit's parameters just before the unit runs.
+        # Units chosen by size (the blocks; the small embeddings and norm in the root): `params`
+        # are this rank's shards, and apply_fn gathers each unit's parameters just before it runs.
         apply_fn, params = fddp.zero.fully_shard(model)
     else:
         apply_fn, params = fddp.functionalize(model)

@@ -23,7 +23,7 @@ Checkpoints of sharded trees are written per rank and reshard on load
 Stage 3 shards the module's parameters unit by unit; ``apply_fn`` gathers each unit inside the
 forward and backward passes, through a differentiable gather, so no full tree is ever built::
 
-    apply_fn, shards = fddp.zero.fully_shard(model)      # one unit per block
+    apply_fn, shards = fddp.zero.fully_shard(model)      # units chosen by size
     opt_state = opt.init(shards)
     step = fddp.grad_and_value(lambda s, x, y: F.cross_entropy(apply_fn(s, x), y))
     for x, y in loader:
@@ -36,6 +36,7 @@ Example:
 """
 
 from fddp.zero._api import Gathered, gather, shard
+from fddp.zero._full import load_full, release, write_back
 from fddp.zero._gather import Counters
 from fddp.zero._hook import ReduceScatter
 from fddp.zero._layout import Sharded, ShardLayout
@@ -52,6 +53,9 @@ __all__ = [
     "UnitLayout",
     "fully_shard",
     "gather",
+    "load_full",
+    "release",
     "shard",
     "unshard",
+    "write_back",
 ]

@@ -47,6 +47,7 @@ __all__ = [
     "Counters",
     "GatherCall",
     "Pipeline",
+    "Precision",
     "boundary",
     "check_groups",
     "constants",
@@ -93,6 +94,40 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     while _functorch.is_functorch_wrapped_tensor(t):
         t = _functorch.get_unwrapped(t)
     return t
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """Stage 3's mixed precision (FSDP2's ``MixedPrecisionPolicy``): the dtype floating-point buckets
+    are gathered and computed in (``param``), and the dtype their gradients are reduced in
+    (``reduce``: by default the gather's, as FSDP2's). The shards, their gradients and the
+    optimizer keep the parameters' own dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def param(self, dtype: torch.dtype) -> torch.dtype:
+        return self.param_dtype if self.param_dtype is not None and dtype.is_floating_point else dtype
+
+    def reduce(self, dtype: torch.dtype) -> torch.dtype:
+        if not dtype.is_floating_point:
+            return dtype
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param(dtype)
+
+    def cast(self, t: Any) -> Any:
+        """A forward input in the compute dtype (floating-point tensors only, as FSDP2's ``cast_forward_inputs``)."""
+        if self.param_dtype is not None and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != self.param_dtype:
+            return t.to(self.param_dtype)
+        return t
+
+    def rows(self) -> list[tuple]:
+        """Signature rows: ranks must gather and reduce in the same dtypes."""
+        if self.param_dtype is None and self.reduce_dtype is None:
+            return []
+        return [("mixed precision", f"param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}", None)]
+
+
+FULL_PRECISION = Precision()  # no policy: every bucket gathered, computed and reduced in its own dtype
 
 
 @dataclasses.dataclass
@@ -166,6 +201,7 @@ class _Pending:
     batch: tuple[int, ...]
     out: torch.Tensor | None = None
     phase: int = 1  # reductions: 1 = within the shard group, 2 = across the replicas, 3 = done
+    wire: torch.Tensor | None = None  # across the replicas: the shard in the reduction's dtype, if not out's
     held: "_Held | None" = None  # the gathered buffer's bytes in the counters
     refill: "_Released | None" = None  # a gather back into a released bucket's own memory
 
@@ -260,9 +296,13 @@ class Pipeline:
     def __init__(
         self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
         order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
-        segments: Sequence[Any] = (),
+        precision: "Precision | None" = None, segments: Sequence[Any] = (),
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
+        # Mixed precision: per bucket, the dtype its gathers (and the compute) use, and its reductions'.
+        p = precision or FULL_PRECISION
+        self.gather_dtypes = [p.param(b.dtype) for b in lay.plan.buckets]
+        self.reduce_dtypes = [p.reduce(b.dtype) for b in lay.plan.buckets]
         # remat="params": the buckets' memory is given back after their unit's forward and gathered
         # into again in backward.
         self.release_after_forward = release
@@ -304,7 +344,7 @@ class Pipeline:
     def _start_gather(self, k: int, shard: torch.Tensor) -> _Pending:
         lay, comms = self.lay, self.comms
         batch = tuple(shard.shape[:-1])
-        src = shard.contiguous()
+        src = self._wire(k, shard)
         if comms.shard is None:
             return _Pending(_key(shard), src, None, batch)
         # A buffer of its own, not the pool's: autograd's views of it keep it (and so its count in
@@ -332,6 +372,11 @@ class Pipeline:
         full = p.buf.view(lay.world, m, c.size).transpose(0, 1).reshape(m, lay.world * c.size)[:, : b.numel]
         return full.reshape(*p.batch, b.numel)
 
+    def _wire(self, k: int, shard: torch.Tensor) -> torch.Tensor:
+        """What bucket ``k``'s gathers send: the shard, contiguous, in the bucket's gather dtype."""
+        dtype = self.gather_dtypes[k]
+        return shard.contiguous() if shard.dtype == dtype else shard.to(dtype, memory_format=torch.contiguous_format)
+
     @_eager
     def gather(self, k: int, shard: torch.Tensor, backward: bool) -> torch.Tensor:
         """Bucket ``k``'s full flat buffer, gathered from ``shard`` (plain, ``(*batch, size)``)."""
@@ -358,6 +403,8 @@ class Pipeline:
         p = self.last.pop(k, None)
         if p is None or p.work is None and self.comms.shard is None:
             return  # one rank: the full buffer is the shard itself
+        if self.order and k == self.order[-1] and self.cursor == len(self.order):
+            return  # the forward's last bucket, as predicted: backward starts with it (no gather back)
         if k in self.released:
             # A unit called again in this forward (a block applied twice): the earlier call's
             # memory is gathered back once in backward, for every use; this call's buffer stays
@@ -376,9 +423,10 @@ class Pipeline:
     def _start_refill(self, k: int, r: _Released) -> _Pending:
         r.restore()
         if r.base is not None:  # gather straight into the memory autograd's views look into
-            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1), tag=self.tag(k))
+            src = self._wire(k, r.shard).reshape(-1)
+            work = self.comms.shard.all_gather_into(r.base, src, tag=self.tag(k))
             self.counters.gathers += 1
-            self.counters.gathered_bytes += r.shard.numel() * r.shard.element_size()
+            self.counters.gathered_bytes += src.numel() * src.element_size()
             p = _Pending(None, r.base, work, tuple(r.shard.shape[:-1]))
         else:
             p = self._start_gather(k, r.shard)
@@ -451,7 +499,7 @@ class Pipeline:
         self.last.clear()
         self.back = [k for k in reversed(self.seq) if k in self.remat]
         if self.release_after_forward:  # each released bucket is gathered back once, for all its uses
-            self.back = list(dict.fromkeys(self.back))
+            self.back = [k for k in dict.fromkeys(self.back) if k in self.released]
         self.uses = dict(collections.Counter(self.seq))
         self.left = dict(self.uses)
         self.repeated = {k for k, n in self.uses.items() if n > 1}
@@ -479,7 +527,11 @@ class Pipeline:
         lay, comms, counters = self.lay, self.comms, self.counters
         b, c = lay.plan.buckets[k], lay.cuts[k]
         batch = tuple(ct.shape[:-1])
-        out = torch.zeros(*batch, c.size, dtype=ct.dtype, device=ct.device)
+        # The gradient shard has the shard's dtype; the reduction runs in the bucket's reduce dtype
+        # (mixed precision: the cotangent arrives in the gather's dtype).
+        out = torch.empty(*batch, c.size, dtype=b.dtype, device=ct.device)
+        out[..., c.held :].zero_()  # the padding; the reduction writes the rest
+        dtype = self.reduce_dtypes[k]
         if invariant:
             out[..., : c.held].copy_(ct[..., c.lo : c.hi])
             return out
@@ -495,11 +547,11 @@ class Pipeline:
             m *= d
         # Not the pool's: after its wait, its memory is given back at once (below), however long
         # gloo's worker thread keeps its reference to the finished work.
-        buf = torch.empty(*batch, b.numel, dtype=ct.dtype, device=ct.device)
+        buf = torch.empty(*batch, b.numel, dtype=dtype, device=ct.device)
         held = counters.hold(buf)
         if comms.pow2:
             torch.mul(ct, 1.0 / comms.n, out=buf)  # 2**-k commutes with rounding: ddp_step's mean
-        elif ct.dtype in LOW_PRECISION:
+        elif dtype in LOW_PRECISION:
             torch.div(ct, comms.n, out=buf)  # a half-precision sum could overflow where the mean would not
         else:
             buf.copy_(ct)
@@ -547,8 +599,10 @@ class Pipeline:
             p.held.release()
         p.buf, p.work, p.phase = None, None, 2
         if comms.replica is not None:
-            self.counters.replica_bytes += p.out.numel() * p.out.element_size()
-            p.work = comms.replica.all_reduce(p.out, tag=self.tag(p.key))
+            dtype = self.reduce_dtypes[p.key]
+            p.wire = p.out if p.out.dtype == dtype else p.out.to(dtype)
+            self.counters.replica_bytes += p.wire.numel() * p.wire.element_size()
+            p.work = comms.replica.all_reduce(p.wire, tag=self.tag(p.key))
 
     def _finish(self, p: _Pending) -> None:
         comms = self.comms
@@ -556,9 +610,11 @@ class Pipeline:
             self._advance(p)
         if p.work is not None:
             comms.replica.wait(p.work, f"the all-reduce of bucket {p.key}'s gradient shard across the replicas")
-        if not comms.pow2 and p.out.dtype not in LOW_PRECISION:
+        if p.wire is not None and p.wire is not p.out:
+            p.out.copy_(p.wire)
+        if not comms.pow2 and self.reduce_dtypes[p.key] not in LOW_PRECISION:
             p.out.div_(comms.n)
-        p.work, p.phase = None, 3
+        p.work, p.phase, p.wire = None, 3, None
 
     @_eager
     def finish_reduces(self) -> None:

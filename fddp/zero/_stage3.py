@@ -52,7 +52,7 @@ from fddp.sync import _signature
 from fddp.sync._differentiable import active_transforms, transform_stack
 from fddp.zero import _gather, _units
 from fddp.zero import _layout as shard_layout
-from fddp.zero._gather import Counters, GatherCall, Pipeline
+from fddp.zero._gather import Counters, GatherCall, Pipeline, Precision
 from fddp.zero._units import Unit, UnitLayout
 
 __all__ = ["FullyShardedForward", "fully_shard", "unshard"]
@@ -83,15 +83,19 @@ def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequenc
     ]
 
 
-def _agree_on(lay: UnitLayout, what: str, kind: tuple[tuple, ...] = (), sequenced: bool = False) -> list[Any]:
+def _agree_on(
+    lay: UnitLayout, what: str, kind: tuple[tuple, ...] = (), sequenced: bool = False,
+    precision: Precision = _gather.FULL_PRECISION,
+) -> list[Any]:  # fmt: skip
     """Agree on a call across the shard group and, with hybrid sharding, across the replica group,
     whose members must also hold the same place in their shard groups. ``kind``: rows that say
     which model and what kind of call (a forward's): part of the signature. ``sequenced``: the
-    collectives that follow are learnt and checked as a sequence; returns the groups' segments."""
-    segments = _agree(what, (lay, kind), lambda: [*kind, *lay.describe()], [lay.group], sequenced)
+    collectives that follow are learnt and checked as a sequence; returns the groups' segments.
+    ``precision``: the mixed-precision policy, whose rows are part of the signature too."""
+    segments = _agree(what, (lay, kind, precision), lambda: [*kind, *lay.describe(), *precision.rows()], [lay.group], sequenced)
     if lay.replica_group is not None:
-        rows = lambda: [*kind, *lay.describe(), ("shard rank", str(lay.rank), None)]  # noqa: E731
-        segments += _agree(what, (lay, kind, "replica"), rows, [lay.replica_group], sequenced)
+        rows = lambda: [*kind, *lay.describe(), *precision.rows(), ("shard rank", str(lay.rank), None)]  # noqa: E731
+        segments += _agree(what, (lay, kind, precision, "replica"), rows, [lay.replica_group], sequenced)
     return segments
 
 
@@ -352,6 +356,9 @@ class FullyShardedForward:
             recomputed: its activations are not kept either), ``None`` (nothing: autograd keeps
             each unit's full parameters from the forward until backward).
         counters: a :class:`fddp.zero.Counters` of what the collectives moved.
+        param_dtype: the dtype floating-point parameters are gathered and computed in (``None``:
+            their own); see :func:`fully_shard`.
+        reduce_dtype: the dtype their gradients are reduced in (``None``: ``param_dtype``'s).
 
     Example:
         >>> apply_fn, shards = fddp.zero.fully_shard(model)
@@ -359,21 +366,28 @@ class FullyShardedForward:
         >>> grads, value = torch.func.grad_and_value(loss)(shards, x, y)
     """
 
-    def __init__(self, model: nn.Module, layout: UnitLayout, units: list[Unit], prefetch: int, remat: str | None, invariant: bool) -> None:
+    def __init__(
+        self, model: nn.Module, layout: UnitLayout, units: list[Unit], prefetch: int, remat: str | None, invariant: bool,
+        precision: Precision = _gather.FULL_PRECISION,
+    ) -> None:  # fmt: skip
         self.model, self.layout, self._units = model, layout, units
         self.units = layout.units
         self.prefetch, self.remat, self.invariant = prefetch, remat, invariant
+        self._precision = precision
+        self.param_dtype, self.reduce_dtype = precision.param_dtype, precision.reduce_dtype
         self.counters = Counters()
         self._root = next((u for u in units if u.name == ""), None)
         self._order: list[int] = [k for u in units for k in u.buckets]  # refined by each call
         self._remat_buckets = frozenset(k for u in units if u.name for k in u.buckets) if remat else frozenset()
         self._run: _Call | None = None
         self._owner: dict[str, str] = {}  # every name of every trainable parameter: its unit's name
+        self._placeholders: list[tuple[nn.Module, str, _units.Released]] = []  # (module, attribute, what it holds)
         self.serial = next(_serials)  # the same on every rank: fully_shard is a collective call
         self._buffers = _BufferWrites(model, layout.world * layout.replicas)
 
     def __repr__(self) -> str:
-        return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat})"
+        mixed = f", param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}" if self._precision.rows() else ""
+        return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat}{mixed})"
 
     def _check(self, shards: Any) -> None:
         lay = self.layout
@@ -443,7 +457,7 @@ class FullyShardedForward:
             # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
             # kind of call runs, then checked before each one, so that a rank that runs its units
             # otherwise fails at once instead of pairing them with its peers' other units.
-            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated), sequenced=True)
+            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated), sequenced=True, precision=self._precision)
             self._buffers.start(self.model)
             out = self._forward(lay, shards, differentiated, segments, args, kwargs)
             self._buffers.check(self.model)
@@ -463,11 +477,13 @@ class FullyShardedForward:
     ) -> Any:
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
-            release=self.remat == "params", segments=segments,
+            release=self.remat == "params", precision=self._precision, segments=segments,
         )  # fmt: skip
         leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated)
         patched = [u for u in self._units if u.name]
+        if self.param_dtype is not None:  # the model's inputs in the compute dtype, as every unit's
+            args, kwargs = torch_pytree.tree_map(self._precision.cast, (args, kwargs))
         self._run = run
         try:
             for u in patched:
@@ -527,7 +543,7 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
         calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
         ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
         fulls = [run.gather(k) for k in unit.buckets]
-        tensors = [flat[i] for i in pos]
+        tensors = [owner._precision.cast(flat[i]) for i in pos]  # mixed precision: inputs in the compute dtype
         if run.differentiated and owner.remat == "unit":
             shards = [run.leaves[k] for k in unit.buckets]
             outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
@@ -558,6 +574,9 @@ def fully_shard(
     prefetch: int = 1,
     remat: str | None = "params",
     invariant: bool = False,
+    min_unit_mb: float = 0.5,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[FullyShardedForward, shard_layout.Sharded]:
     """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
 
@@ -577,17 +596,20 @@ def fully_shard(
     replica group, the first replica's shards are broadcast to the others).
 
     A *unit* is a submodule whose forward uses only its own parameters (a transformer block, an
-    embedding, a head), run through its ``__call__``. ``units=None`` takes one per block: the
-    children of every ``ModuleList`` / ``Sequential`` / ``ModuleDict``, and every other module that
-    owns parameters itself (with its whole subtree); parameters in no unit form the root unit,
-    gathered for the whole forward (as FSDP2's root). Every rank must run the units in the same
-    order (they do when they run the same code).
+    embedding, a head), run through its ``__call__``. ``units=None`` chooses them by size, as
+    FSDP's ``size_based_auto_wrap_policy`` does: from the finest units (the children of every
+    ``ModuleList`` / ``Sequential`` / ``ModuleDict``, and every other module that owns parameters
+    itself, with its whole subtree), a module of at least ``min_unit_mb`` is a unit; smaller ones
+    merge into their enclosing module (a unit when its leftovers reach ``min_unit_mb`` and nothing
+    inside it is one) and, at the top, into the root unit, gathered for the whole forward (as
+    FSDP2's root); modules whose weights are tied together land in one that holds them all.
+    Every rank must run the units in the same order (they do when they run the same code).
 
     Args:
         model: the module; its trainable parameters (``requires_grad=True``) are taken.
         units: the units: submodule names (``""``: the root, for parameters in no other unit),
-            submodules, or module classes (every outermost submodule of the class); ``None``: one
-            per block, as above. A parameter must belong to exactly one unit (tied weights: put the
+            submodules, or module classes (every outermost submodule of the class); ``None``: by
+            size, as above. A parameter must belong to exactly one unit (tied weights: put the
             modules that share them in one unit).
         group: the process group to shard over (``None``: the default group).
         replica_group: hybrid sharding: replicate the shards across this group (e.g. shard within
@@ -605,6 +627,18 @@ def fully_shard(
         invariant: gradients of this rank's objective alone, the other ranks' shards held
             constant: each bucket's cotangent is cut to this rank's slice, with no reduction
             (per-sample gradients; see :func:`unshard`).
+        min_unit_mb: with ``units=None``, the fewest MiB of trainable parameters a unit holds
+            (each unit costs three collectives a step; 0.5 MiB is about four times a gloo
+            all-gather's latency at its bandwidth on a CPU host); 0: every finest unit is one
+            (one per block, however small).
+        param_dtype: mixed precision, as FSDP2's ``MixedPrecisionPolicy``: gather the floating-point
+            parameters in this dtype (half the bytes for ``torch.bfloat16``) and compute in it (the
+            floating-point inputs of the model and of every unit are cast to it). The shards,
+            their gradients and the optimizer state keep the parameters' own dtype (float32 master
+            weights). ``None``: the parameters' dtype.
+        reduce_dtype: the dtype gradients are reduced in (then written into the shards' dtype):
+            ``torch.float32`` sums bf16 gradients in float32, as FSDP2 with
+            ``reduce_dtype=torch.float32``; ``None``: ``param_dtype`` (FSDP2's default).
 
     Returns:
         ``(apply_fn, shards)``: a :class:`FullyShardedForward` and this rank's shards.
@@ -615,7 +649,7 @@ def fully_shard(
             what is not a submodule.
 
     Example:
-        >>> apply_fn, shards = fddp.zero.fully_shard(model)  # one unit per block
+        >>> apply_fn, shards = fddp.zero.fully_shard(model)  # units of at least 0.5 MiB
         >>> opt_state = opt.init(shards)
         >>> grads, loss = torch.func.grad_and_value(loss_fn)(shards, x, y)  # loss_fn calls apply_fn
         >>> shards, opt_state = fddp.optim.apply_gradients(opt, grads, opt_state, shards)
@@ -627,8 +661,14 @@ def fully_shard(
         raise TypeError(f"fddp.{what}: invariant must be True or False, got {invariant!r}")
     if remat not in ("params", "unit", None):
         raise ValueError(f"fddp.{what}: remat must be 'params', 'unit' or None, got {remat!r}")
+    if isinstance(min_unit_mb, bool) or not isinstance(min_unit_mb, (int, float)) or not min_unit_mb >= 0:
+        raise ValueError(f"fddp.{what}: min_unit_mb must be a number of MiB >= 0, got {min_unit_mb!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
+    for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise TypeError(f"fddp.{what}: {name} must be a floating-point torch.dtype (torch.bfloat16, say) or None, got {dt!r}")
+    precision = Precision(param_dtype, reduce_dtype)
     if not dist.is_initialized():
         raise RuntimeError(f"fddp.{what}: no process group; call fddp.init() first")
     if torch._C._are_functorch_transforms_active():
@@ -652,13 +692,13 @@ def fully_shard(
             raise ValueError(
                 f"fddp.{what}: {type(model).__name__} is already sharded: parameter {taken!r} was taken by an earlier "
                 "fully_shard call and lives in its shards. Use the apply_fn and shards that call returned (its "
-                "units cannot change), or shard a new module (fddp.zero.gather(shards).wait() gives the full tree "
-                "to load into it)"
+                "units cannot change), or put the values back first (fddp.zero.write_back(apply_fn, shards)) and "
+                "shard it anew"
             )
         leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
         flat_names = list(paths(spec))
         index = {n: i for i, n in enumerate(flat_names)}
-        units_ = _units.resolve(model, units, params, trainable, index, what)
+        units_ = _units.resolve(model, units, params, trainable, index, what, int(min_unit_mb * 2**20))
         if not units_:
             raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
     except (TypeError, ValueError) as e:
@@ -675,7 +715,7 @@ def fully_shard(
         unit_buckets=tuple(u.buckets for u in units_), replica_group=replica_group, replicas=replicas,
     )  # fmt: skip
     _dist.count_call(group, what)
-    _agree_on(lay, what)
+    _agree_on(lay, what, precision=precision)
 
     out = shard_layout.new_shards(lay)
     for leaf, pieces in zip(leaves, shard_layout.leaf_pieces(lay)):
@@ -693,13 +733,16 @@ def fully_shard(
                 for n in trainable[id(params[flat_names[i]])]:
                     prefix, _, attr = n.rpartition(".")
                     u.slots.append((model.get_submodule(prefix), attr, j, pos))
+    placeholders = []
     for names_ in trainable.values():
         like = params[names_[0]]
         ghost = _units.Released(names_[0], like)
         for n in names_:
             prefix, _, attr = n.rpartition(".")
             model.get_submodule(prefix)._parameters[attr] = ghost
-    apply_fn = FullyShardedForward(model, lay, units_, prefetch, remat, invariant)
+            placeholders.append((model.get_submodule(prefix), attr, ghost))
+    apply_fn = FullyShardedForward(model, lay, units_, prefetch, remat, invariant, precision)
+    apply_fn._placeholders = placeholders
     for u in units_:
         for i in u.leaves:
             for n in trainable[id(params[flat_names[i]])]:

@@ -1,8 +1,8 @@
 """Stage 3's units: which submodules are gathered as one, their buckets, and the layout that records them.
 
 A *unit* is a submodule whose forward uses only its own parameters (a transformer block, an
-embedding, a head). :func:`resolve` turns ``fully_shard``'s ``units=`` (or the default rule, one
-unit per block) into units and checks that every trainable parameter lies in exactly one;
+embedding, a head). :func:`resolve` turns ``fully_shard``'s ``units=`` (or the default rule: units
+chosen by size, :func:`_by_size`) into units and checks that every trainable parameter lies in exactly one;
 :func:`plan` lays each unit's parameters out as one bucket per dtype, in forward order;
 :class:`UnitLayout` is stage 2's :class:`~fddp.shard_layout.ShardLayout` of that plan, with the units
 (and hybrid sharding's replica group) recorded, so that stage-3 trees are recognised as such.
@@ -136,8 +136,7 @@ class Released(nn.Parameter):
             f"fddp.zero.fully_shard: parameter {name!r} lives in the shards now, and the module holds no "
             f"value for it ({func} was called on it). Run the module through the apply_fn fully_shard "
             "returned; a parameter used outside its unit's forward must be in a unit that encloses "
-            "that use; to write trained values back, fddp.zero.gather(shards).wait() gives the full "
-            "tree, for model.load_state_dict(tree, strict=False, assign=True)",
+            "that use; to put the trained values back into the module, fddp.zero.write_back(apply_fn, shards)",
             name,
         )
 
@@ -145,16 +144,18 @@ class Released(nn.Parameter):
         return f"<released parameter {self._fddp_name!r} of shape {tuple(self.shape)}, in fddp.zero shards>"
 
 
-def _chosen(model: nn.Module, units: Any, trainable: dict[int, list[str]], what: str) -> list[tuple[str, nn.Module]]:
+def _chosen(
+    model: nn.Module, units: Any, trainable: dict[int, list[str]], what: str, min_bytes: int = 0
+) -> list[tuple[str, nn.Module]]:
     """The unit modules ``units`` names, outermost, in definition order; ``""`` for the root if listed."""
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     holds = {n: any(id(p) in trainable for p in m.parameters()) for n, m in model.named_modules()}
     if units is None:
-        return _default_units(model, holds)
+        return _by_size(model, _default_units(model, holds), trainable, min_bytes)
     if isinstance(units, (str, nn.Module, type)) or not isinstance(units, Sequence):
         raise TypeError(
             f"fddp.{what}: units must be a list of submodule names, submodules or module classes (or None "
-            f"for one unit per block), got {type(units).__name__}"
+            f"for units chosen by size), got {type(units).__name__}"
         )
     chosen: list[str] = []
     for item in units:
@@ -220,6 +221,55 @@ def _default_units(model: nn.Module, holds: dict[str, bool]) -> list[tuple[str, 
     return out
 
 
+def _by_size(
+    model: nn.Module, fine: list[tuple[str, nn.Module]], trainable: dict[int, list[str]], min_bytes: int
+) -> list[tuple[str, nn.Module]]:
+    """Units of at least ``min_bytes`` of trainable parameters, from the finest ones (``fine``).
+
+    Every unit costs three collectives a step (its gather, its gather again in backward, its
+    reduction), a latency a unit of a few kilobytes does not earn back in memory. FSDP's
+    ``size_based_auto_wrap_policy``, without nesting: from the leaves up, a fine unit of at least
+    ``min_bytes`` stays a unit; a smaller one joins its parent's leftovers. A parent that can be
+    called (not a ``ModuleList`` or ``ModuleDict``) becomes the unit in place of what lies inside
+    it when that is one unit and some leftovers (a block's LayerNorm joins its Linear), or no unit
+    and leftovers of at least ``min_bytes``. What is left over at the top is the root unit,
+    gathered for the whole forward (FSDP2's root). A module whose parameters are tied to one
+    outside it is never a unit (its leftovers go up to a module that holds both, or the root).
+    """
+    fine_names = {n for n, _ in fine}
+
+    def own(name: str, m: nn.Module) -> tuple[int, bool]:
+        """This subtree's trainable bytes, and whether all its parameters' names lie inside it."""
+        seen, n, inside = set(), 0, True
+        for p in m.parameters():
+            if id(p) in trainable and id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * p.element_size()
+                inside = inside and all(q.startswith(name + ".") for q in trainable[id(p)])
+        return n, inside
+
+    def visit(name: str, m: nn.Module) -> tuple[int, list[str]]:
+        """(bytes left for an enclosing unit, the units chosen in this subtree)."""
+        if name in fine_names:
+            n, inside = own(name, m)
+            return (0, [name]) if n >= min_bytes and inside else (n, [])
+        left = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if id(p) in trainable)
+        found: list[str] = []
+        for child, sub in m.named_children():
+            sub_left, sub_found = visit(f"{name}.{child}" if name else child, sub)
+            left, found = left + sub_left, found + sub_found
+        if name and left and len(found) <= 1 and type(m).forward is not nn.Module.forward and own(name, m)[1]:
+            # Nothing or one unit inside: the module is the unit (a block's small LayerNorm
+            # joins its large Linear, not the root), if its leftovers reach the size.
+            if found or left >= min_bytes:
+                return 0, [name]
+        return left, found
+
+    chosen = visit("", model)[1]
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return [(n, model.get_submodule(n)) for n in sorted(chosen, key=order.__getitem__)]
+
+
 def plan(units: list[Unit], specs: list[tuple[tuple[int, ...], torch.dtype, torch.device]]) -> _layout.BucketPlan:
     """One bucket per unit and (dtype, device), units in forward order; inside a bucket the leaves
     lie in reverse definition order, as in stage 2's buckets (a one-unit tree is stage 2's one bucket)."""
@@ -247,10 +297,12 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def resolve(
-    model: nn.Module, units: Any, params: dict[str, torch.Tensor], trainable: dict[int, list[str]], index: dict[str, int], what: str
-) -> list[Unit]:
-    """Resolve the units; check that every trainable parameter lies in exactly one."""
-    chosen = _chosen(model, units, trainable, what)
+    model: nn.Module, units: Any, params: dict[str, torch.Tensor], trainable: dict[int, list[str]], index: dict[str, int], what: str,
+    min_bytes: int = 0,
+) -> list[Unit]:  # fmt: skip
+    """Resolve the units (``None``: by size, at least ``min_bytes`` each); check that every
+    trainable parameter lies in exactly one."""
+    chosen = _chosen(model, units, trainable, what, min_bytes)
     explicit_root = any(n == "" for n, _ in chosen)
     owner: dict[int, str] = {}
     out = []

@@ -338,7 +338,7 @@ class _Blocks(torch.nn.Module):
 
 def _stage3_worker(case: str):
     group = _group()
-    apply_fn, shards = fddp.zero.fully_shard(_Blocks(), group=group)
+    apply_fn, shards = fddp.zero.fully_shard(_Blocks(), group=group, min_unit_mb=0)  # a unit per block
     x = torch.randn(4, 8)
     deviant = fddp.rank() == 1
 
@@ -364,7 +364,7 @@ def _stage3_worker(case: str):
         first = _outcome(lambda: apply_fn(shards, x).sum() if not deviant else step())
         return first
     if case == "models":  # two models of one architecture, called in another order on one rank
-        other_fn, other = fddp.zero.fully_shard(_Blocks(), group=group)
+        other_fn, other = fddp.zero.fully_shard(_Blocks(), group=group, min_unit_mb=0)
         pair = [lambda: apply_fn(shards, x), lambda: other_fn(other, x)]
         with torch.no_grad():
             return _outcome(lambda: [f() for f in (pair[::-1] if deviant else pair)])

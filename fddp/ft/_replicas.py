@@ -32,9 +32,10 @@ import optree
 import torch
 import torch.distributed as dist
 from torchft.manager import Manager
-from torchft.process_group import ProcessGroupGloo, create_store_client
+from torchft.process_group import ProcessGroupGloo
 
 from fddp import _dist
+from fddp.ft._store import BoundedStore
 from fddp.ft._transport import GroupTransport
 from fddp.sync._checksum import checksum
 
@@ -45,6 +46,7 @@ log = logging.getLogger("fddp.ft")
 _KEY = "fddp"  # the Manager's name for our state
 _NAME_WORDS = 8  # a member's replica id travels in the quorum check as this many int64 words (64 bytes)
 _MASK = (1 << 62) - 1
+_STORE_DEADLINE_S = 1.0  # a channel read that takes longer: the store's host hangs (see fddp.ft._store)
 _instances = itertools.count()
 
 
@@ -338,9 +340,17 @@ class Replicas:
     def _epoch(self) -> None:
         """Begin an fddp epoch on the group for the quorum the Manager just configured."""
         q = self.group.quorum
-        store = create_store_client(f"{q.store}/fddp", timeout=self._timeout)
+        store = BoundedStore(f"{q.store}/fddp", deadline=_STORE_DEADLINE_S, connect_timeout=self._timeout.total_seconds())
         _dist.begin_epoch(self.group, rank=q.rank, world_size=q.size, store=store, epoch=q.id)
         self._epoch_id = q.id
+
+    def _stale(self, q: Quorum) -> bool:
+        """Whether the Manager kept a group configured for other members: a restarted Lighthouse
+        numbers its quorums from 1 again, and torchft reconfigures only when the number changes."""
+        try:
+            return (self.manager.participating_rank(), self.manager.num_participants()) != (q.rank, q.size)
+        except Exception:  # noqa: BLE001 - no quorum yet
+            return True
 
     def _quorum(self, state: Any, replicated: Callable[[Any], Any], intent: int) -> tuple[Any, bool, list[int], float]:
         """Wait for this step's quorum (taken in the background since the last commit, or now).
@@ -375,11 +385,15 @@ class Replicas:
             q = self.group.quorum
             intents = [intent]
             bad = errored is not None
-            if q is not None and q.id != self._epoch_id:
+            if q is None:  # the Manager could not configure the group (its error is the step's)
+                bad = True
+            elif q.id != self._epoch_id:
                 self._epoch()
                 state, intents, peers_bad, took = self._check(state, replicated, intent, bad)
                 bad, healed = bad or peers_bad, healed or took
-            elif q is None:
+            elif self._stale(q):
+                log.warning("fddp.ft: the quorum's members changed but its id did not (a restarted Lighthouse); voting "
+                            "this step down so that the next quorum reconfigures the group")  # fmt: skip
                 bad = True
             if not bad:
                 return state, healed, intents, time.perf_counter() - t0

@@ -16,6 +16,12 @@ class Lighthouse(NamedTuple):
     Attributes:
         address: what replica groups pass as ``lighthouse=`` (or ``$TORCHFT_LIGHTHOUSE``).
         server: torchft's ``LighthouseServer`` (``shutdown()`` stops it).
+
+    Example:
+        >>> lh = fddp.ft.lighthouse(min_replicas=1)
+        >>> lh.address
+        'http://127.0.0.1:41233'
+        >>> lh.shutdown()
     """
 
     address: str

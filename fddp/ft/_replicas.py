@@ -71,6 +71,10 @@ class Quorum(NamedTuple):
         rank: this replica group's rank among the members.
         size: the number of member groups.
         store: the address of the quorum's store (``host:port/prefix``).
+
+    Example:
+        >>> replicas.group.quorum  # what the Manager configured last
+        Quorum(id=3, rank=0, size=2, store='10.0.0.1:29500/torchft/3/0')
     """
 
     id: int
@@ -92,6 +96,11 @@ class StepInfo(NamedTuple):
         healed: this group received a peer's state before the step (it joined or was behind).
         quorum_s: seconds spent waiting for the quorum and its checks.
         error: the exception that failed the step on this group (``None`` when committed).
+
+    Example:
+        >>> state, loss, info = replicas.step(train_step, state, x, y, return_info=True)
+        >>> if not info.committed:
+        ...     print(f"step {info.step} not committed: {info.error}")  # the next call retries without the lost group
     """
 
     committed: bool

@@ -15,7 +15,10 @@
   ``Replicas.step`` (quorum taken in the background, the vote), and torchft's own wrapper
   (``torchft.ddp.DistributedDataParallel`` + ``OptimizerWrapper`` on the same MLP as an
   ``nn.Module``). Modes alternate, ``--repeats`` launches each; per launch the median step after a
-  warm-up; the figure is the median over launches (target: fddp.ft <= 1.10x fddp).
+  warm-up; the figure is the median over launches (target: fddp.ft <= 1.10x fddp). Separate
+  launches on 2 shared cores differ by 10-20% from load alone, so each fddp.ft launch also runs the
+  same step bare on the same group, in blocks alternating with ``Replicas.step``: that paired ratio
+  is the overhead under the same load.
 - *DiLoCo inner step*: with ``FaultTolerantOuter`` (every 20), the inner step plus the outer call
   between synchronisations against the inner step alone, interleaved step by step (target: within
   noise).
@@ -80,6 +83,7 @@ def step_worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(args.rank)
     batches = [(torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g)) for _ in range(8)]
     times: list[float] = []
+    extra: dict[str, Any] = {}
     if args.mode == "fddp":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.groups)
     else:
@@ -114,12 +118,24 @@ def step_worker(args: argparse.Namespace) -> None:
 
             _wait_for(args.go)
             state = replicas.start({"params": params, "opt": opt.init(params)})
-            for i in range(args.warmup + args.steps):
-                x, y = batches[i % len(batches)]
-                t0 = time.perf_counter()
-                state, loss = replicas.step(train_step, state, x, y)
-                times.append(time.perf_counter() - t0)
-                assert loss is not None, "a step of the benchmark did not commit"
+            plain, bare = state, []  # the same step on the same group, without Replicas.step around it
+            i = 0
+            while len(times) < args.warmup + args.steps:
+                # Blocks of each, so that the quorum Replicas.step leaves running in the background is
+                # its own cost, not the bare step's next to it (the first of each bare block is dropped).
+                for _ in range(args.block):
+                    x, y = batches[i % len(batches)]
+                    i += 1
+                    t0 = time.perf_counter()
+                    state, loss = replicas.step(train_step, state, x, y)
+                    times.append(time.perf_counter() - t0)
+                    assert loss is not None, "a step of the benchmark did not commit"
+                for j in range(args.block + 1):
+                    x, y = batches[i % len(batches)]
+                    t0 = time.perf_counter()
+                    plain, _ = train_step(plain, x, y)
+                    (bare.append(time.perf_counter() - t0) if j else None)
+            extra["bare"] = bare[args.warmup :]
     else:
         from torchft.ddp import DistributedDataParallel
         from torchft.manager import Manager
@@ -144,7 +160,7 @@ def step_worker(args: argparse.Namespace) -> None:
             F.cross_entropy(net(x), y).backward()
             optimizer.step()  # the vote, then the step
             times.append(time.perf_counter() - t0)
-    Path(args.out).write_text(json.dumps({"times": times[args.warmup :], "load": os.getloadavg()}))
+    Path(args.out).write_text(json.dumps({"times": times[args.warmup :], "load": os.getloadavg(), **extra}))
     os._exit(0)  # torchft's quorum threads must not hold the exit
 
 
@@ -153,8 +169,9 @@ def _wait_for(path: str) -> None:
         time.sleep(0.01)
 
 
-def _step_launch(mode: str, args: argparse.Namespace, tmp: Path) -> float:
-    """One launch of ``mode`` on 2 groups; the median step of rank 0."""
+def _step_launch(mode: str, args: argparse.Namespace, tmp: Path) -> tuple[float, float | None]:
+    """One launch of ``mode`` on 2 groups: rank 0's median step, and for ``ft`` the median of the same
+    step run bare on the same group in the same processes (blocks interleaved)."""
     import fddp.ft
 
     lh = fddp.ft.lighthouse(min_replicas=1, join_timeout=5.0, heartbeat_timeout=HEARTBEAT_TIMEOUT_S) if mode != "fddp" else None
@@ -165,7 +182,8 @@ def _step_launch(mode: str, args: argparse.Namespace, tmp: Path) -> float:
         out = tmp / f"{mode}-{r}-{time.monotonic_ns()}.json"
         cmd = [sys.executable, __file__, "step-worker", "--mode", mode, "--rank", str(r), "--groups", "2", "--port", str(port),
                "--out", str(out), "--go", str(go), "--width", str(args.width), "--batch", str(args.batch),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--lighthouse", lh.address if lh else ""]  # fmt: skip
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--block", str(args.block),
+               "--lighthouse", lh.address if lh else ""]  # fmt: skip
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{mode}-{r}.err", "w"),
                                       env={**os.environ, "OMP_NUM_THREADS": "1"}))  # fmt: skip
         outs.append(out)
@@ -181,7 +199,8 @@ def _step_launch(mode: str, args: argparse.Namespace, tmp: Path) -> float:
             raise SystemExit(f"{mode} worker exited {p.returncode}:\n{(tmp / f'{mode}-0.err').read_text()[-3000:]}")
     if lh is not None:
         lh.shutdown()
-    return statistics.median(json.loads(outs[0].read_text())["times"])
+    got = json.loads(outs[0].read_text())
+    return statistics.median(got["times"]), statistics.median(got["bare"]) if "bare" in got else None
 
 
 def _managers_up(tmp: Path, mode: str, procs: list) -> bool:
@@ -292,8 +311,7 @@ def diloco_worker(args: argparse.Namespace) -> None:
                                 hostname="127.0.0.1", timeout=30, quorum_timeout=120)  # fmt: skip
     outer = fddp.ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(args.every, group=replicas.group))
     _wait_for(args.go)
-    params, ostate = outer.start(params)
-    istate = inner.init(params)
+    params, ostate, istate = outer.start(params, inner_state=inner.init(params))
     floor_p, floor_s = params, inner.init(params)
     g = torch.Generator().manual_seed(args.rank)
     with_outer, alone = [], []
@@ -305,7 +323,7 @@ def diloco_worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             if turn == 0:
                 params, istate = fddp.optim.apply_gradients(inner, grad(params, x, y), istate, params)
-                params, ostate = outer.step(params, ostate, weight=32.0)
+                params, ostate = outer.step(params, ostate, weight=32.0, inner_state=istate)
                 (None if sync else with_outer.append(time.perf_counter() - t0))
             else:
                 floor_p, floor_s = fddp.optim.apply_gradients(inner, grad(floor_p, x, y), floor_s, floor_p)
@@ -346,12 +364,17 @@ def run_local(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="fddp-ft-bench-"))
     load_before = os.getloadavg()
     modes = ["fddp", "ft", "torchft"]
-    per_mode: dict[str, list[float]] = {m: [] for m in modes}
+    per_mode: dict[str, list[float]] = {m: [] for m in modes + ["ft_bare"]}
     for rep in range(args.repeats):
         for m in modes if rep % 2 == 0 else modes[::-1]:
-            per_mode[m].append(_step_launch(m, args, tmp))
-            print(f"  step {m:<8} launch {rep + 1}: {1e3 * per_mode[m][-1]:.2f} ms  (load {os.getloadavg()[0]:.2f})", flush=True)
+            t, bare = _step_launch(m, args, tmp)
+            per_mode[m].append(t)
+            if bare is not None:
+                per_mode["ft_bare"].append(bare)
+            shown = f"  (bare on the same group: {1e3 * bare:.2f} ms, {t / bare:.3f}x)" if bare else ""
+            print(f"  step {m:<8} launch {rep + 1}: {1e3 * t:.2f} ms{shown}  (load {os.getloadavg()[0]:.2f})", flush=True)
     steps = {m: statistics.median(v) for m, v in per_mode.items()}
+    paired = statistics.median(a / b for a, b in zip(per_mode["ft"], per_mode["ft_bare"]))
     failures = []
     for groups in (2, 3):
         failures.append(failure_run(groups, tmp))
@@ -366,6 +389,7 @@ def run_local(args: argparse.Namespace) -> None:
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
         "step": {"values": _values(args.width), "batch": args.batch, "launches_ms": {m: [1e3 * t for t in v] for m, v in per_mode.items()},
                  "median_ms": {m: 1e3 * t for m, t in steps.items()}, "ft_over_fddp": steps["ft"] / steps["fddp"],
+                 "ft_over_bare_paired": paired,
                  "torchft_over_fddp": steps["torchft"] / steps["fddp"]},  # fmt: skip
         "failures": failures,
         "diloco_inner": diloco,
@@ -398,6 +422,8 @@ def local_table(r: dict[str, Any]) -> str:
         f"step on 2 replica groups, {s['values'] / 1e6:.2f}M values, batch {s['batch']} (median step, median of launches)",
         f"  {'fddp (plain gloo group)':<34}{s['median_ms']['fddp']:8.2f} ms   1.00x",
         f"  {'fddp.ft Replicas.step':<34}{s['median_ms']['ft']:8.2f} ms   {s['ft_over_fddp']:.2f}x   (target <= 1.10x)",
+        f"  {'  the same step bare, same group':<34}{s['median_ms']['ft_bare']:8.2f} ms   Replicas.step / bare, "
+        f"paired in each launch: {s['ft_over_bare_paired']:.3f}x",
         f"  {'torchft DDP + OptimizerWrapper':<34}{s['median_ms']['torchft']:8.2f} ms   {s['torchft_over_fddp']:.2f}x",
         "",
         f"  {'groups':>6}{'step ms':>9}{'stall s':>9}{'lost':>6}{'join s':>8}{'start s':>9}"
@@ -433,6 +459,7 @@ def cluster_worker(args: argparse.Namespace) -> None:
     from benchmarks.lowcomm import _lr, _task
 
     torch.set_num_threads(1)
+    _wait_for(args.go)  # a restart started early: its imports are done when it is told to join
     addr = os.environ["FDDP_ADDR"]
     port = _free_port()
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=0, world_size=1)
@@ -448,8 +475,7 @@ def cluster_worker(args: argparse.Namespace) -> None:
     outer = fddp.ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(args.every, nesterov, group=replicas.group))
     log = open(args.out, "a", buffering=1)
     log.write(json.dumps({"event": "up", "t": time.time()}) + "\n")
-    params, ostate = outer.start(params)
-    istate = inner.init(params)
+    params, ostate, istate = outer.start(params, inner_state=inner.init(params))  # a restart takes a peer's schedule position
     gen = torch.Generator().manual_seed(10_000 * (args.rank + 1) + 1000 * args.incarnation + args.seed)
     clock = 0.0
     log.write(json.dumps({"event": "started", "t": time.time(), "step": replicas.committed_steps, "count": int(ostate.count)}) + "\n")
@@ -458,7 +484,7 @@ def cluster_worker(args: argparse.Namespace) -> None:
         x, y = batch(gen)
         params, istate = fddp.optim.apply_gradients(inner, grad(params, x, y), istate, params)
         before = replicas.committed_steps
-        params, ostate = outer.step(params, ostate, weight=float(len(x)))
+        params, ostate = outer.step(params, ostate, weight=float(len(x)), inner_state=istate)
         clock += time.perf_counter() - t0
         if replicas.committed_steps > before:  # a synchronisation: evaluate the snapshot (off the clock)
             with torch.no_grad():
@@ -536,30 +562,30 @@ def _cluster_diloco(c: Any, args: argparse.Namespace, env: dict, killed: bool) -
     tmp = Path(tempfile.mkdtemp())
     lighthouse = f"http://{lh_host.addr}:{port}"
 
-    def launch(h: Any, incarnation: int) -> subprocess.Popen:
-        argv = [sys.executable, __file__, "cluster-worker", "--rank", str(h.index), "--incarnation", str(incarnation),
+    def launch(h: Any, incarnation: int, go: str = "") -> subprocess.Popen:
+        argv = [sys.executable, __file__, "cluster-worker", "--rank", str(h.index), "--incarnation", str(incarnation), "--go", go,
                 "--lighthouse", lighthouse, "--out", str(tmp / f"{h.index}-{incarnation}.jsonl"), *_task_args(args)]  # fmt: skip
         return c.popen(h, argv, env={**c.env(h), **env}, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{h.index}-{incarnation}.err", "w"),
                        cwd=str(ROOT))  # fmt: skip
 
     procs = [launch(h, 0) for h in c.hosts]
     victim = c.hosts[-1]
+    restart = tmp / "restart"
+    if killed:
+        procs.append(launch(victim, 1, str(restart)))  # the replacement, imported and waiting
     events = {}
     try:
         if killed:
             logs = lambda: _jsonl(tmp / "0-0.jsonl")  # noqa: E731
             _until(lambda: any(e.get("count", 0) >= args.diloco_steps // 3 for e in logs()), "a third of the run", 1800)
-            procs[-1].send_signal(signal.SIGKILL)
+            procs[-2].send_signal(signal.SIGKILL)
             events["killed_at_count"] = max(e.get("count", 0) for e in logs())
             events["killed_t"] = time.time()
             _until(lambda: any(e.get("count", 0) >= args.diloco_steps // 2 for e in logs()), "half the run", 1800)
-            procs.append(launch(victim, 1))
+            restart.touch()
             events["restarted_t"] = time.time()
-        for p in procs[:-1] if killed else procs:
-            if p.poll() is None or p.returncode != -signal.SIGKILL:
-                p.wait(timeout=1800)
-        if killed:
-            procs[-1].wait(timeout=1800)
+        for p in procs:
+            p.wait(timeout=1800)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -617,24 +643,30 @@ def _plot_cluster(r: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     ddp = r["runs"]["ddp"]
-    ax.plot(ddp["time_s"], ddp["eval_loss"], color="black", lw=2, label="DDP (torch, gloo)")
-    for kind, label in (("diloco", "DiLoCo H=30 on fddp.ft"), ("diloco_killed", "the same, host 3 killed and restarted")):
-        syncs = r["runs"][kind]["replicas"]["0"]
-        ax.plot([e["clock"] for e in syncs], [e["eval_loss"] for e in syncs], lw=1.4, label=label)
     k = r["runs"]["diloco_killed"]
-    syncs = k["replicas"]["0"]
-    for count, what in ((k["killed_at_count"], "killed"), (k["rejoined"]["at_count"], "rejoined")):
-        t = next((e["clock"] for e in syncs if e["count"] >= count), None)
-        if t is not None:
-            ax.axvline(t, color="gray", ls="--", lw=0.8)
-            ax.text(t, ax.get_ylim()[1] * 0.9, f" {what}", fontsize=8, color="gray")
-    ax.axhline(r["target_eval_loss"], color="gray", ls=":", lw=1, label="DDP's final eval loss")
-    ax.set(xscale="log", yscale="log", xlabel="wall time, s (log, evaluation excluded)", ylabel="eval loss (log)",
-           title=f"{r['cluster']['hosts']} hosts, {r['cluster']['rate']} links: DiLoCo across replica groups that fail")  # fmt: skip
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    for ax, x_of, xlabel in ((axes[0], "steps", "steps per group (each a batch of 64)"),
+                             (axes[1], "clock", "wall time, s (evaluation excluded)")):  # fmt: skip
+        ax.plot(ddp["step"] if x_of == "steps" else ddp["time_s"], ddp["eval_loss"], color="black", lw=2, label="DDP (torch, gloo)")
+        for kind, label in (("diloco", "DiLoCo H=30 on fddp.ft"), ("diloco_killed", "the same, host 3 killed and restarted")):
+            syncs = r["runs"][kind]["replicas"]["0"]
+            ax.plot([e["count"] if x_of == "steps" else e["clock"] for e in syncs], [e["eval_loss"] for e in syncs], lw=1.4,
+                    label=label, marker=".")  # fmt: skip
+        syncs = k["replicas"]["0"]
+        for count, what in ((k["killed_at_count"], "killed"), (k["rejoined"]["at_count"], "rejoined")):
+            at = next((e for e in syncs if e["count"] >= count), None)
+            if at is not None:
+                x = at["count"] if x_of == "steps" else at["clock"]
+                ax.axvline(x, color="gray", ls="--", lw=0.8)
+                ax.annotate(f" {what}", (x, 0.95), xycoords=("data", "axes fraction"), fontsize=8, color="gray")
+        ax.axhline(r["target_eval_loss"], color="gray", ls=":", lw=1, label="DDP's final eval loss")
+        ax.set(yscale="log", xlabel=xlabel)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("eval loss (log)")
+    axes[1].set_xscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{r['cluster']['hosts']} hosts, {r['cluster']['rate']} links: DiLoCo across replica groups, one killed and restarted")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -651,6 +683,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--block", type=int, default=10, help="ft launches: Replicas.step and bare steps alternate in blocks of this")
     p.add_argument("--diloco-steps", type=int, default=400)
     # step-worker / diloco-worker / cluster-worker
     p.add_argument("--mode", default="fddp")

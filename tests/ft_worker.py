@@ -180,8 +180,7 @@ def main() -> None:
         inner = fddp.optim.sgd(0.05)
         outer = fddp.ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(a.every, group=replicas.group, compression=DieInAllReduce(),
                                                                          bucket_cap_mb=cap, first_bucket_mb=cap))  # fmt: skip
-        params, ostate = outer.start(params)
-        inner_state = inner.init(params)
+        params, ostate, inner_state = outer.start(params, inner_state=inner.init(params))
         emit(event="started", step=replicas.committed_steps, members=list(replicas.members))
         if replicas.committed_steps > 1:  # joined the others' synchronisation
             sizes.append(replicas.size)
@@ -202,7 +201,7 @@ def main() -> None:
                     os.environ["FT_DIE"] = "now"
             t0 = time.time()
             before = replicas.committed_steps
-            params, ostate = outer.step(params, ostate, weight=float(n))
+            params, ostate = outer.step(params, ostate, weight=float(n), inner_state=inner_state)
             if at_sync:
                 sizes.append(replicas.size if replicas.committed_steps > before else 0)
             if at_sync:

@@ -334,3 +334,23 @@ def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_th
     assert [m["size"] for m in merged] == [2, 2] and [m["healed"] for m in merged] == [False, True]
     assert "diverged" in (run.tmp / "out-1-0.txt").read_text()
     assert_bitwise_equal(run.final(0), run.final(1))
+
+
+def test_the_example_trains_on_its_replica_groups(tmp_path):
+    """examples/fault_tolerant.py as the docs launch it, under torchrun with the Lighthouse's address in
+    the environment (here one replica group, every step and then DiLoCo): it joins, trains, finishes."""
+    lh = fddp.ft.lighthouse(min_replicas=1, join_timeout=5.0, heartbeat_timeout=1.0)
+    try:
+        example = Path(__file__).resolve().parent.parent / "examples" / "fault_tolerant.py"
+        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lh.address, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        for extra in ([], ["--diloco", "10"]):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(example),
+                   "--steps", "40", "--log-every", "20", *extra]  # fmt: skip
+            proc = subprocess.run(cmd, env={**env, "REPLICA_GROUP_ID": "0"}, capture_output=True, text=True, timeout=180)
+            assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("[0]")]
+            assert "joined" in lines[0] and "done" in lines[-1], proc.stdout
+            accuracy = float(lines[-1].split("test accuracy ")[1].split()[0])
+            assert accuracy > 0.5, proc.stdout  # chance is 0.1: it trained
+    finally:
+        lh.shutdown()

@@ -36,7 +36,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from fddp import _dist
 from fddp.ft._store import BoundedStore
-from fddp.ft._transport import GroupTransport
+from fddp.ft._transport import GroupTransport, TransferError
 from fddp.sync._checksum import checksum
 
 __all__ = ["Replicas", "StepInfo", "DivergedError", "Quorum"]
@@ -159,7 +159,7 @@ def _transient(e: BaseException) -> bool:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (_dist.PeerError, dist.DistError, TimeoutError, ConnectionError)):
+        if isinstance(e, (_dist.PeerError, dist.DistError, TransferError, TimeoutError, ConnectionError)):
             return True
         if isinstance(e, RuntimeError) and any(
             w in str(e) for w in ("Connection closed by peer", "Connection reset", "Timed out", "timed out", "failed during")
@@ -398,7 +398,12 @@ class Replicas:
                 bad = True
             elif q.id != self._epoch_id:
                 self._epoch()
-                state, intents, peers_bad, took = self._check(state, replicated, intent, bad)
+                try:
+                    state, intents, peers_bad, took = self._check(state, replicated, intent, bad)
+                except Exception as e:
+                    if not _transient(e):
+                        raise
+                    errored, peers_bad, took = e, True, False  # a member died during the check: another quorum
                 bad, healed = bad or peers_bad, healed or took
             elif self._stale(q):
                 log.warning("fddp.ft: the quorum's members changed but its id did not (a restarted Lighthouse); voting "
@@ -406,7 +411,7 @@ class Replicas:
                 bad = True
             if not bad:
                 return state, healed, intents, time.perf_counter() - t0
-            error = errored.original_exception if errored is not None else RuntimeError("a member could not use the quorum")
+            error = getattr(errored, "original_exception", errored) or RuntimeError("a member could not use the quorum")
             self._fail(error)
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(str(error)))
             self.manager.should_commit()  # votes no: the next quorum is a new one (torchft bumps its id)

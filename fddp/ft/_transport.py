@@ -21,19 +21,23 @@ from torchft.checkpointing.transport import CheckpointTransport
 from fddp.checkpoint import CheckpointError
 from fddp.ft import _wire
 
-__all__ = ["GroupTransport", "METADATA"]
+__all__ = ["GroupTransport", "TransferError", "METADATA"]
 
 METADATA = "fddp-live-v1"  # what the sender advertises; a receiver checks it before it waits for bytes
 _TAG = 7
+
+
+class TransferError(RuntimeError):
+    """The live state did not get through: the peer died or hung mid-transfer (the quorum will change)."""
 
 
 def _wait(work: Any, timeout: datetime.timedelta, doing: str, peer: int) -> None:
     try:
         ok = work.wait(timeout)
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError subclasses on a lost peer or a timeout
-        raise RuntimeError(f"fddp.ft: {doing} replica group {peer} failed: {e}") from e
+        raise TransferError(f"fddp.ft: {doing} replica group {peer} failed: {e}") from e
     if ok is False:
-        raise RuntimeError(f"fddp.ft: {doing} replica group {peer} timed out after {timeout.total_seconds():g} s")
+        raise TransferError(f"fddp.ft: {doing} replica group {peer} timed out after {timeout.total_seconds():g} s")
 
 
 class GroupTransport(CheckpointTransport[dict]):

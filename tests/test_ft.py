@@ -155,6 +155,19 @@ def test_state_checksum_sees_one_ulp_and_the_step_count():
     assert state_checksum(a) != state_checksum({**a, "count": 4})
 
 
+def test_a_failure_that_repeats_is_an_error_not_a_silent_retry_loop():
+    """torchft 0.2.0 retries a step whose state transfer fails (numpy missing) every 5 s forever;
+    Replicas counts failed steps in a row and raises after max_retries, naming the last failure."""
+    from fddp.ft._replicas import Replicas
+
+    r = Replicas.__new__(Replicas)  # the counter alone: no Manager, no Lighthouse
+    r.replica_id, r.max_retries, r._failures, r._last_error = "replica_0", 2, 0, None
+    for _ in range(2):
+        r._fail(ModuleNotFoundError("No module named 'numpy'"))
+    with pytest.raises(RuntimeError, match=r"failed 3 steps in a row \(max_retries=2\).*ModuleNotFoundError: No module named 'numpy'"):
+        r._fail(ModuleNotFoundError("No module named 'numpy'"))
+
+
 # --- replica groups as processes --------------------------------------------------------------------
 
 

@@ -24,9 +24,11 @@ __all__ = ["BoundedStore"]
 class BoundedStore:
     """The store at ``address`` (``host:port/prefix``), connected lazily, each call bounded.
 
-    Only what ``fddp._channel`` uses: ``set``, ``compare_set``, ``check``, ``get``, ``wait``. A call
+    Only what ``fddp._channel`` uses: ``set``, ``compare_set``, ``check``, ``get``, ``wait``. A read
     that does not finish within ``deadline`` raises ``TimeoutError``; while it is still stuck, later
-    calls raise at once (the host is unresponsive: asking again would only queue behind it).
+    calls raise at once (the host is unresponsive: asking again would only queue behind it). Writes
+    (a failure being posted: rare, and the peers depend on it) may take up to ``connect_timeout``.
+    The connection is made at once, on the helper thread, so that the first post does not pay for it.
 
     Example:
         >>> store = BoundedStore("127.0.0.1:29500/torchft/3/0/fddp", deadline=1.0)
@@ -37,33 +39,42 @@ class BoundedStore:
         self.address, self.deadline, self._connect_timeout = address, deadline, connect_timeout
         self._store: Any = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._busy = threading.Event()
+        self._lock = threading.Lock()
+        self._outstanding = 0  # calls queued or running on the helper thread
         self._thread = threading.Thread(target=self._serve, name="fddp-ft-store", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        """The helper thread: one operation at a time, in order."""
+        """The helper thread: connect, then one operation at a time, in order."""
+        error: BaseException | None = None
+        try:
+            self._store = create_store_client(self.address, timeout=datetime.timedelta(seconds=self._connect_timeout))
+        except BaseException as e:  # noqa: BLE001 - every call then reports it
+            error = e
         while True:
             fn, args, box, done = self._jobs.get()
             if fn is None:
                 return
             try:
-                if self._store is None:
-                    self._store = create_store_client(self.address, timeout=datetime.timedelta(seconds=self._connect_timeout))
+                if error is not None:
+                    raise error
                 box.append((True, getattr(self._store, fn)(*args)))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 box.append((False, e))
             finally:
-                self._busy.clear()
+                with self._lock:
+                    self._outstanding -= 1
                 done.set()
 
     def _call(self, fn: str, *args: Any, deadline: float | None = None) -> Any:
-        """Run ``store.<fn>(*args)`` on the helper thread; raise ``TimeoutError`` past the deadline."""
-        if self._busy.is_set():
-            raise TimeoutError(f"fddp.ft: the quorum's store at {self.address} is not answering")
+        """Run ``store.<fn>(*args)`` on the helper thread; raise ``TimeoutError`` past the deadline.
+        A read (no ``deadline`` of its own) behind a call still running gives up at once."""
+        with self._lock:
+            if deadline is None and self._outstanding:
+                raise TimeoutError(f"fddp.ft: the quorum's store at {self.address} is not answering")
+            self._outstanding += 1
         box: list = []
         done = threading.Event()
-        self._busy.set()
         self._jobs.put((fn, args, box, done))
         if not done.wait(self.deadline if deadline is None else deadline):
             raise TimeoutError(f"fddp.ft: the quorum's store at {self.address} did not answer within {self.deadline:g} s")
@@ -73,10 +84,10 @@ class BoundedStore:
         return value
 
     def set(self, key: str, value: Any) -> None:
-        self._call("set", key, value)
+        self._call("set", key, value, deadline=max(self.deadline, self._connect_timeout))
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._call("compare_set", key, expected, desired)
+        return self._call("compare_set", key, expected, desired, deadline=max(self.deadline, self._connect_timeout))
 
     def check(self, keys: list[str]) -> bool:
         return self._call("check", keys)

@@ -35,21 +35,21 @@ import torch.distributed.checkpoint as dcp
 
 import fddp
 import fddp.checkpoint as ckpt
-from fddp.checkpoint import _codec, _sharded
+from fddp.checkpoint import _codec, _dcp
 from floor import report
 
 
 @contextlib.contextmanager
 def unverified() -> Iterator[None]:
     """Switch the checks off: no checksums saved (so none verified), no piece read back or checked."""
-    saved = (_codec._checksums, _sharded._stored_checksums, _sharded._Reader._slice_file)
+    saved = (_codec._checksums, _dcp._stored_checksums, _dcp.Reader._slice_file)
     _codec._checksums = lambda leaves: [None] * len(leaves)
-    _sharded._stored_checksums = lambda root, results: {}
-    _sharded._Reader._slice_file = dcp.FileSystemReader._slice_file
+    _dcp._stored_checksums = lambda root, results: {}
+    _dcp.Reader._slice_file = dcp.FileSystemReader._slice_file
     try:
         yield
     finally:
-        _codec._checksums, _sharded._stored_checksums, _sharded._Reader._slice_file = saved
+        _codec._checksums, _dcp._stored_checksums, _dcp.Reader._slice_file = saved
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:

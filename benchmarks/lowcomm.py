@@ -1,8 +1,15 @@
 """Low-communication training on slow links: time to accuracy of DDP, fddp every step and DiLoCo.
 
     python benchmarks/lowcomm.py --hosts 4 --rate 100mbit
-    python benchmarks/lowcomm.py --hosts 2 --rate 1gbit
+    python benchmarks/lowcomm.py --task vision --hosts 2 --rate 100mbit --modes ddp diloco_H20 --tag _run1
+    python benchmarks/lowcomm.py local --task lm --nproc 2 --modes ddp diloco_H20 local_H20_w20   # quality only
+    python benchmarks/lowcomm.py report          # medians of the _run<k> repeats, held-out and tuned tasks apart
     python benchmarks/lowcomm.py memory          # outer state per rank, 2 and 4 ranks, no test bed
+
+The tasks (``--task``) are in ``benchmarks/lowcomm_tasks.py``: DiLoCo's defaults were chosen on
+``lowcomm_tasks.TUNED`` (``lm``, ``noniid``) with ``local`` runs, then run unchanged on
+``lowcomm_tasks.HELD_OUT`` (``vision``, ``regression``); ``report`` keeps the two apart. What
+follows describes the default task, ``teacher``.
 
 Makes a test bed (tools/cluster.py: network namespaces on a bridge, each host's link capped at
 ``--rate`` both ways; needs root), measures the link, and runs every mode, one after the other, in
@@ -18,11 +25,13 @@ transformer spends ~20x more compute per byte of gradients, so 4 processes on 2 
 compute-bound, not link-bound, before the link mattered.)
 
 Modes (AdamW inside every one, one learning-rate schedule: warmup, cosine to 0.1x by DDP's last step,
-then flat; 64 samples per rank per step):
+then flat; lowcomm_tasks.BATCH samples per rank per step):
     floor           no communication at all: each rank trains alone (the compute floor)
     ddp             torch DDP (gloo) + torch.optim.AdamW: the reference
     fddp            fddp.ddp_step every step (plain, bf16, powersgd)
-    diloco_H<h>     fddp.diloco.diloco(every=h): outer Nesterov SGD (lr 0.7, momentum 0.5)
+    diloco_H<h>     fddp.diloco.diloco(every=h), the library's defaults; _lr<x>_m<y> for outer Nesterov SGD at
+                    learning rate x and momentum y (m0: plain SGD), _w<n> for warmup=n
+    local_H<h>      fddp.diloco.local_sgd(every=h)
     stream_H<h>     the same, streaming: fragments, delay, mixing (--fragments, --delay, --mixing)
     ..._int8        pseudo-gradients sent as int8 with error feedback (fddp.Int8)
     paired_...      the same for --paired-steps, each step preceded by a floor step on a copy of its own:
@@ -50,79 +59,62 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import lowcomm_tasks  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 
-D_IN, CLASSES, EVAL_N = 64, 10, 4096
+# DDP's best peak learning rate per task (AdamW, of 1e-3, 2e-3, 3e-3 and 5e-3, by DDP's final eval loss).
+LR = {"teacher": 3e-3, "lm": 3e-3, "noniid": 3e-3, "vision": 2e-3, "regression": 1e-3}
 
 
-# ------------------------------------------------------------------------------- the task (per rank)
+def _outer(mode: str, args: argparse.Namespace) -> Any:
+    """The outer step a DiLoCo mode names: ``diloco_H<h>`` takes the library's defaults; ``_lr<x>``,
+    ``_m<x>`` (outer Nesterov SGD's learning rate and momentum) and ``_w<n>`` (warmup steps) override
+    them; ``stream`` adds --fragments, --delay, --mixing; ``_int8`` sends int8."""
+    import fddp
 
-
-def _task(args: argparse.Namespace):
-    import torch
-    from torch import nn
-
-    class MLP(nn.Sequential):
-        def __init__(self, width: int, layers: int) -> None:
-            mods: list[nn.Module] = [nn.Linear(D_IN, width), nn.GELU()]
-            for _ in range(layers - 1):
-                mods += [nn.Linear(width, width), nn.GELU()]
-            super().__init__(*mods, nn.Linear(width, CLASSES))
-
-    torch.manual_seed(1234)
-    teacher = nn.Sequential(nn.Linear(D_IN, 256), nn.Tanh(), nn.Linear(256, CLASSES))
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    g = torch.Generator().manual_seed(999)
-    x_eval = torch.randn(EVAL_N, D_IN, generator=g)
-    with torch.no_grad():
-        y_eval = teacher(x_eval).argmax(1)
-
-    def batch(gen: "torch.Generator") -> tuple:
-        x = torch.randn(args.batch, D_IN, generator=gen)
-        with torch.no_grad():
-            return x, teacher(x).argmax(1)
-
-    def student() -> nn.Module:
-        torch.manual_seed(args.seed)
-        return MLP(args.width, args.layers)
-
-    return student, batch, (x_eval, y_eval)
-
-
-def _lr(step: Any, args: argparse.Namespace) -> Any:
-    """Linear warmup, cosine decay to ``--final-lr`` times the peak at DDP's last step, then flat:
-    every mode anneals by DDP's sample count, and the longer DiLoCo runs go on at the low rate."""
-    import torch
-
-    step = torch.as_tensor(step, dtype=torch.float64)
-    warm = (step + 1) / args.warmup
-    progress = ((step - args.warmup) / max(1, args.steps - args.warmup)).clamp(0.0, 1.0)
-    cosine = args.final_lr + (1 - args.final_lr) * 0.5 * (1 + torch.cos(math.pi * progress))
-    return args.lr * torch.where(step < args.warmup, warm, cosine)
+    tokens = mode.split("_")
+    h = int(next(t for t in tokens if t.startswith("H"))[1:])
+    lr = next((float(t[2:]) for t in tokens if t.startswith("lr")), None)
+    m = next((float(t[1:]) for t in tokens if t.startswith("m") and t[1:2].isdigit()), None)
+    w = next((int(t[1:]) for t in tokens if t.startswith("w") and t[1:].isdigit()), None)
+    kw: dict[str, Any] = {}
+    if lr is not None or m is not None:
+        lr, m = (0.7 if lr is None else lr), (0.9 if m is None else m)
+        kw["optimizer"] = fddp.optim.sgd(lr, momentum=m, nesterov=m > 0)
+    if w is not None:
+        kw["warmup"] = w
+    if "int8" in tokens:
+        kw["compression"] = fddp.Int8()
+    if "stream" in tokens or "stream" in mode:
+        kw.update(fragments=args.fragments, delay=args.delay, mixing=args.mixing)
+    if "local" in tokens:
+        return fddp.diloco.local_sgd(h, **{k: v for k, v in kw.items() if k in ("compression", "warmup")})
+    return fddp.diloco.diloco(h, **kw)
 
 
 def worker(args: argparse.Namespace) -> None:
     """One rank (under torchrun): every mode of ``--modes`` in turn; rank 0 writes ``--out``."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import fddp
 
     torch.set_num_threads(1)
     fddp.init()
     rank, world = fddp.rank(), fddp.world_size()
-    student, batch, (x_eval, y_eval) = _task(args)
+    task = lowcomm_tasks.make(args.task, rank, world, args.batch, args.seed)
+    batch, (x_eval, y_eval) = task.batch, task.eval_set
     results: dict[str, Any] = {}
 
     for mode in args.modes:
-        model = student()
+        model = task.model()
         apply_fn, params = fddp.functionalize(copy.deepcopy(model))
         params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
         gen = torch.Generator().manual_seed(10_000 * (rank + 1) + args.seed)
-        loss_fn = lambda p, x, y: F.cross_entropy(apply_fn(p, x), y)  # noqa: E731
-        steps = args.diloco_steps if mode.startswith(("diloco", "stream", "floor")) else args.steps
+        loss_fn = lambda p, x, y: task.loss(apply_fn(p, x), y)  # noqa: E731
+        steps = args.diloco_steps if mode.startswith(("diloco", "stream", "floor", "local")) else args.steps
         steps = args.paired_steps if mode.startswith("paired") else steps
         record: dict[str, Any] = {"step": [], "samples": [], "time_s": [], "eval_loss": []}
         step_s: list[float] = []  # per inner step, between syncs
@@ -137,7 +129,7 @@ def worker(args: argparse.Namespace) -> None:
 
         @torch.no_grad()
         def evaluate(p: Any) -> float:
-            return float(F.cross_entropy(apply_fn(p, x_eval), y_eval))
+            return float(task.loss(apply_fn(p, x_eval), y_eval))
 
         if mode == "ddp":
             net = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))
@@ -147,10 +139,10 @@ def worker(args: argparse.Namespace) -> None:
             def step(t: int) -> None:
                 nonlocal sent
                 for group in opt.param_groups:
-                    group["lr"] = float(_lr(t, args))
+                    group["lr"] = float(lowcomm_tasks.lr_schedule(t, args.lr, args.warmup, args.steps, args.final_lr))
                 x, y = batch(gen)
                 opt.zero_grad(set_to_none=True)
-                F.cross_entropy(net(x), y).backward()
+                task.loss(net(x), y).backward()
                 opt.step()
                 sent += bucket_bytes
 
@@ -158,7 +150,8 @@ def worker(args: argparse.Namespace) -> None:
                 return {k: v.detach() for k, v in net.module.named_parameters()}
         else:
             box: dict[str, Any] = {"p": params}
-            inner = fddp.optim.adamw(lambda count: _lr(count, args), weight_decay=0.0)
+            peak, warm, total, final = args.lr, args.warmup, args.steps, args.final_lr
+            inner = fddp.optim.adamw(lambda count: lowcomm_tasks.lr_schedule(count, peak, warm, total, final), weight_decay=0.0)
             box["s"] = inner.init(params)
             grad = torch.func.grad(loss_fn)
             if mode.startswith("fddp"):
@@ -180,15 +173,8 @@ def worker(args: argparse.Namespace) -> None:
                     return box["p"]
             else:
                 outer = None
-                if mode.startswith(("diloco", "stream", "paired")):
-                    h = int(mode.split("_H")[1].split("_")[0])
-                    compression = fddp.Int8() if mode.endswith("_int8") else None
-                    nesterov = fddp.optim.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
-                    if "stream" in mode:
-                        outer = fddp.diloco.diloco(h, nesterov, fragments=args.fragments, delay=args.delay,
-                                                   mixing=args.mixing, compression=compression)  # fmt: skip
-                    else:
-                        outer = fddp.diloco.diloco(h, nesterov, compression=compression)
+                if mode.startswith(("diloco", "stream", "paired", "local")):
+                    outer = _outer(mode, args)
                     box["o"] = outer.init(params)
                 if mode.startswith("paired"):
                     box["fp"], box["fs"] = params, inner.init(params)
@@ -282,6 +268,7 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
         # A relative 1e-4 of slack: fddp's every-step modes end on DDP's loss up to float rounding.
         reached = (t for t, loss in zip(r["time_s"], r["eval_loss"]) if loss <= target * (1 + 1e-4))
         hit = None if mode.startswith("paired") else next(reached, None)
+        steps_hit = next((s for s, loss in zip(r["step"], r["eval_loss"]) if loss <= target * (1 + 1e-4)), None)
         # Paired modes share their batches with the floor beside them: their loss is not comparable.
         at_n = None if mode.startswith("paired") else next((loss for s, loss in zip(r["step"], r["eval_loss"]) if s >= ddp_steps), None)
         out[mode] = {
@@ -289,6 +276,7 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
             "ratio_to_ddp": None if hit is None else hit / ddp["total_s"],
             "eval_loss_at_ddp_samples": at_n,
             "loss_vs_ddp": None if at_n is None else at_n / target - 1,
+            "samples_to_target": None if steps_hit is None or mode.startswith("paired") else steps_hit / ddp_steps,
             "bytes_per_step": r["bytes_per_step"],
             "bytes_ratio_to_ddp": r["bytes_per_step"] / ddp["bytes_per_step"],
             "step_ms_median": r["step_ms_median"],
@@ -306,11 +294,13 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
 def table(record: dict[str, Any]) -> str:
     c, s = record["cluster"], record["summary"]
     lines = [
+        f"task {record.get('task', 'teacher')} ({record.get('protocol', 'teacher')}); "
         f"{c['hosts']} hosts x 1 rank, links {c['rate']} each way (TCP measured {c['tcp_bps'] / 1e6:.0f} Mbit/s); "
         f"{record['values'] / 1e6:.2f}M values ({4 * record['values'] / 2**20:.2f} MiB); target = DDP's final eval loss "
         f"{s['target_eval_loss']:.4f} after {record['args']['steps']} steps ({s['ddp_total_s']:.1f} s); "
         f"load average before {', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, after "
-        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} on {record['load_avg']['cpus']} CPUs",
+        f"{', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} on {record['load_avg']['cpus']} CPUs "
+        f"({c['hosts']} ranks share them)",
         "",
         f"  {'mode':<20}{'steps':>6}{'time s':>9}{'to target s':>12}{'x DDP':>7}{'loss @N':>9}{'vs DDP':>8}"
         f"{'kB/step':>10}{'x bytes':>9}{'step ms':>9}{'vs floor':>9}{'outer us':>9}{'sync ms':>9}{'max wait':>9}",
@@ -368,7 +358,8 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
     if reason is not None:
         raise SystemExit(f"cannot make a test bed here: {reason}")
     rate_bps = parse_rate(args.rate)
-    name = f"lowcomm_{args.hosts}x1_{format_rate(rate_bps)}"
+    task = "" if args.task == "teacher" else f"{args.task}_"
+    name = f"lowcomm_{task}{args.hosts}x1_{format_rate(rate_bps)}{args.tag}"
     out_json = Path(args.out_dir) / f"{name}.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     raw = out_json.with_suffix(".raw.tmp")
@@ -393,6 +384,8 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join(["python", "benchmarks/lowcomm.py", *sys.argv[1:]]),
         "args": vars(args),
         "torch": torch.__version__,
+        "task": args.task,
+        "protocol": "held out" if args.task in lowcomm_tasks.HELD_OUT else "tuned" if args.task in lowcomm_tasks.TUNED else "teacher",
         "cluster": {"hosts": args.hosts, "rate": format_rate(rate_bps), "rate_bps": rate_bps, "tcp_bps": max(tcps), "tcp_bps_all": tcps},
         "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "values": res["results"]["ddp"]["values"],
@@ -408,12 +401,55 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _worker_args(args: argparse.Namespace) -> list[str]:
-    keys = ["steps", "diloco_steps", "paired_steps", "batch", "lr", "outer_lr", "outer_momentum", "warmup", "final_lr", "width",
-            "layers", "eval_every", "seed", "fragments", "delay", "mixing", "powersgd_rank"]  # fmt: skip
+    keys = ["task", "steps", "diloco_steps", "paired_steps", "batch", "lr", "warmup", "final_lr", "eval_every", "seed",
+            "fragments", "delay", "mixing", "powersgd_rank"]  # fmt: skip
     out = ["--modes", *args.modes]
     for k in keys:
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     return out
+
+
+def run_local(args: argparse.Namespace) -> dict[str, Any]:
+    """Quality only: every mode on ``--nproc`` local processes (no test bed, no rate limit).
+
+    The losses and sample counts are those the test bed gives (the same seeds and arithmetic); the
+    times are not (the link is the loopback). What the defaults were tuned with, on TUNED tasks.
+    """
+    out = Path(args.out or Path(args.out_dir) / f"lowcomm_local_{args.task}_{args.nproc}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           str(ROOT / "benchmarks" / "lowcomm.py"), "worker", "--out", str(out), *_worker_args(args)]  # fmt: skip
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=args.timeout)
+    res = json.loads(out.read_text())["results"]
+    summary = summarise(res, args.steps)
+    print(f"task {args.task}, {args.nproc} local processes, target = DDP's final eval loss {summary['target_eval_loss']:.4f}")
+    for mode, m in summary["modes"].items():
+        at = m["eval_loss_at_ddp_samples"]
+        print(f"  {mode:<28} loss @N {'' if at is None else format(at, '.4f'):>8} "
+              f"({'' if m['loss_vs_ddp'] is None else format(100 * m['loss_vs_ddp'], '+.1f')}%)  "
+              f"samples to target {'' if m['samples_to_target'] is None else format(m['samples_to_target'], '.2f')}x")  # fmt: skip
+    return summary
+
+
+def run_report(args: argparse.Namespace) -> None:
+    """Medians over the repeats (``--tag _run<k>``) of each task's test-bed runs, tuned and held-out apart."""
+    for protocol, tasks in (("held out", lowcomm_tasks.HELD_OUT), ("tuned", lowcomm_tasks.TUNED)):
+        for task in tasks:
+            for path_glob in sorted({p.name.rsplit("_run", 1)[0] for p in Path(args.out_dir).glob(f"lowcomm_{task}_*_run*.json")}):
+                runs = [json.loads(p.read_text()) for p in sorted(Path(args.out_dir).glob(f"{path_glob}_run*.json"))]
+                c = runs[0]["cluster"]
+                loads = ", ".join(f"{r['load_avg']['before'][0]:.1f}-{r['load_avg']['after'][0]:.1f}" for r in runs)
+                print(f"{protocol}: {task}, {c['hosts']} hosts x 1 rank (sharing {runs[0]['load_avg']['cpus']} cores), "
+                      f"{c['rate']}, {len(runs)} runs, load average {loads}")  # fmt: skip
+                for mode in runs[0]["summary"]["modes"]:
+                    ms = [r["summary"]["modes"][mode] for r in runs if mode in r["summary"]["modes"]]
+                    ratio = [m["ratio_to_ddp"] for m in ms]
+                    loss = [m["loss_vs_ddp"] for m in ms]
+                    med = statistics.median([math.inf if x is None else x for x in ratio])
+                    each = ", ".join("-" if x is None else f"{x:.3f}" for x in ratio)
+                    each_loss = ", ".join(f"{100 * x:+.1f}%" for x in loss)
+                    print(f"  {mode:<24} time to DDP's loss / DDP's: median {med:.3f} ({each}); "
+                          f"loss @N vs DDP: median {100 * statistics.median(loss):+.1f}% ({each_loss})")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- memory
@@ -428,8 +464,7 @@ def memory_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     fddp.init()
-    student, _, _ = _task(args)
-    _, params = fddp.functionalize(student())
+    _, params = fddp.functionalize(lowcomm_tasks.make("teacher", fddp.rank(), fddp.world_size(), 1, 0).model())
     params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
     p_bytes = nbytes(params)
     rows = {}
@@ -478,8 +513,9 @@ def run_memory(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", nargs="?", default="cluster", choices=["cluster", "worker", "memory", "memory-worker"])
+    p.add_argument("what", nargs="?", default="cluster", choices=["cluster", "local", "report", "worker", "memory", "memory-worker"])
     p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=2, help="local: processes")
     p.add_argument("--rate", default="100mbit")
     modes = ["floor", "ddp", "fddp", "fddp_bf16", "fddp_powersgd", "diloco_H10", "diloco_H30", "diloco_H100", "stream_H30",
              "stream_H30_int8", "paired_H30", "paired_stream_H30_int8"]  # fmt: skip
@@ -487,14 +523,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300, help="steps of DDP and the every-step modes")
     p.add_argument("--diloco-steps", type=int, default=600, help="inner steps of the DiLoCo modes and the floor")
     p.add_argument("--paired-steps", type=int, default=300, help="steps of the paired (floor-interleaved) modes")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of every mode (DDP's best of 1, 2, 3e-3)")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD learning rate")
-    p.add_argument("--outer-momentum", type=float, default=0.5, help="its momentum (0.9, the paper's, overshoots in 10-30 outer steps)")
+    p.add_argument("--batch", type=int, default=None, help="samples per rank per step (default: the task's, lowcomm_tasks.BATCH)")
+    p.add_argument("--task", default="teacher", choices=lowcomm_tasks.TASKS, help="what to train (benchmarks/lowcomm_tasks.py)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate of every mode (default: DDP's best for the task, LR)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--final-lr", type=float, default=0.1, help="the cosine's end, times --lr, reached at --steps")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--eval-every", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fragments", type=int, default=3, help="streaming: fragments")
@@ -504,8 +537,15 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", default=None)
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--tag", default="", help="appended to the result's file name (repeats: _run2)")
     args = p.parse_args()
-    {"cluster": run_cluster, "worker": worker, "memory": run_memory, "memory-worker": memory_worker}[args.what](args)
+    if args.lr is None:
+        args.lr = LR[args.task]
+    if args.batch is None:
+        args.batch = lowcomm_tasks.BATCH[args.task]
+    run = {"cluster": run_cluster, "local": run_local, "report": run_report, "worker": worker, "memory": run_memory,
+           "memory-worker": memory_worker}  # fmt: skip
+    run[args.what](args)
 
 
 if __name__ == "__main__":

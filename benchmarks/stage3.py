@@ -3,6 +3,7 @@
     python benchmarks/stage3.py                          # memory at 2 and 4 ranks, step times at 2 (loopback, gloo)
     python benchmarks/stage3.py --models lm --repeats 5
     python benchmarks/stage3.py --same-numbers --models mlp transformer lm   # 20 steps, SGD-momentum and AdamW, 2, 3 and 4 ranks
+    python benchmarks/stage3.py --soak 2000 --models transformer   # RSS every 100 steps of a long run, per mode
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
 LM), trained with AdamW (torch's fused kernel everywhere; fddp's shards donated, so that every
@@ -305,10 +306,50 @@ def time_worker(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def soak_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One mode alone for ``args.soak`` steps: this rank's RSS every ``args.soak_every`` steps (a
+    long run must not grow: nothing a step makes may outlive it)."""
+    model, batch = model_and_batch(args.model)
+    mode = make_mode(args.mode, model)
+    del model
+    rss: dict[int, int] = {}
+    t0 = time.perf_counter()
+    for i in range(1, args.soak + 1):
+        mode.step(*batch)
+        if i % args.soak_every == 0:
+            _trim()
+            rss[i] = _hwm_kb()[1] * 1024
+    return {"rss": rss, "step_ms": 1e3 * (time.perf_counter() - t0) / args.soak}
+
+
+def soak(args: argparse.Namespace) -> None:
+    """RSS over a long run, each mode in its own process group (the fullest rank)."""
+    before = load_average()
+    results: dict[str, Any] = {}
+    for name in args.models:
+        for mode in args.soak_modes:
+            per_rank = launch(2, ["--task", "soak", "--model", name, "--mode", mode, "--soak", str(args.soak),
+                                  "--soak-every", str(args.soak_every)])  # fmt: skip
+            steps = sorted(int(i) for i in per_rank[0]["rss"])
+            rss = {i: max(p["rss"][str(i)] for p in per_rank) for i in steps}
+            results[f"{name}/{mode}"] = {"rss": rss, "step_ms": max(p["step_ms"] for p in per_rank)}
+            first, last, ms = rss[steps[0]], rss[steps[-1]], results[f"{name}/{mode}"]["step_ms"]
+            print(f"{name} {mode}: RSS (MB, the fullest of 2 ranks) at steps {steps[0]}..{steps[-1]}, every {args.soak_every}:", flush=True)
+            print("  " + " ".join(f"{rss[i] / 2**20:.1f}" for i in steps), flush=True)
+            grew = (last - first) / max(steps[-1] - steps[0], 1) / 1024
+            change = f"{(last - first) / 2**20:+.2f} MB ({grew:+.2f} KB a step)"
+            print(f"  step {steps[-1]} - step {steps[0]}: {change}; {ms:.1f} ms a step", flush=True)
+    print(f"load average (1, 5, 15 min) before {before}, after {load_average()} on {os.cpu_count()} CPUs")
+    with open(os.path.join(RESULTS, "stage3_soak.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "steps": args.soak, "every": args.soak_every, "load_before": before,
+                   "load_after": load_average(), "results": results}, f, indent=1)  # fmt: skip
+
+
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
     fddp.init()
-    result = memory_worker(args) if args.task == "memory" else time_worker(args)
+    tasks = {"memory": memory_worker, "time": time_worker, "soak": soak_worker}
+    result = tasks[args.task](args)
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
     if dist.get_rank() == 0:
@@ -463,7 +504,10 @@ def main() -> None:
     parser.add_argument("--same-steps", type=int, default=20)
     parser.add_argument("--worlds", nargs="+", type=int, default=[2, 3, 4], help="with --same-numbers")
     parser.add_argument("--out", default=os.path.join(RESULTS, "stage3.json"))
-    parser.add_argument("--task", choices=["memory", "time", "same"], help=argparse.SUPPRESS)
+    parser.add_argument("--soak", type=int, default=0, help="a long run of this many steps per mode, 2 ranks: RSS as it goes")
+    parser.add_argument("--soak-every", type=int, default=100, help="with --soak: print RSS every this many steps")
+    parser.add_argument("--soak-modes", nargs="+", default=["stage3", "stage3_func", "stage3_unit", "stage3_keep"], choices=MODES)
+    parser.add_argument("--task", choices=["memory", "time", "same", "soak"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -474,6 +518,9 @@ def main() -> None:
     os.makedirs(RESULTS, exist_ok=True)
     if args.same_numbers:
         same_numbers(args)
+        return
+    if args.soak:
+        soak(args)
         return
     before = load_average()
     results: dict[str, Any] = {}

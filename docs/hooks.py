@@ -16,9 +16,11 @@ from typing import Any
 from mkdocs.structure.files import File, Files
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
-MARKER = "<!-- benchmark-results -->"
+# "<!-- benchmark-results -->" is every section; "<!-- benchmark-results: step floor -->" the ones named.
+MARKER = re.compile(r"<!-- benchmark-results(?:: ([a-z0-9 ]+))? -->")
 VALIDATION_MARKER = "<!-- scaling-validation -->"
 PROJECTION_MARKER = "<!-- scaling-projection -->"
+API_MARKER = "<!-- api-pages -->"
 
 # What each mode of benchmarks/step.py runs (its docstring has the same list).
 STEP_MODES = {
@@ -52,21 +54,47 @@ def on_files(files: Files, config: Any) -> Files:
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if page.file.src_uri == "api.md":
-        return markdown + _undocumented_names(markdown)
+        return markdown.replace(API_MARKER, _api_pages(config)) + _undocumented_names(_api_sources(config))
     if VALIDATION_MARKER in markdown or PROJECTION_MARKER in markdown:
         return markdown.replace(VALIDATION_MARKER, _scaling_validation()).replace(PROJECTION_MARKER, _scaling_projection())
-    if MARKER not in markdown:
+    m = MARKER.search(markdown)
+    if m is None:
         return markdown
-    sections = [
-        _step_section(), _floor_section(), _optim_section(), _cluster_section(), _allreduce_section(), _zero_section(),
-        _checkpoint_section(),
-        _stage3_section(),
-    ]  # fmt: skip
-    return markdown.replace(MARKER, "\n\n".join(sections))
+    names = m.group(1).split() if m.group(1) else list(SECTIONS)
+    text = "\n\n".join(SECTIONS[name]() for name in names)
+    if "/" in page.file.src_uri:  # a page under benchmarks/: the charts and the other pages are one directory up
+        if not re.search(r"^# ", markdown, re.MULTILINE):  # its first section's heading is the page's title
+            text = text.replace("## ", "# ", 1)
+        text = re.sub(r"\]\((?!https?:|\.\./|#)([^)]+\.(?:md|png)(?:#[^)]*)?)\)", r"](../\1)", text)
+    return markdown[: m.start()] + text + markdown[m.end() :]
+
+
+def _api_sources(config: Any) -> str:
+    """The reference pages' Markdown: api.md and every page under api/."""
+    docs = Path(config["docs_dir"])
+    return "\n".join(p.read_text() for p in [docs / "api.md", *sorted((docs / "api").glob("*.md"))])
+
+
+def _api_pages(config: Any) -> str:
+    """The index of the reference: each page of api/ (in the nav's order), its summary and its names."""
+    docs = Path(config["docs_dir"])
+    nav = next(item for item in config["nav"] if isinstance(item, dict) and "API reference" in item)["API reference"]
+    lines = []
+    for entry in nav:
+        src = entry if isinstance(entry, str) else next(iter(entry.values()))
+        if not src.startswith("api/"):
+            continue
+        text = (docs / src).read_text()
+        title = re.search(r"^# (.*)$", text, re.MULTILINE).group(1)
+        summary = text.split("\n\n")[1].strip()
+        names = re.findall(r"^::: ([\w.]+)$", text, re.MULTILINE)
+        shown = ", ".join(f"[`{n}`]({src}#{n})" for n in names)
+        lines.append(f"## [{title}]({src})\n\n{summary}\n\n{shown}\n")
+    return "\n".join(lines)
 
 
 def _undocumented_names(markdown: str) -> str:
-    """Return reference entries for the names in ``fddp.__all__`` that api.md does not list yet.
+    """Return reference entries for the names in ``fddp.__all__`` that the reference pages do not list yet.
 
     A public name added to the package shows up in the reference even before someone places it
     in its section by hand.
@@ -148,9 +176,10 @@ def _step_section() -> str:
     )
     if (RESULTS / "step.png").is_file():
         out.append("![Step time relative to torch DDP](results/step.png)")
+    out.append("Every mode, model by model (one tab each):")
+    tabs = []
     for model, r in data["results"].items():
         rows = [
-            f"### {model}: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors",
             "| mode | what runs | median ms | × DDP | range | collectives | MB sent |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
@@ -161,8 +190,16 @@ def _step_section() -> str:
                 f"| `{mode}` | {STEP_MODES.get(mode, '')} | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} "
                 f"| {min(paired):.2f}–{max(paired):.2f} | {d['collectives']} | {d['bytes'] / 2**20:.2f} |"
             )
-        out.append("\n".join(rows))
+        tabs.append(_tab(f"{model}: {r['values'] / 1e6:.2f}M values, {r['tensors']} tensors", "\n".join(rows)))
+    out.append("\n\n".join(tabs))
     return "\n\n".join(out)
+
+
+def _tab(title: str, body: str) -> str:
+    """One tab of a pymdownx.tabbed group (consecutive tabs form one group): a title and its Markdown."""
+    indented = "\n".join(("    " + line) if line else "" for line in body.splitlines())
+    return f'=== "{title}"\n\n{indented}'
+
 
 
 def _floor_section() -> str:
@@ -257,10 +294,9 @@ def _cluster_section() -> str:
         png = path.with_suffix(".png")
         if png.is_file():
             out.append(f"![Step time relative to torch DDP, {c['hosts']} hosts at {c['rate']}](results/{png.name})")
+        tabs = []
         for model, r in data["results"].items():
             rows = [
-                f"**{model}**: {r['values'] / 1e6:.2f}M values in {r['tensors']} tensors",
-                "",
                 "| mode | median ms | × DDP | MB sent | wire ms | limit ms | limit × DDP |",
                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
             ]
@@ -271,7 +307,8 @@ def _cluster_section() -> str:
                     f"| {lim['limit_ms']:.1f} | {lim['limit_ratio_to_ddp']:.2f} |"
                 )
                 rows.append(f"| `{mode}` | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} {tail}")
-            out.append("\n".join(rows))
+            tabs.append(_tab(f"{model}: {r['values'] / 1e6:.2f}M values, {r['tensors']} tensors", "\n".join(rows)))
+        out.append("\n\n".join(tabs))
     return "\n\n".join(out)
 
 
@@ -550,3 +587,16 @@ def _scaling_projection() -> str:
     notes = [f"- **{name}**: {m['compute']}." for name, m in data["models"].items()]
     out.append("Compute per step:\n\n" + "\n".join(notes))
     return "\n\n".join(out)
+
+
+# The benchmark sections, by the names the pages' markers use (in the order of the full page).
+SECTIONS = {
+    "step": _step_section,
+    "floor": _floor_section,
+    "optim": _optim_section,
+    "cluster": _cluster_section,
+    "allreduce": _allreduce_section,
+    "zero": _zero_section,
+    "checkpoint": _checkpoint_section,
+    "stage3": _stage3_section,
+}

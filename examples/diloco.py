@@ -7,13 +7,16 @@
 Each rank draws its own mini-batches from scikit-learn's digits and steps its own copy of an MLP
 with AdamW, with no communication. ``outer.step`` after every inner step counts; every ``--every``
 steps it averages the ranks' pseudo-gradients (the parameters at the last synchronisation minus
-the current ones) and steps the global parameters with Nesterov SGD (momentum 0.5: this short run
-has 30 outer steps, too few for the paper's 0.9): one all-reduce per
-``--every`` steps instead of one per step. ``--fragments`` / ``--delay`` / ``--mixing`` turn on
+the current ones) and steps the global parameters with the outer optimizer (by default the
+library's: SGD at learning rate 1, the ranks' mean; ``--outer-lr`` / ``--outer-momentum`` for
+Nesterov SGD): one all-reduce per ``--every`` steps instead of one per step. ``--fragments`` / ``--delay`` / ``--mixing`` turn on
 Streaming DiLoCo; ``--local-sgd`` averages the parameters instead. Halfway through, the outer state
-is settled and checkpointed (each rank its own file), loaded back and training goes on from it.
+is settled and checkpointed with ``fddp.checkpoint.save_step``: every rank's parameters, inner and
+outer state go in as ``fddp.checkpoint.PerRank`` (they differ between synchronisations), so each
+rank stores its own copy in one sharded checkpoint, ``<out-dir>/ckpt/ckpt-<step>``; the run loads it
+back and goes on from what it loaded.
 
-Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
+Writes ``<out-dir>/metrics.json``, ``<out-dir>/curves.png`` and the checkpoint, and prints their paths.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import json
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
@@ -41,9 +43,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--delay", type=int, default=0, help="Streaming DiLoCo: steps each sync overlaps (tau)")
     p.add_argument("--mixing", type=float, default=0.0, help="Streaming DiLoCo: weight of the local values at a merge")
     p.add_argument("--compression", choices=["none", "bf16", "int8"], default="none")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD's learning rate")
-    p.add_argument("--outer-momentum", type=float, default=0.5,
-                   help="its momentum (the paper's 0.9 suits runs of hundreds of outer steps; this one has 30)")  # fmt: skip
+    p.add_argument("--outer-lr", type=float, default=None, help="outer Nesterov SGD's learning rate (default: the library's outer step)")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="its momentum, with --outer-lr (the paper's 0.9 suits runs of hundreds of outer steps)")  # fmt: skip
     p.add_argument("--local-sgd", action="store_true", help="average the parameters (outer SGD, lr 1) instead")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
@@ -72,12 +74,11 @@ def main() -> None:
     if args.local_sgd:
         outer = fddp.diloco.local_sgd(args.every, compression=compression)
     else:
-        nesterov = fddp.optim.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
+        nesterov = None if args.outer_lr is None else fddp.optim.sgd(args.outer_lr, momentum=args.outer_momentum, nesterov=True)
         outer = fddp.diloco.diloco(args.every, nesterov, compression=compression, fragments=args.fragments,
                                    delay=args.delay, mixing=args.mixing)  # fmt: skip
     inner_state, outer_state = inner.init(params), outer.init(params)
     loss_fn = lambda p, xb, yb: F.cross_entropy(apply_fn(p, xb), yb)  # noqa: E731
-    own = dist.new_subgroups(group_size=1)[0] if world > 1 else None  # each rank writes its own file
 
     history: dict[str, list] = {"step": [], "test_loss": [], "test_acc": [], "bytes": []}
     sent = 0
@@ -89,13 +90,14 @@ def main() -> None:
         sent += info.bytes_sent
         if step == args.steps // 2:
             # A checkpoint mid-run, possibly with a fragment in flight: settle it into tensors, save
-            # this rank's view, and carry on from what was loaded back (bitwise the same run).
+            # every rank's own view (PerRank), and carry on from what was loaded back (bitwise the same run).
             outer_state = outer.settle(outer_state)
-            path = os.path.join(args.out_dir, f"ckpt-rank{rank}.pt")
-            tree = {"params": params, "inner": inner_state, "outer": outer_state}
-            ckpt.save(path, tree, group=own)
-            loaded = ckpt.load(path, like=tree)
+            tree = {"step": step, "local": ckpt.PerRank({"params": params, "inner": inner_state, "outer": outer_state})}
+            path = ckpt.save_step(os.path.join(args.out_dir, "ckpt"), step, tree, keep=1)
+            loaded = ckpt.load_step(ckpt.latest(os.path.join(args.out_dir, "ckpt")), like=tree)["local"]  # this rank's
             params, inner_state, outer_state = loaded["params"], loaded["inner"], loaded["outer"]
+            if fddp.is_main():
+                print(f"step {step:4d}  checkpoint of every rank's state: {path} (loaded back, training goes on from it)", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             with torch.no_grad():  # the global model: the same on every rank
                 logits = apply_fn(outer_state.snapshot, x_test)
@@ -108,10 +110,12 @@ def main() -> None:
                       f"{sent / step / 1e3:.1f} kB sent per step", flush=True)  # fmt: skip
 
     if fddp.is_main():
-        with open(os.path.join(args.out_dir, "metrics.json"), "w") as f:
+        metrics, curves = os.path.join(args.out_dir, "metrics.json"), os.path.join(args.out_dir, "curves.png")
+        with open(metrics, "w") as f:
             json.dump({"world_size": world, "args": vars(args), **history}, f)
-        plot(history, args, world, os.path.join(args.out_dir, "curves.png"))
+        plot(history, args, world, curves)
         print(f"final test accuracy {history['test_acc'][-1]:.3f}; {sent / args.steps / 1e3:.1f} kB sent per inner step")
+        print(f"wrote {metrics} and {curves}")
     fddp.shutdown()
 
 

@@ -130,27 +130,25 @@ def main() -> None:
         return F.cross_entropy(logits, y), logits
 
     # The transform is built once; with PowerSGD its state goes in with every call and comes back
-    # in info. Residuals differ between ranks, so each rank checkpoints its own (a one-rank group
-    # makes it the writer of its own directory).
+    # in info. Residuals differ between ranks, so the checkpoint holds each rank's own (PerRank).
     compression = {"none": None, "bf16": "bf16", "fp16": "fp16"}.get(args.compression)
     if args.compression == "powersgd":
         compression = fddp.PowerSGD(rank=args.powersgd_rank, start_iter=args.powersgd_start)
     step_fn = fddp.grad_and_value(loss_fn, has_aux=True, compression=compression, return_info=True)
     comp_state = compression.init(params) if isinstance(compression, fddp.PowerSGD) else None
-    if comp_state is not None:
-        own = dist.new_subgroups(group_size=1)[0]  # every rank makes the groups; each keeps its own
-        comp_dir = os.path.join(ckpt_dir, f"powersgd-rank{rank}")
 
     # Resume: every rank reads the same file, so every rank holds the same state afterwards. The
     # RNG state saved is rank 0's; it is every rank's, since all seed alike and draw nothing apart.
     state = {"params": params, "opt_state": opt_state, "epoch": 0, "step": 0, "rng": torch.get_rng_state()}
+    if comp_state is not None:  # each rank's own: the checkpoint becomes a directory, every rank writing its part
+        state["powersgd"] = ckpt.PerRank(comp_state)
     history: list[dict] = []
     path = ckpt.latest(ckpt_dir)
     if path is not None:
-        state = ckpt.load(path, like=state)  # checks every leaf's shape and dtype against `like`
+        state = ckpt.load_step(path, like=state)  # checks every leaf's shape and dtype against `like`
         torch.set_rng_state(state["rng"])
         if comp_state is not None:  # this rank's own PowerSGD state, from the same epoch
-            comp_state = ckpt.load(ckpt.step_path(comp_dir, state["epoch"]), like=comp_state)
+            comp_state = state.pop("powersgd")
         with open(metrics_path) as f:
             history = [h for h in json.load(f)["history"] if h["epoch"] <= state["epoch"]]
         if fddp.is_main():
@@ -204,11 +202,9 @@ def main() -> None:
         }
         history.append(record)
         state = {"params": params, "opt_state": opt_state, "epoch": epoch, "step": step, "rng": torch.get_rng_state()}
-        if comp_state is not None:  # before the shared checkpoint, which marks the epoch as done
-            ckpt.save_step(comp_dir, epoch, comp_state, keep=2, group=own)
-            if world > 1:
-                dist.barrier()  # every rank's state is on disk before rank 0 declares the epoch saved
-        ckpt.save_step(ckpt_dir, epoch, state, keep=2)  # rank 0 writes, atomically
+        if comp_state is not None:
+            state["powersgd"] = ckpt.PerRank(comp_state)  # every rank's own residuals, in the same checkpoint
+        ckpt.save_step(ckpt_dir, epoch, state, keep=2)  # atomic: rank 0 writes (or every rank its part, with PerRank)
         if fddp.is_main():
             with open(metrics_path, "w") as f:
                 json.dump({"world_size": world, "compression": args.compression, "history": history}, f, indent=1)

@@ -7,8 +7,10 @@ decoder, pre-norm, causal attention) learns to continue ``37+45=`` with the sum;
 only the three answer characters, the part that can be learned. Each optimizer step sums the
 gradients of ``--accum`` micro-batches locally and averages over the ranks once, so the global
 batch is ``micro_batch * accum * world_size`` sequences. The learning rate warms up linearly and
-then follows a cosine (``fddp.optim.warmup_cosine_decay``). Exact-match accuracy on held-out
-problems is measured by greedy decoding.
+then follows a cosine (``fddp.optim.warmup_cosine_decay``), held in the optimizer's state
+(``fddp.optim.inject_hyperparams``) so the log reads it back; weight decay spares biases and norms
+(``adamw(mask=...)``, torch's two param groups). Exact-match accuracy on held-out problems is
+measured by greedy decoding.
 
 With ``--fully-shard`` the parameters are sharded too (ZeRO stage 3, ``fddp.zero.fully_shard``):
 each rank holds 1/N of the parameters, gradients and AdamW state, and gathers one block at a time
@@ -17,7 +19,7 @@ full training state (parameters, gradients and AdamW's two moments: 16 bytes a v
 and the run checks that what each rank holds, plus the gathered blocks at their peak, fits::
 
     torchrun --standalone --nproc-per-node=2 examples/transformer_lm.py --fully-shard \
-        --d-model 256 --layers 8 --budget-mb 60
+        --d-model 128 --layers 4 --budget-mb 10 --steps 200
 
 Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import matplotlib
@@ -111,9 +114,11 @@ def report_memory(args: argparse.Namespace, apply_fn, shards, grads, opt_state, 
     mib = 2**20
     full = 16 * n_params  # float32 parameters, gradients and AdamW's two moments, unsharded
     total = sum(per_rank.values())
-    print(f"rank {fddp.rank()}: params {per_rank['params'] / mib:.2f} MiB, grads {per_rank['grads'] / mib:.2f}, "
-          f"AdamW state {per_rank['adamw_state'] / mib:.2f}, gathered units at their peak {per_rank['gathered_peak'] / mib:.2f}: "
-          f"{total / mib:.2f} MiB per rank; unsharded, the training state alone is {full / mib:.2f} MiB", flush=True)  # fmt: skip
+    line = (f"rank {fddp.rank()}: params {per_rank['params'] / mib:.2f} MiB, grads {per_rank['grads'] / mib:.2f}, "
+            f"AdamW state {per_rank['adamw_state'] / mib:.2f}, gathered units at their peak {per_rank['gathered_peak'] / mib:.2f}: "
+            f"{total / mib:.2f} MiB per rank; unsharded, the training state alone is {full / mib:.2f} MiB\n")  # fmt: skip
+    sys.stdout.write(line)  # one write, newline included: the ranks' lines do not interleave
+    sys.stdout.flush()
     if args.budget_mb is not None:
         budget = args.budget_mb * mib
         if total > budget:
@@ -179,7 +184,15 @@ def main() -> None:
         apply_fn, params = fddp.functionalize(model)
         params = fddp.broadcast(params)
     lr = fddp.optim.warmup_cosine_decay(0.0, args.lr, warmup_steps=args.warmup, decay_steps=max(args.steps, args.warmup + 1))
-    opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(lr=lr, weight_decay=0.1))
+    # Weight decay on the matrices only, not on biases and norms (torch's two param groups). The
+    # mask labels whole leaves, which ZeRO-3's flat shards do not hold: sharded, every leaf decays.
+    decay = None if args.fully_shard else fddp.optim.by_path(lambda path, p: p.ndim >= 2)
+
+    def make_opt(lr):
+        return fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(lr=lr, weight_decay=0.1, mask=decay))
+
+    # The learning rate lives in the optimizer's state, where the loop reads it back for the log.
+    opt = fddp.optim.inject_hyperparams(make_opt)(lr=lr)
     opt_state = opt.init(params)  # for shards: 1/N of the state
 
     def loss_fn(params, seq):
@@ -223,7 +236,7 @@ def main() -> None:
         # The logged loss is rank 0's; the gradients above are the global batch's.
         history["step"].append(step)
         history["loss"].append(loss_sum / args.accum)
-        history["lr"].append(float(lr(torch.tensor(step - 1))))
+        history["lr"].append(float(opt_state.hyperparams["lr"]))  # the step just taken's
         if step % args.eval_every == 0 or step == args.steps:
             acc = accuracy(params, test)  # identical params on every rank: each checks the same set
             history["eval_step"].append(step)

@@ -15,6 +15,7 @@ Example:
 
 from fddp import checkpoint, diloco, optim, scaling, zero
 from fddp._dist import Checks, PeerError, checks, set_checks
+from fddp.batchnorm import SyncBatchNorm, sync_batchnorm
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
 from fddp.no_sync import GradAccumulator, accumulate_grads
@@ -50,6 +51,7 @@ __all__ = [
     "PeerError",
     "PowerSGD",
     "PowerSGDState",
+    "SyncBatchNorm",
     "SyncInfo",
     "accumulate_grads",
     "apply_if_finite",
@@ -75,6 +77,7 @@ __all__ = [
     "scaling",
     "set_checks",
     "shutdown",
+    "sync_batchnorm",
     "sync_buffers",
     "verify_replicas",
     "world_size",

@@ -125,6 +125,29 @@ class Channel:
         except Exception as e:  # noqa: BLE001 - the peer died between its post and its header, or the store is gone
             return Failure(rank, "?", call, "unknown", f"(its report could not be read from the store: {e})", False)
 
+    def exchange(self, topic: str, rank: int, world: int, mine: dict, timeout: float = 5.0) -> list[dict | None]:
+        """Post ``mine`` (JSON) under ``topic`` and read every rank's; ``None`` for a rank that
+        does not post within ``timeout`` seconds in all (a rank inside a compiled step, or gone).
+
+        For ranks whose header showed that they differ, to say how: ``topic`` is made from what
+        they all saw, the same on every rank whatever their own calls were.
+        """
+        key = lambda r: self._key("differ", topic, r)  # noqa: E731
+        self.store.set(key(rank), json.dumps(mine))
+        out: list[dict | None] = []
+        deadline = time.monotonic() + timeout
+        for r in range(world):
+            if r == rank:
+                out.append(json.loads(json.dumps(mine)))  # through JSON like the others: tuples become lists
+                continue
+            try:
+                left = max(deadline - time.monotonic(), 0.01)
+                self.store.wait([key(r)], datetime.timedelta(seconds=left))
+                out.append(json.loads(self.store.get(key(r))))
+            except Exception:  # noqa: BLE001 - it did not say: the error names what the others said
+                out.append(None)
+        return out
+
     def fatal(self) -> Failure | None:
         """The group's fatal failure, if some rank posted one (one store round trip until then)."""
         if self._fatal is None:

@@ -48,6 +48,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from fddp import _caches, _channel
 from fddp._channel import Failure
@@ -61,6 +63,10 @@ __all__ = [
     "size",
     "begin_epoch",
     "epoch",
+    "Segment",
+    "describe_token",
+    "owe",
+    "raise_if_failed_here",
     "count_call",
     "call_count",
     "wait",
@@ -76,6 +82,17 @@ __all__ = [
     "set_checks",
     "checks",
 ]
+
+class _Costs:
+    """What ``benchmarks/step.py``'s ``*_lean`` modes switch off to measure what they cost: the
+    error channel (sliced waits, announced and posted failures) and the fingerprint in the header.
+    Not an option for users: without them a failure is a hang again."""
+
+    channel = True
+    fingerprint = True
+
+
+_costs = _Costs()
 
 _REMEMBERED = 256  # agreed signatures kept per group: a loop uses a handful, a sweep must not grow without bound
 _SLICE = datetime.timedelta(milliseconds=100)  # a wait looks at the channel this often
@@ -174,6 +191,8 @@ class _GroupState:
         self.last_mode: bool | None = None  # the agreement setting at this rank's last header (None: none yet)
         self.held: list[Any] = []  # announcements' headers in flight (kept until they complete)
         self.waits = 0  # numbers this rank's waits, for the board
+        self.recordings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # agreed sequences, LRU
+        self.owed = 0  # collectives of an earlier call still to come on this group (a backward)
 
 
 _lock = threading.Lock()
@@ -197,6 +216,8 @@ _last: list[Any] = [None, None]
 
 def _state(group: dist.ProcessGroup | None) -> _GroupState:
     pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        return _GroupState()  # no process group at all (a faked world): nothing to remember
     last_ref, last_st = _last
     if last_ref is not None and last_ref() is pg and last_st is not None:
         return last_st
@@ -216,12 +237,16 @@ def _state(group: dist.ProcessGroup | None) -> _GroupState:
 def rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank in ``group``: the quorum's under fault tolerance (:func:`begin_epoch`),
     else torch.distributed's."""
+    if torch.compiler.is_compiling():
+        return dist.get_rank(group)  # dynamo traces no state (a fault-tolerant step runs eagerly)
     st = _state(group)
     return st.rank if st.rank is not None else dist.get_rank(group)
 
 
 def size(group: dist.ProcessGroup | None = None) -> int:
     """The number of ranks in ``group`` (the quorum's under fault tolerance, else torch.distributed's)."""
+    if torch.compiler.is_compiling():
+        return dist.get_world_size(group)
     st = _state(group)
     return st.size if st.size is not None else dist.get_world_size(group)
 
@@ -457,6 +482,9 @@ def _first_line(e: BaseException) -> str:
 def _announce(group: dist.ProcessGroup | None, st: _GroupState, what: str, e: BaseException) -> None:
     """This rank failed before sending anything for its call: post why, then send a header that
     says so in place of the call's agreement, so the peers raise at the same call."""
+    if st.owed > 0:  # a backward of an earlier call still owes its collectives: the peers will wait in them
+        fail(group, what, e)
+        return
     call_ = st.agreed
     st.agreed += 1
     me = rank(group)
@@ -545,7 +573,7 @@ class call:
                 st.owner = None
         if st.frames and st.frames[-1] is frame:
             st.frames.pop()
-        if e is None or _is_collective(e) or st.failed is not None:
+        if e is None or _is_collective(e) or st.failed is not None or not _costs.channel:
             return
         if size(self.group) == 1:
             return
@@ -557,6 +585,143 @@ class call:
 
 def _frame(st: _GroupState) -> _Frame | None:
     return st.frames[-1] if st.frames else None
+
+
+# --- sequences ------------------------------------------------------------------------------------
+
+
+class Segment:
+    """The collectives of one call that its header does not fix, as tokens (a fully sharded
+    forward's gathers, and its backward's gathers and reductions, whenever they run).
+
+    The tokens of each kind of call (the header's signature and function) are *learnt* the first
+    time it runs, every token agreed across the ranks before its collective is issued (a small
+    all-reduce each, that first time only), and later calls of that kind *check* each token
+    locally, before the collective, against the recording: a rank that would issue another
+    collective, or ends the call short, fails (fatal: its peers wait in collectives it will not
+    join) instead of pairing its collective with a different one on its peers. A call's segment
+    travels with the call (the stage-3 pipeline holds it), so calls that interleave (several
+    forwards before their backwards: micro-batches) each follow their own recording.
+    """
+
+    __slots__ = ("group", "state", "key", "what", "call", "learning", "tokens", "expected", "pos", "closed")
+
+    def __init__(self, group: dist.ProcessGroup | None, key: tuple, what: str, call: int) -> None:
+        self.group, self.key, self.what, self.call = group, key, what, call
+        self.state = _state(group)  # this epoch's: a call that outlives it (fddp.clear_caches) follows nothing
+        self.learning: bool | None = None  # known once the header is agreed
+        self.tokens: list[tuple] = []
+        self.expected: tuple = ()
+        self.pos = 0
+        self.closed = False
+
+    def issue(self, op: str, t: torch.Tensor, tag: str | None = None, numel: int | None = None) -> None:
+        """Say that this rank is about to issue collective ``op`` of ``t`` for this call (``tag``
+        names what it carries: a bucket of a unit; ``numel``, where ``t``'s size differs between
+        ranks, a size that does not). Learning, agree on it with the other ranks first; checking,
+        compare it with the recording and, where it differs, fail (every rank learns it) and raise.
+        """
+        if self.learning is None or self.closed or torch.compiler.is_compiling():
+            return  # the agreement off (nothing to follow), or a call whose sequence is over
+        st = _state(self.group)
+        if st is not self.state:
+            return
+        token = (op, tag, int(t.numel() if numel is None else numel), str(t.dtype).replace("torch.", ""))
+        if self.learning:
+            _agree_token(self.group, st, self, token)
+            self.tokens.append(token)
+            return
+        expected = self.expected[self.pos] if self.pos < len(self.expected) else None
+        if token != expected:
+            _deviate(self, f"is about to issue {describe_token(token)}", expected)
+        self.pos += 1
+
+    def close(self, doing: str = "ends the call") -> None:
+        """The call's collectives are over (its backward ran, or it has none): keep what was
+        learnt, or check that nothing agreed is missing."""
+        if self.closed or self.learning is None:
+            return
+        self.closed = True
+        st = _state(self.group)
+        if st is not self.state:
+            return  # the group's state was cleared (fddp.clear_caches) or a new epoch began since
+        if self.learning:
+            st.recordings[self.key] = tuple(self.tokens)
+            st.recordings.move_to_end(self.key)
+            if len(st.recordings) > _REMEMBERED:
+                st.recordings.popitem(last=False)
+        elif self.pos < len(self.expected):
+            _deviate(self, doing, self.expected[self.pos])
+
+    def drop(self) -> None:
+        """The call will never issue the rest (its graph was freed without its backward): where
+        the recording still expects collectives, the peers are, or will be, waiting in them: fail
+        (posted: the peers raise it, and this rank's next fddp call on the group does)."""
+        if torch.compiler.is_compiling() or not dist.is_initialized() or self.state.failed is not None:
+            return
+        try:
+            self.close("dropped a forward's graph without running its backward")
+        except MismatchError:
+            pass
+
+
+def describe_token(token: tuple) -> str:
+    """Words for a token: ``an all-gather of bucket 3 of unit 'blocks.2' (4096 float32 values)``."""
+    op, tag, numel, dtype = token
+    where = f" of {tag}" if tag else ""
+    article = "an" if op[0] in "aeiou" else "a"
+    return f"{article} {op}{where} ({numel} {dtype} values)"
+
+
+def owe(group: dist.ProcessGroup | None, n: int) -> None:
+    """Count collectives of the current call still to come after it returns (``+1`` when a
+    forward leaves a backward to run, ``-1`` when it has run): a failure meanwhile is fatal."""
+    if not torch.compiler.is_compiling() and dist.is_initialized():
+        _state(group).owed += n
+
+
+def raise_if_failed_here() -> None:
+    """Raise :class:`PeerError` if this rank has failed some group (its own failure, posted while
+    no fddp call was there to raise it: a graph freed without its backward)."""
+    with _lock:
+        mine = [st for st in _states.values() if st.failed is not None and st.mine]
+    if mine:
+        _raise_if_failed(mine[0], mine[0].failed.what)
+
+
+def _deviate(seg: Segment, doing: str, expected: tuple | None) -> None:
+    n = seg.pos + 1
+    agreed = f"{describe_token(expected)}" if expected is not None else "no further collective (the call's sequence is over)"
+    e = MismatchError(
+        f"fddp.{seg.what}: this rank {doing} as the {_ordinal(n)} collective of its call {seg.call + 1}, where the sequence "
+        f"the ranks agreed on for this kind of call has {agreed}. The ranks must issue the same collectives in the same "
+        "order: a forward that depends on this rank's data (a unit skipped or run in another order, an output left out "
+        "of one rank's loss) pairs them with different ones on the other ranks. (fddp.set_checks(agreement=False) turns "
+        "this check off, with the rest of the agreement.)"
+    )
+    fail(seg.group, seg.what, e)
+    raise e
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _agree_token(group: dist.ProcessGroup | None, st: _GroupState, seg: Segment, token: tuple) -> None:
+    """Agree on one collective of a call being learnt: the same header, its fields the token's."""
+    position = len(seg.tokens)
+    h = [digest((seg.key, token)), position, _TOKEN, 0, int(_checks.agreement)]
+    t = torch.tensor(h + [-x for x in h] + [0, 0, 0, 0], dtype=torch.int64, device=collective_device(group))
+    wait(_exchange(t, group, seg.what), group, seg.what, f"the agreement on its {_ordinal(position + 1)} collective")
+    out = t.tolist()
+    if out[_FAILED]:
+        _raise_announced(group, st, seg.what, seg.call, out[_FAILED])
+    if out[:_BOTH] != [-x for x in out[_BOTH : 2 * _BOTH]]:
+        _disagree(group, seg.what, seg.call, lambda: [("collective", describe_token(token), None)], _no_rows, (position, token), out)
+
+
+def _no_rows(per_rank: Sequence[list[tuple]]) -> str:
+    return ""  # pragma: no cover - a token's mismatch is named from the tokens
 
 
 # --- waits ----------------------------------------------------------------------------------------
@@ -572,15 +737,16 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
     one plain wait.
     """
     try:
-        if not _sliced(group):
-            work.wait()
+        if not _costs.channel or not _sliced(group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
+            work.wait()  # NCCL's, a traced collective's, or a hook's own kind of work: one plain wait
             return
         try:
             if work.wait(_SLICE):
                 return
         except RuntimeError:
             if work.is_completed():
-                raise
+                work.wait()  # finished as the slice ran out, or failed: this says which
+                return
         _watch(work, group, what, doing)
     except (PeerError, MismatchError):
         raise
@@ -630,7 +796,8 @@ def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) ->
                     return
             except RuntimeError:
                 if work.is_completed():
-                    raise
+                    work.wait()  # finished as the slice ran out, or failed: this says which
+                    return
     finally:
         if posted is not None and not deadlocked:
             board = _board()
@@ -704,8 +871,9 @@ def fingerprint(leaves: Sequence[torch.Tensor]) -> int:
 # maximum; then fields that only travel as their maximum.
 _SIG, _CALL, _WHAT, _PRINT, _MODE = range(5)
 _BOTH = 5
-_NEW, _ASKED, _FAILED = 2 * _BOTH, 2 * _BOTH + 1, 2 * _BOTH + 2
-_HEADER = 2 * _BOTH + 3
+_NEW, _ASKED, _FAILED, _LEARN = 2 * _BOTH, 2 * _BOTH + 1, 2 * _BOTH + 2, 2 * _BOTH + 3
+_HEADER = 2 * _BOTH + 4
+_TOKEN = digest("fddp: one collective of a call")  # the function field of a token's agreement
 
 
 class Agreed(NamedTuple):
@@ -716,11 +884,13 @@ class Agreed(NamedTuple):
         asked: some rank asked for the checks a new tree gets (``ask=True``), and the tree is new.
         drifted: the ranks run the same call, but the fingerprints of their values differ (the
             caller compares the values leaf by leaf, to name the first that differs).
+        segment: with ``sequenced=True``, the :class:`Segment` the call's further collectives follow.
     """
 
     new: bool
     asked: bool
     drifted: bool = False
+    segment: Segment | None = None
 
 
 def agree(
@@ -731,6 +901,7 @@ def agree(
     name_difference: Callable[[Sequence[list[tuple]]], str],
     ask: bool = False,
     values: int = 0,
+    sequenced: bool = False,
 ) -> Agreed:
     """Make every rank agree that it is about to run the same call (:func:`start_agreement`, finished at once).
 
@@ -743,6 +914,9 @@ def agree(
         ask: this rank would like the tree checked further if it is new (a tree fresh from
             ``fddp.functionalize``: the replicas' values); the answer is every rank's.
         values: a :func:`fingerprint` of values that must be equal on every rank (0: none).
+        sequenced: the call issues a sequence of collectives that its signature does not fix (a
+            fully sharded forward and its backward): the ranks learn it, then check it before
+            each collective (:class:`Segment`, in the result).
 
     Returns:
         :class:`Agreed`: whether the signature is new to some rank, and whether some rank asked
@@ -752,7 +926,7 @@ def agree(
         MismatchError: on every rank, when the ranks' headers differ.
         PeerError: on every rank but the failing one, when a rank announced a failure instead.
     """
-    return start_agreement(group, what, signature, rows, name_difference, ask, values).finish()
+    return start_agreement(group, what, signature, rows, name_difference, ask, values, sequenced).finish()
 
 
 def start_agreement(
@@ -763,6 +937,7 @@ def start_agreement(
     name_difference: Callable[[Sequence[list[tuple]]], str],
     ask: bool = False,
     values: int = 0,
+    sequenced: bool = False,
 ) -> Agreement:
     """Send this call's header and return at once (the arguments are :func:`agree`'s).
 
@@ -770,8 +945,11 @@ def start_agreement(
     other collectives on ``group``.
     """
     if torch.compiler.is_compiling():
-        # Dynamo cannot trace the header; a compiled step relies on its guards (a new tree
-        # re-traces) and on an eager call (fddp.broadcast, a first eager step) having agreed.
+        # A compiled call's header is in its graph: the signature's digest (taken at trace time)
+        # and the function, compared at every call. The call numbers and the state live outside
+        # the graph, so a compiled step checks less than an eager one: what it runs, not when.
+        if _checks.agreement:
+            _traced_agreement(group, what, signature)
         return Agreement(None, None, Agreed(False, False))
     st = _state(group)
     _raise_if_failed(st, what)
@@ -786,17 +964,42 @@ def start_agreement(
     # still sends one (saying so), so that a rank that turned it off alone is named, not met by
     # its peers' headers with its buckets.
     if n > 1 and (_checks.agreement or new or st.last_mode is not False):
+        name = _name_digest(what)
+        key = (signature, name)
+        segment = Segment(group, key, what, call_) if sequenced and _checks.agreement else None
         if frame is not None:
             frame.sent = True
         st.last_mode = _checks.agreement
         mode = int(_checks.agreement)
         printed = values if _checks.replicas and replicas is not False else 0
-        h = [signature, call_, _name_digest(what), printed, mode]
-        t = torch.tensor(h + [-x for x in h] + [int(new), int(asked), 0], dtype=torch.int64, device=collective_device(group))
-        context = (group, what, st, signature, call_, rows, name_difference, replicas, bool(printed))
+        learn = int(sequenced and _checks.agreement and key not in st.recordings)
+        h = [signature, call_, name, printed, mode]
+        t = torch.tensor(h + [-x for x in h] + [int(new), int(asked), 0, learn], dtype=torch.int64, device=collective_device(group))
+        context = (group, what, st, signature, call_, rows, name_difference, replicas, bool(printed), segment)
         return Agreement(t, _exchange(t, group, what), None, context)
     _remember(st, signature, replicas)
     return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
+
+
+traced_digest = torch.compiler.assume_constant_result(digest)  # run once, at trace time: dynamo cannot trace hashlib
+
+
+def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int) -> None:
+    """The header of a compiled call: a functional all-reduce in the graph, and an assertion that
+    fails, on every rank alike, where the ranks' signatures or functions differ."""
+    name = traced_digest(what)
+    # The eager header's size and layout (call number -1: a graph keeps no count), so that a
+    # compiled call that meets an eager one on another rank pairs with its header, not its
+    # buckets: the eager rank raises too, instead of an abort in the backend.
+    h = [signature, -1, name, 0, 1]
+    t = torch.tensor(h + [-x for x in h] + [0] * (_HEADER - 2 * _BOTH), dtype=torch.int64, device=collective_device(group))
+    out = funcol.wait_tensor(funcol.all_reduce(t, "max", group if group is not None else dist.group.WORLD))
+    torch._assert_async(
+        (out[:_BOTH] == -out[_BOTH : 2 * _BOTH]).all() & (out[_FAILED] == 0),
+        f"fddp.{what} (compiled): the ranks disagree on what they synchronise: the tree's structure, shapes or dtypes, "
+        "an option (bucket caps, compression), or the fddp function (every rank must run the same compiled step, "
+        "the same number of times). Run the step once without torch.compile: the eager agreement names the difference.",
+    )
 
 
 def _remember(st: _GroupState, signature: int, replicas: bool | None) -> None:
@@ -835,17 +1038,14 @@ class Agreement:
         """
         if self.result is not None:
             return self.result
-        group, what, st, signature, call_, rows, name_difference, replicas, printed = self.context
+        group, what, st, signature, call_, rows, name_difference, replicas, printed, segment = self.context
         wait(self.work, group, what, "the agreement on this call")
         h = self.header.tolist()
-        failed = h[_FAILED]
-        if failed:
-            channel = _channel_of(st, group)
-            unread = Failure(failed - 1, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
-            raise _peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)
+        if h[_FAILED]:
+            _raise_announced(group, st, what, call_, h[_FAILED])
         low = [-x for x in h[_BOTH : 2 * _BOTH]]
         if h[:_PRINT] != low[:_PRINT] or h[_PRINT + 1 : _BOTH] != low[_PRINT + 1 :]:
-            _disagree(group, what, call_, rows, name_difference)
+            _disagree(group, what, call_, rows, name_difference, seen=h)
         # Fingerprints compare only values that were equal once (replicas, after fddp.broadcast):
         # a tree whose values differ at its first comparison differs by design and is left alone.
         equal = h[_PRINT] == low[_PRINT]
@@ -853,8 +1053,20 @@ class Agreement:
         if printed or h[_PRINT] != 0:
             replicas = True if equal and replicas is not False else (replicas is True)
         _remember(st, signature, replicas)
-        self.result = Agreed(bool(h[_NEW]), bool(h[_ASKED]), drifted)
+        if segment is not None:
+            segment.learning = bool(h[_LEARN])  # every rank's answer: one without the recording makes all learn
+            if not segment.learning:
+                segment.expected = st.recordings[segment.key]
+                st.recordings.move_to_end(segment.key)
+        self.result = Agreed(bool(h[_NEW]), bool(h[_ASKED]), drifted, segment)
         return self.result
+
+
+def _raise_announced(group: dist.ProcessGroup | None, st: _GroupState, what: str, call_: int, failed: int) -> None:
+    """A peer announced its failure in place of this call's header: raise it here."""
+    channel = _channel_of(st, group)
+    unread = Failure(failed - 1, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
+    raise _peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)
 
 
 def _exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Any:
@@ -869,13 +1081,55 @@ def _disagree(
     call_: int,
     rows: Callable[[], list[tuple]],
     name_difference: Callable[[Sequence[list[tuple]]], str],
+    token: tuple | None = None,
+    seen: Sequence[int] = (),
 ) -> None:
-    """Every rank is here together (the all-reduced header is the same everywhere): gather what
-    each rank is doing and raise the same error on all of them."""
+    """The all-reduced header (``seen``, the same everywhere) says the ranks differ: tell each
+    other what each is doing and raise the same error on all of them. ``token``: this rank is at
+    the ``(position, token)`` collective of a call being learnt, not at a header.
+
+    Through the group's store, not a collective: a rank that does not join in (inside a compiled
+    step, whose header is in its graph, or gone) is named as silent after a few seconds instead
+    of holding the others in a collective it will never enter.
+    """
     thread = threading.current_thread().name
     mine = {"what": what, "call": call_, "agreement": _checks.agreement, "thread": thread, "rows": rows()}
-    everyone: list[Any] = [None] * size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    mine["token"] = None if token is None else (token[0], describe_token(token[1]))
+    st = _state(group)
+    channel = _channel_of(st, group)
+    n = size(group)
+    if channel is not None:
+        said = channel.exchange(f"{digest(tuple(seen)):x}", rank(group), n, mine)
+    else:  # a group with no store: the collective way
+        said = [None] * n
+        with temporarily_clear_interpreter_stack():  # its tensors must be plain, under torch.func.grad too
+            dist.all_gather_object(said, mine, group=group)
+    silent = [r for r, e in enumerate(said) if e is None]
+    if silent:
+        e = MismatchError(
+            f"fddp.{what}: ranks differ in what they run, and rank(s) {silent} did not say what: they may be inside a "
+            "compiled step (whose agreement is in its graph: a compiled step on some ranks and an eager call on others), "
+            f"or gone. This rank is at its call {call_ + 1} (fddp.{what}). Every rank must make the same fddp calls in the "
+            "same order."
+        )
+        fail(group, what, e)  # a rank that is not here cannot be in step
+        raise e
+    everyone: list[dict] = said  # type: ignore[assignment]
+    if any(e["token"] is not None for e in everyone):
+        def doing_of(r: int, e: dict) -> str:
+            if e["token"] is None:
+                return f"rank {r} starts fddp.{e['what']} (its call {e['call'] + 1})"
+            n, words = e["token"]
+            return f"rank {r} issues {words} as the {_ordinal(n + 1)} collective of fddp.{e['what']}'s call {e['call'] + 1}"
+
+        doing = "; ".join(doing_of(r, e) for r, e in enumerate(everyone))
+        e = MismatchError(
+            f"fddp.{what}: ranks issue different collectives: {doing}. The ranks must issue the same collectives in the "
+            "same order: a forward that depends on the rank's data (a unit skipped or run in another order, an output "
+            "left out of one rank's loss) pairs them with different ones on the other ranks."
+        )
+        fail(group, what, e)  # collectives of this call may be in flight on some ranks: the group is done
+        raise e
     calls = [(e["call"], e["what"]) for e in everyone]
     if len(set(calls)) > 1:
         doing = "; ".join(f"rank {r} is at its call {c + 1} (fddp.{w})" for r, (c, w) in enumerate(calls))

@@ -565,6 +565,14 @@ def explain_split(
         return None
     if a != b:
         which, other = (want_name, got_name) if a else (got_name, want_name)
+        if any(n.stage == 3 for n in split_nodes(want if a else got)):
+            return (
+                f"{which} is fully sharded (ZeRO stage 3, fddp.zero.fully_shard's shards) but {other} is a whole, "
+                "replicated tree: under stage 3 the optimizer state is sharded like the parameters. Make it from the "
+                "shards, `state = opt.init(shards)` (not from the gathered tree of fddp.zero.unshard or gather), and "
+                "step with the shards and their gradients (torch.func.grad or fddp.grad_and_value of a loss that calls "
+                "fully_shard's apply_fn)"
+            )
         return (
             f"{which} is sharded (fddp.zero: one rank's slices of the buckets) but {other} is a replicated "
             "tree: the sharded and replicated paths do not mix. Give a sharded optimizer state sharded "

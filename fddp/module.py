@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fddp._layout import MODULE_ALIAS
+from fddp.batchnorm import SyncBatchNorm
 
 __all__ = ["functionalize", "functionalize_with_buffers", "load_into"]
 
@@ -46,7 +47,8 @@ def functionalize(model: nn.Module, /, *, trainable: Filter | None = None) -> tu
     training mode (BatchNorm's running statistics) updates the module's buffers in place. In one
     process that is torch's own behaviour. On several ranks it would leave each rank with its own
     floating-point buffers, silently (torch DDP broadcasts rank 0's before every forward), so there
-    ``apply_fn`` raises instead, on every rank, naming the buffers, before anything is synchronised
+    ``apply_fn`` raises instead (not for :func:`fddp.sync_batchnorm`'s layers, whose statistics span
+    every rank and are updated alike everywhere), on every rank, naming the buffers, before anything is synchronised
     and with the module's buffers as they were: use :func:`functionalize_with_buffers`, whose
     ``apply_fn`` returns the new buffers, and :func:`fddp.sync_buffers`. Which buffers a forward
     writes is learnt from its first call in each train/eval mode (one copy of the buffers); a
@@ -359,7 +361,14 @@ class _LocalBuffers:
 
     def __init__(self, model: nn.Module) -> None:
         named = dict(model.named_buffers())
-        self.floating = {name for name, b in named.items() if b.is_floating_point() or b.is_complex()}
+        # A SyncBatchNorm's running statistics are updated alike on every rank: no rank keeps its own.
+        synced = {
+            f"{prefix}.{attr}" if prefix else attr
+            for prefix, m in model.named_modules()
+            if isinstance(m, SyncBatchNorm)
+            for attr in ("running_mean", "running_var")
+        }
+        self.floating = {name for name, b in named.items() if (b.is_floating_point() or b.is_complex()) and name not in synced}
         # Every buffer's slots, integer ones too: an error puts them all back as they were.
         self.slots = _slots(model, model.named_buffers(remove_duplicate=False), set(named)) if self.floating else []
         self.owners = list({id(m): m for m, _, _ in self.slots}.values())  # whose train/eval flag may decide

@@ -92,6 +92,45 @@ def test_outer_optimizers_are_told_apart_by_their_settings():
     assert "0x" not in d(fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), nesterov(0.7)))  # no addresses
 
 
+class _Step:
+    """A schedule written as a class: its settings are attributes."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+
+    def __call__(self, count):
+        return self.lr
+
+
+def test_outer_optimizers_are_compared_by_value_constants_and_attributes_included():
+    d = _plan.describe
+    # Two schedules of the same name, closure and defaults that differ in a constant of their code.
+    schedules = [lambda c: 0.7 * 0.99**c, lambda c: 0.5 * 0.99**c]
+    assert schedules[0].__qualname__ == schedules[1].__qualname__
+    assert d(fddp.optim.sgd(schedules[0])) != d(fddp.optim.sgd(schedules[1]))
+    assert d(fddp.optim.sgd(_Step(0.7))) != d(fddp.optim.sgd(_Step(0.5)))
+    assert d(fddp.optim.sgd(_Step(0.7))) == d(fddp.optim.sgd(_Step(0.7)))
+    # The same numbers compare equal whatever their type: 1 and 1.0 step alike.
+    assert d(fddp.optim.sgd(1)) == d(fddp.optim.sgd(1.0))
+    assert d((1.0, True)) != d((1.0, 1.0))  # but a flag is not a number
+
+
+def test_fragments_by_prefix_take_whole_modules_and_say_what_is_wrong():
+    params = {k: torch.zeros(n) for k, n in [("embed.w", 4), ("blocks.0.w", 8), ("blocks.0.b", 2), ("blocks.10.w", 8), ("head.w", 3)]}
+    frags = _plan.split_by(params, [("blocks.0", "embed"), ("blocks.10", "head.w")], "t")
+    assert [f.paths for f in frags] == [("embed.w", "blocks.0.w", "blocks.0.b"), ("blocks.10.w", "head.w")]  # definition order
+    assert [f.nbytes for f in frags] == [56, 44]
+    with pytest.raises(ValueError, match="prefix 'blocks.2' names no leaf"):
+        _plan.split_by(params, [("blocks.2",), ("embed", "blocks", "head")], "t")
+    with pytest.raises(ValueError, match="leaf 'blocks.0.w' is in fragment 0 and in fragment 1"):
+        _plan.split_by(params, [("blocks",), ("blocks.0", "embed", "head")], "t")
+    with pytest.raises(ValueError, match="2 leaves are in no fragment: 'embed.w', 'head.w'"):
+        _plan.split_by(params, [("blocks",)], "t")
+    with pytest.raises(ValueError, match="fragments must be an int or a sequence"):
+        fddp.diloco.diloco(4, fragments="blocks")
+    assert fddp.diloco.diloco(4, fragments=["embed", ["blocks", "head"]]).fragments == (("embed",), ("blocks", "head"))
+
+
 def test_bad_configurations_say_what_is_wrong():
     with pytest.raises(ValueError, match="delay=4 must be < every=4"):
         fddp.diloco.diloco(4, delay=4)
@@ -124,14 +163,23 @@ def _h1_worker(steps: int):
     for x, y in data:
         g = fddp.ddp_step(q, torch.func.grad(_loss, argnums=1)(apply_fn, q, x, y))
         q, t = fddp.optim.apply_gradients(sgd, g, t, q)
-    return p, q, o.snapshot
+    # The warm start: steps of inner SGD averaged after each are DDP + SGD, whatever every is.
+    warm = fddp.diloco.diloco(4, warmup=steps)
+    w, s, o2 = params, sgd.init(params), warm.init(params)
+    for x, y in data:
+        w, s = fddp.optim.apply_gradients(sgd, torch.func.grad(_loss, argnums=1)(apply_fn, w, x, y), s, w)
+        w, o2 = warm.step(w, o2)
+    untouched = _equal(o2.outer_state, warm.init(params).outer_state)  # no outer step during the warm-up
+    return p, q, o.snapshot, w, o2.snapshot, untouched
 
 
 def test_h1_with_sgd_inside_and_outside_is_ddp_step_and_sgd():
-    for p, q, snap in run(_h1_worker, K, 5):
+    for p, q, snap, w, warm_snap, untouched in run(_h1_worker, K, 5):
         for k in q:
             torch.testing.assert_close(p[k], q[k], rtol=1e-5, atol=1e-6)
-            assert torch.equal(p[k], snap[k])
+            torch.testing.assert_close(w[k], q[k], rtol=1e-5, atol=1e-6)
+            assert torch.equal(p[k], snap[k]) and torch.equal(w[k], warm_snap[k])
+        assert untouched
 
 
 # --- local SGD: torch's PeriodicModelAverager ------------------------------------------------------
@@ -208,6 +256,8 @@ CONFIGS = {
     "weighted": dict(every=3, steps=7, weighted=True),
     "sharded": dict(every=3, steps=8, shard=True),
     "int8": dict(every=3, steps=7, compression="int8"),
+    "warm": dict(every=3, warmup=4, steps=11),
+    "prefixes": dict(every=4, fragments=[["2"], ["0"]], delay=1, mixing=0.5, steps=11),
 }
 LR_OUT, MOMENTUM = 0.7, 0.9
 
@@ -243,11 +293,14 @@ def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
     """Every worker's inner steps at once under vmap, and the outer steps written out, in float64."""
     cfg = CONFIGS[name]
     every, steps, frags = cfg["every"], cfg["steps"], cfg.get("fragments", 1)
-    delay, mixing = cfg.get("delay", 0), cfg.get("mixing", 0.0)
+    delay, mixing, warmup = cfg.get("delay", 0), cfg.get("mixing", 0.0), cfg.get("warmup", 0)
     apply_fn, params = fddp.functionalize(_mlp(torch.float64))
     params = {k: v.detach().clone() for k, v in params.items()}
     keys = list(params)  # definition order: 0.weight, 0.bias, 2.weight, 2.bias
-    fragments = [keys[:2], keys[2:]] if frags == 2 else [keys]
+    if isinstance(frags, list):  # the user's, by prefix: "2" is the second Linear's weight and bias
+        fragments = [[k for k in keys if any(k.startswith(f"{q}.") for q in prefixes)] for prefixes in frags]
+    else:
+        fragments = [keys[:2], keys[2:]] if frags == 2 else [keys]
     inner = fddp.optim.adamw(0.05, weight_decay=0.01)
     local = {k: v.expand(world, *v.shape).clone() for k, v in params.items()}
     state = torch.func.vmap(inner.init)(local)
@@ -267,9 +320,15 @@ def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
         x = torch.stack([data[r][t - 1][0] for r in range(world)])
         y = torch.stack([data[r][t - 1][1] for r in range(world)])
         local, state = torch.func.vmap(inner_step)(local, state, x, y)
+        if t <= warmup:  # a synchronous step: every worker's parameters become their mean
+            for k in keys:
+                snapshot[k] = local[k].mean(0)
+                local[k] = snapshot[k].expand(world, *snapshot[k].shape).clone()
+            history.append(({k: v.clone() for k, v in local.items()}, {k: v.clone() for k, v in snapshot.items()}))
+            continue
         for f, frag in enumerate(fragments):
             merge_at = (f + 1) * every // len(fragments) % every
-            if (t + delay - merge_at) % every == 0:  # launch: every worker's pseudo-gradient
+            if (t - warmup + delay - merge_at) % every == 0:  # launch: every worker's pseudo-gradient
                 w = weights[:, window_start[f] : t].sum(1) if cfg.get("weighted") else None
                 window_start[f] = t
                 pseudo[f] = (t + delay, w, {k: snapshot[k] - local[k] for k in frag})
@@ -533,3 +592,100 @@ def test_weights_average_what_each_rank_saw_and_a_round_without_data_changes_not
     assert _equal(after3[1].outer_state, before3[1].outer_state) and _equal(after3[1].snapshot, before3[1].snapshot)
     for p_r, _ in [o[2][2] for o in outs]:
         assert _equal(p_r, after3[1].snapshot)
+
+
+# --- state checked across ranks: another step, another start, another tree, other shapes -----------
+
+
+def _state_checks_worker():
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    r = fddp.rank()
+    data = _data(r, 12)
+    sgd = fddp.optim.sgd(0.1)
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except (fddp.MismatchError, fddp.PeerError, ValueError, TypeError) as e:
+            errors[name] = (type(e).__name__, str(e))
+
+    # A start without fddp.broadcast: rank 1's parameters differ by one ulp in one value.
+    own = {k: v.clone() for k, v in params.items()}
+    if r == 1:
+        own["2.bias"][3] = torch.nextafter(own["2.bias"][3], torch.tensor(9.0))
+    outer = fddp.diloco.diloco(4)
+    attempt("no broadcast", lambda: _train(apply_fn, sgd, outer, own, sgd.init(own), outer.init(own), data, range(4)))
+
+    # A rank resumed from its own older file: rank 1 loads the state of step 6, rank 0 that of step 8.
+    outer = fddp.diloco.diloco(4, fddp.optim.sgd(0.7, momentum=0.5, nesterov=True))
+    p, s, o = _train(apply_fn, sgd, outer, params, sgd.init(params), outer.init(params), data, range(6))
+    older = (p, s, o)
+    p, s, o = _train(apply_fn, sgd, outer, p, s, o, data, range(6, 8))
+    p, s, o = older if r == 1 else (p, s, o)
+    attempt("older file", lambda: _train(apply_fn, sgd, outer, p, s, o, data, range(8, 12)))
+
+    # Outer schedules of the same code that differ in a constant.
+    schedules = [lambda c: 0.7 * 0.99**c, lambda c: 0.5 * 0.99**c]
+    outer = fddp.diloco.diloco(4, fddp.optim.sgd(schedules[r], momentum=0.9, nesterov=True))
+    attempt("schedule", lambda: _train(apply_fn, sgd, outer, params, sgd.init(params), outer.init(params), data, range(4)))
+
+    # A DiLoCo state of another tree on one rank.
+    torch.manual_seed(5)
+    _, other = fddp.functionalize(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)))
+    outer = fddp.diloco.diloco(4, fddp.optim.sgd(0.7))
+    state = outer.init(other if r == 1 else params)
+    attempt("other tree", lambda: _train(apply_fn, sgd, outer, params, sgd.init(params), state, data, range(4)))
+
+    # A model resized after the state was made: the very next call says so, not the sync H - 1 steps later.
+    outer = fddp.diloco.diloco(4, fddp.optim.sgd(0.6))
+    p, s, o = _train(apply_fn, sgd, outer, params, sgd.init(params), outer.init(params), data, range(1))
+    resized = {**p, "2.weight": torch.zeros(7, 6)}
+    attempt("resized", lambda: outer.step(resized, o))
+
+    # The same on one rank only: it raises at once, and its peer learns of it at its next synchronisation.
+    outer = fddp.diloco.diloco(4, fddp.optim.sgd(0.55))
+    p, s, o = _train(apply_fn, sgd, outer, params, sgd.init(params), outer.init(params), data, range(1))
+
+    def resized_on_one_rank():
+        q, state = p, o
+        for t in range(2, 5):  # steps 2 and 3 count; step 4 synchronises
+            q = {**q, "2.weight": torch.zeros(7, 6)} if (r == 1 and t == 2) else q
+            q, state = outer.step(q, state)
+
+    attempt("resized on one rank", resized_on_one_rank)
+
+    # ZeRO shards over the group that DiLoCo averages across: refused, as ddp_step refuses them.
+    _, shards = fddp.zero.fully_shard(_mlp())
+    attempt("fully_shard", lambda: fddp.diloco.local_sgd(2).init(shards))
+    attempt("fully_shard step", lambda: fddp.diloco.local_sgd(2).step(shards, fddp.diloco.local_sgd(2).init(params)))
+    attempt("shard", lambda: fddp.diloco.local_sgd(2).init(fddp.zero.shard(params)))
+    fddp.ddp_step(params, params)  # the group still works
+    return errors
+
+
+def test_stale_or_mismatched_state_is_an_error_on_every_rank_naming_what_differs():
+    outs = run(_state_checks_worker, K)
+    for errors in outs:
+        kind, msg = errors["no broadcast"]
+        assert kind == "MismatchError" and "leaf '2.bias'" in msg and "fddp.broadcast(params)" in msg, msg
+        kind, msg = errors["older file"]
+        assert kind == "MismatchError" and "rank 0 at step 12, rank 1 at step 8" in msg and "checkpoint" in msg, msg
+        kind, msg = errors["schedule"]
+        assert kind == "MismatchError" and "option diloco optimizer" in msg.lower() and "0.7" in msg and "0.5" in msg, msg
+        kind, msg = errors["other tree"]
+        assert kind == "MismatchError" and "Rank 1's params do not match the DiLoCo state at leaf '2.bias'" in msg, msg
+        kind, msg = errors["resized"]
+        assert kind == "ValueError" and "leaf '2.weight'" in msg and "(7, 6)" in msg and "(6, 6)" in msg, msg
+    kind, msg = outs[1]["resized on one rank"]
+    assert kind == "ValueError" and "leaf '2.weight'" in msg, msg
+    kind, msg = outs[0]["resized on one rank"]
+    assert kind == "PeerError" and "rank 1" in msg and "ValueError" in msg, msg
+    for errors in outs:
+        for name in ("fully_shard", "fully_shard step"):
+            kind, msg = errors[name]
+            assert kind == "TypeError" and "fully sharded" in msg and "group=replica_group" in msg, msg
+        assert errors["shard"][0] == "TypeError" and "fddp.zero.shard" in errors["shard"][1]
+    same = {k: v for k, v in outs[0].items() if k != "resized on one rank"}
+    assert same == {k: v for k, v in outs[1].items() if k != "resized on one rank"}  # word for word on every rank

@@ -88,6 +88,14 @@ def test_readme_loop_trains_under_torchrun(tmp_path: Path) -> None:
     assert losses[-1] < losses[0] / 4, losses
     (accuracy,) = re.findall(r"^test accuracy ([0-9.]+) on 360 held-out samples$", proc.stdout, re.M)
     assert float(accuracy) > 0.9, proc.stdout
+    # The output the README shows after the loop is the loop's, numbers aside.
+    readme = (ROOT / "README.md").read_text()
+    sample = re.search(r"```text\n(.*?)```", readme[readme.index(source) :], re.DOTALL).group(1)
+    for line in sample.splitlines():
+        if line != "...":
+            parts = re.split(r"(\d+(?:\.\d+)?)", line)  # numbers (even positions hold the text between)
+            pattern = "".join(r"[0-9]+(?:\.[0-9]+)?" if k % 2 else re.escape(p) for k, p in enumerate(parts))
+            assert re.search(f"^{pattern}$", proc.stdout, re.M), f"the README shows {line!r}; the loop printed:\n{proc.stdout}"
 
 
 def test_readme_commands_are_the_quickstart_commands() -> None:
@@ -126,7 +134,7 @@ def _marked_blocks(path: Path, marker: str) -> list[str]:
 
 def test_concepts_loops_run(tmp_path: Path) -> None:
     blocks = _marked_blocks(ROOT / "docs" / "concepts.md", "run by tests/test_docs.py")
-    assert len(blocks) == 2, "the Join and PowerSGD loops"
+    assert len(blocks) == 3, "the Join, PowerSGD and injected-hyperparameter loops"
     for i, block in enumerate(blocks):
         script = tmp_path / f"loop{i}.py"
         script.write_text(PRELUDE + block + CHECK)

@@ -271,3 +271,28 @@ def test_not_initialised_says_what_fits_the_environment():
     assert "only partly set (RANK, WORLD_SIZE set; MASTER_ADDR, MASTER_PORT missing)" in partial, partial
     first, after = lines({}, "shutdown")
     assert "fddp.shutdown() ended this process's group earlier; call fddp.init() again" in after, after
+
+
+# --- ZeRO's shards: the fix for the stage the tree is at ----------------------------------------
+
+
+def test_stage3_shards_errors_point_to_the_gathered_tree_and_to_init_on_the_shards():
+    fddp.init()
+    apply_fn, shards = fddp.zero.fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+    message = _message(lambda: fddp.verify_replicas(shards))
+    assert "fddp.verify_replicas: got fully sharded parameters (ZeRO stage 3" in message
+    assert "fddp.verify_replicas(fddp.zero.unshard(shards))" in message and "need no sync" not in message
+    fddp.verify_replicas(fddp.zero.unshard(shards))  # what it says to do works
+    # The optimizer state made from the gathered tree, stepped with the shards: stage 3's fix.
+    opt = optim.adamw(1e-3)
+    state = opt.init(fddp.zero.unshard(shards))
+    grads = torch.func.grad(lambda s: apply_fn(s, torch.randn(3, 4)).square().mean())(shards)
+    for step in (lambda: optim.apply_gradients(opt, grads, state, shards), lambda: opt.update(grads, state, shards)):
+        message = _message(step)
+        assert "ZeRO stage 3" in message and "state = opt.init(shards)" in message, message
+        assert "ReduceScatter" not in message and "fddp.zero.shard(" not in message, message
+    optim.apply_gradients(opt, grads, opt.init(shards), shards)  # and the fix works
+    # Stage 2's shards keep stage 2's words, pointing to the gathered tree too.
+    stage2 = fddp.zero.shard(fddp.zero.unshard(shards))
+    assert "verify_replicas(fddp.zero.unshard(shards))" in _message(lambda: fddp.verify_replicas(stage2))
+    assert "ReduceScatter" in _message(lambda: opt.update(stage2, opt.init(fddp.zero.unshard(shards)), stage2))

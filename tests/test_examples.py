@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from test_docs import quickstart_output_patterns
+from test_readme import zero3_command
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -84,12 +85,14 @@ def test_train_digits_output_is_the_quickstarts_and_a_finished_run_says_so(tmp_p
 
 def test_train_digits_with_powersgd_resumes_bitwise_and_reaches_the_uncompressed_accuracy(tmp_path: Path) -> None:
     # PowerSGD's state (per-rank residuals, warm-start factors) goes through every step and into
-    # each rank's own checkpoint: a run stopped after epoch 2 and restarted ends where an
+    # the checkpoint as each rank's own: a run stopped after epoch 2 and restarted ends where an
     # uninterrupted one does, to the bit.
     psgd = ("--compression", "powersgd", "--powersgd-rank", "1", "--powersgd-start", "10", "--epochs", "3")
     launch("train_digits.py", *psgd, "--out-dir", "full", tmp=tmp_path)
     launch("train_digits.py", *psgd, "--max-steps", "46", "--out-dir", "resumed", tmp=tmp_path)
-    assert sorted(p.name for p in (tmp_path / "resumed" / "ckpt").iterdir() if p.is_dir()) == ["powersgd-rank0", "powersgd-rank1"]
+    # One checkpoint per epoch, each a directory holding every rank's own PowerSGD state (PerRank).
+    saved = sorted((tmp_path / "resumed" / "ckpt").iterdir())
+    assert [p.name for p in saved] == ["ckpt-00000001", "ckpt-00000002"] and all((p / "fddp-manifest.pt").is_file() for p in saved)
     out = launch("train_digits.py", *psgd, "--out-dir", "resumed", tmp=tmp_path)
     assert "resumed from" in out
     numbers = lambda m: [{k: v for k, v in h.items() if k != "samples_per_s"} for h in m["history"]]  # noqa: E731
@@ -127,12 +130,17 @@ def test_transformer_lm_trains(tmp_path: Path) -> None:
 
 
 def test_transformer_lm_fully_sharded_fits_a_budget_the_full_state_exceeds(tmp_path: Path) -> None:
+    # The README's command, shortened to 30 steps (the memory it prints does not depend on them),
+    # prints the lines the README quotes.
+    args, quoted = zero3_command()
     out = launch(
         "transformer_lm.py",
-        *("--fully-shard", "--d-model", "128", "--layers", "4", "--budget-mb", "10"),
+        *args,
         *("--steps", "30", "--warmup", "5", "--micro-batch", "32", "--eval-every", "30", "--out-dir", "lm3"),
         tmp=tmp_path,
     )
+    for line in quoted:
+        assert line in out.splitlines(), f"the README quotes {line!r}; the command printed:\n{out}"
     assert "exceeds the budget of 10.0 MiB; sharded over 2 ranks it fits" in out
     m = read_outputs(tmp_path / "lm3")
     mem = m["memory"]
@@ -222,6 +230,10 @@ def test_diloco_streams_int8_fragments_checkpoints_mid_run_and_trains(tmp_path: 
     out = launch("diloco.py", "--steps", "118", "--every", "20", "--fragments", "2", "--delay", "3", "--mixing", "0.5",
                  "--compression", "int8", "--out-dir", "run", tmp=tmp_path)  # fmt: skip
     assert "final test accuracy" in out
+    # It prints where its outputs and its mid-run checkpoint (every rank's own state) are.
+    (saved,) = re.findall(r"^step   59  checkpoint of every rank's state: (\S+) ", out, re.M)
+    assert saved == os.path.join("run", "ckpt", "ckpt-00000059") and (tmp_path / saved / "fddp-manifest.pt").is_file()
+    assert "wrote run/metrics.json and run/curves.png" in out
     m = read_outputs(tmp_path / "run")
     assert m["world_size"] == 2 and m["test_acc"][-1] > 0.8, m["test_acc"]
     assert m["test_loss"][-1] < m["test_loss"][0] / 2

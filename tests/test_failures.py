@@ -32,10 +32,11 @@ def _group():
 
 
 def _outcome(fn):
-    """``("ok", value)`` or ``(exception type name, message, seconds it took)``."""
+    """``("ok", value)`` (a tensor's; else its type's name) or ``(exception type name, message, seconds it took)``."""
     t0 = time.monotonic()
     try:
-        return ("ok", fn())
+        value = fn()
+        return ("ok", value if isinstance(value, torch.Tensor) else type(value).__name__)
     except Exception as e:  # noqa: BLE001 - the case reports what each rank saw
         return (type(e).__name__, str(e), time.monotonic() - t0)
 
@@ -209,3 +210,170 @@ def test_equal_options_plain_class_hooks_and_thread_pools_are_not_refused():
     for out in run(_no_alarm_worker, 2, timeout=60):
         for name, value in out.items():
             assert torch.equal(value, torch.full((3,), 0.5)), (name, value)
+
+
+# --- Int8 and values that are not finite -------------------------------------------------------------------
+
+
+def _int8_worker():
+    group = _group()
+    i8 = fddp.Int8()
+    p = {"w": torch.zeros(600), "b": torch.zeros(10)}
+    r = fddp.rank()
+
+    def grads(seed):
+        g = torch.Generator().manual_seed(seed + 100 * r)
+        return {"w": torch.randn(600, generator=g), "b": torch.randn(10, generator=g)}
+
+    def step(g, state):
+        return fddp.ddp_step(p, g, group=group, compression=i8, compression_state=state, check_finite=True, return_info=True)
+
+    s0 = i8.init(p)
+    _, info = step(grads(1), s0)
+    s1 = info.compression_state
+    out = {}
+    for name, where in (("nan", (1, 3)), ("inf", (0, 599))):  # (the rank, the element) that goes bad, once
+        g = grads(2)
+        if r == where[0]:
+            g["w"][where[1]] = float(name)
+        mean, info = step(g, s1)
+        out[name] = (bool(info.finite), info.compression_state is s1, bool(torch.isnan(mean["w"]).any()))
+    # The step after the skipped ones equals a run in which they never happened, to the bit.
+    mean, _ = step(grads(3), s1)
+    _, info = step(grads(1), s0)
+    ref, _ = step(grads(3), info.compression_state)
+    out["recovered"] = torch.equal(mean["w"], ref["w"]) and torch.equal(mean["b"], ref["b"])
+    return out
+
+
+def test_int8_makes_a_non_finite_value_on_one_rank_non_finite_everywhere_and_returns_the_state_it_was_given():
+    for out in run(_int8_worker, 2, timeout=60):
+        assert out["nan"] == (False, True, True), out  # finite: no; the same state back; NaN in the mean
+        assert out["inf"] == (False, True, True), out
+        assert out["recovered"], out
+
+
+# --- compiled steps --------------------------------------------------------------------------------------
+
+
+def _compiled_worker():
+    group = _group()
+    p = {"w": torch.ones(8)}
+    compression = "bf16" if fddp.rank() == 0 else "fp16"  # buffers of one size, different bits
+
+    @torch.compile(fullgraph=True)
+    def step(g):
+        return fddp.ddp_step(p, g, group=group, compression=compression)
+
+    differ = _outcome(lambda: step({"w": torch.full((8,), 1.0 + fddp.rank())})["w"])
+
+    @torch.compile(fullgraph=True)
+    def same(g):
+        return fddp.ddp_step(p, g, group=group)
+
+    g = {"w": torch.full((8,), 1.0 + fddp.rank())}
+    same(g)  # both ranks, once
+    if fddp.rank() == 1:  # one compiled call more, where rank 0 makes an eager one
+        more = _outcome(lambda: same(g)["w"])
+    else:
+        more = _outcome(lambda: fddp.ddp_step(p, g, group=group)["w"])
+    return differ, more
+
+
+def test_compiled_steps_that_differ_between_ranks_raise_on_every_rank():
+    (d0, m0), (d1, m1) = run(_compiled_worker, 2, timeout=300)
+    for out in (d0, d1):
+        assert out[0] == "RuntimeError" and "fddp.ddp_step (compiled): the ranks disagree" in out[1], out
+    # A compiled call meets an eager one: the graph's header has the eager one's size, so the eager
+    # rank raises (its peer did not say what it runs: it was in a compiled step) instead of an abort.
+    assert m1[0] == "RuntimeError" and "(compiled): the ranks disagree" in m1[1], m1
+    assert m0[0] == "MismatchError" and "compiled step" in m0[1] and m0[2] < 10, m0
+# --- fully sharded forwards that differ between ranks (ZeRO stage 3) ----------------------------------------
+
+
+class _Blocks(torch.nn.Module):
+    """Three square blocks and a head, run in an order (and with a block skipped) the call chooses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x, order=(0, 1, 2)):
+        for i in order:
+            x = torch.tanh(self.blocks[i](x))
+        return self.head(x)
+
+
+def _stage3_worker(case: str):
+    group = _group()
+    apply_fn, shards = fddp.zero.fully_shard(_Blocks(), group=group)
+    x = torch.randn(4, 8)
+    deviant = fddp.rank() == 1
+
+    def step(order=(0, 1, 2), use_head=True):
+        def loss(s):
+            out = apply_fn(s, x, order)
+            return out.sum() if use_head else out.detach().sum() + s.shards[0].sum() * 0
+        return torch.func.grad(loss)(shards)
+
+    def gv_loss(s, use_head):
+        return apply_fn(s, x).sum() if use_head else apply_fn(s, x).detach().sum() + s.shards[0].sum() * 0
+
+    gv = fddp.grad_and_value(gv_loss)
+    for _ in range(4):  # the sequence is learnt over the first calls, then checked
+        gv(shards, True) if case == "unused" else step()
+    if case == "order":
+        return _outcome(lambda: step((0, 2, 1) if deviant else (0, 1, 2)))
+    if case == "skip":
+        return _outcome(lambda: step((0, 2) if deviant else (0, 1, 2)))
+    if case == "unused":  # through fddp.grad_and_value, which raises in the very call
+        return _outcome(lambda: gv(shards, not deviant)), _outcome(lambda: gv(shards, True))
+    if case == "eval":  # rank 0 evaluates alone between two steps
+        first = _outcome(lambda: apply_fn(shards, x).sum() if not deviant else step())
+        return first
+    if case == "models":  # two models of one architecture, called in another order on one rank
+        other_fn, other = fddp.zero.fully_shard(_Blocks(), group=group)
+        pair = [lambda: apply_fn(shards, x), lambda: other_fn(other, x)]
+        with torch.no_grad():
+            return _outcome(lambda: [f() for f in (pair[::-1] if deviant else pair)])
+    raise AssertionError(case)
+
+
+def test_stage3_units_in_another_order_or_skipped_on_one_rank_fail_on_every_rank():
+    for case in ("order", "skip"):
+        o0, o1 = run(_stage3_worker, 2, case, timeout=90)
+        assert o1[0] == "MismatchError" and "as the" in o1[1] and "the sequence the ranks agreed on" in o1[1], (case, o1)
+        assert o0[0] == "PeerError" and o0[2] < 5 and "rank 1 failed in fddp.zero.fully_shard" in o0[1], (case, o0)
+
+
+def test_stage3_an_output_unused_in_one_ranks_loss_fails_on_every_rank_not_an_abort():
+    (o0, a0), (o1, a1) = run(_stage3_worker, 2, "unused", timeout=90)
+    # Rank 1's head never runs its backward: as its graph is freed, it fails the group, and rank 0,
+    # waiting in the head's reduction, raises within a poll.
+    assert o1[0] == "PeerError" and "dropped a forward's graph without running its backward" in o1[1], o1
+    assert o0[0] == "PeerError" and o0[2] < 5 and "rank 1 failed in fddp.zero.fully_shard" in o0[1], o0
+    assert a0[0] == a1[0] == "PeerError", (a0, a1)  # and the group is done, on both
+
+
+def test_stage3_an_evaluation_forward_on_one_rank_is_named_on_every_rank():
+    o0, o1 = run(_stage3_worker, 2, "eval", timeout=90)
+    for out in (o0, o1):
+        assert out[0] == "MismatchError" and "an evaluation forward" in out[1] and "a training forward" in out[1], out
+
+
+def test_stage3_two_models_of_one_architecture_in_another_order_are_named():
+    for out in run(_stage3_worker, 2, "models", timeout=90):
+        assert out[0] == "MismatchError" and "fully_shard's model #" in out[1], out
+
+
+def _batchnorm_worker():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    apply_fn, shards = fddp.zero.fully_shard(model, group=_group())
+    return _outcome(lambda: apply_fn(shards, torch.randn(8, 4)))
+
+
+def test_stage3_a_forward_that_writes_batchnorm_statistics_is_refused_on_every_rank():
+    for out in run(_batchnorm_worker, 2, timeout=60):
+        assert out[0] == "RuntimeError" and "'1.running_mean'" in out[1] and "each would keep its own" in out[1], out

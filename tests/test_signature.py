@@ -29,7 +29,7 @@ def _cap_worker() -> str | None:
 
 def test_per_rank_bucket_caps_raise_mismatch_on_every_rank_naming_the_option():
     for msg in run(_cap_worker, 2):
-        assert msg is not None and "Option bucket_cap_mb: rank 0 has 25, rank 1 has 0.5" in msg, msg
+        assert msg is not None and "Option bucket_cap_mb: rank 0 has 25.0, rank 1 has 0.5" in msg, msg
 
 
 def _reordered_worker() -> str | None:

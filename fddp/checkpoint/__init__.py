@@ -1,11 +1,26 @@
-"""Save and load pytrees of tensors: atomic, rank-0-only writes, code-free and verified loads.
+"""Save and load pytrees of tensors: atomic writes, code-free and verified loads, one API for every kind of state.
 
-A checkpoint is one ``torch.save`` file holding only plain data: a dict with the leaves
-(tensors and Python scalars) in depth-first order, each leaf's path (``params/w``), CRC-32s of
-every tensor's bytes (one per 4 MiB), and the tree's structure described with tuples, strings and ints. Nothing in
-it names a Python class, so it loads with ``torch.load(..., weights_only=True)``, and a file that
-would need to run code is refused. A file that was cut short or changed on disk after the write
-is an error naming the file and the damaged leaf, never a silently different value.
+Three kinds of state, one rotation API (:func:`save_step`, :func:`latest`, :func:`steps`,
+:func:`load_step`, ``keep=``):
+
+- **Replicated** trees (parameters, optimizer state, step counts, RNG states, the same on every
+  rank) are one file, written by rank 0: :func:`save` / :func:`load`.
+- **Sharded** trees (:mod:`fddp.zero`'s ``Sharded`` parts, stages 1 to 3) are a directory in
+  torch.distributed.checkpoint's format, every rank writing its pieces, readable on any number of
+  ranks: :func:`save_sharded` / :func:`load_sharded`. Leaves are keyed as DCP keys a module's
+  state dict (``params.0.weight``; a tree of a module's parameters by their own names), so
+  ``torch.distributed.checkpoint.load`` reads them into a module and :func:`load_sharded` reads
+  checkpoints DCP wrote.
+- **Per-rank** state (DiLoCo's local parameters and inner optimizer state, a compressor's
+  residuals) is wrapped in :class:`PerRank` inside a sharded checkpoint: each rank stores and
+  loads its own copy, with no process groups to build.
+
+A single-file checkpoint is one ``torch.save`` file holding only plain data: a dict with the
+leaves (tensors and Python scalars) in depth-first order, each leaf's path (``params/w``), CRC-32s
+of every tensor's bytes (one per 4 MiB), and the tree's structure described with tuples, strings
+and ints. Nothing in it names a Python class, so it loads with ``torch.load(..., weights_only=True)``,
+and a file that would need to run code is refused. A file that was cut short or changed on disk
+after the write is an error naming the file and the damaged leaf, never a silently different value.
 
 Supported trees are nested ``dict`` (and ``OrderedDict``), ``list``, ``tuple`` and ``NamedTuple``
 (optimizer states) nodes, with leaves that are tensors or ``int``, ``float``, ``complex``, ``bool``,
@@ -14,29 +29,41 @@ Other dict subclasses are saved as dicts, other tuple/list subclasses as tuples/
 of the scalar types (numpy scalars, enums) are refused at save time, since loading them would need
 their class. Tensors are stored on the CPU.
 
-Writes are atomic: the file is written next to its destination under a temporary name, flushed,
-fsynced and renamed over the destination, then the directory is fsynced. A writer killed at any
-moment leaves either the old file or the new one, never a torn one; its temporary
+Writes are atomic: a checkpoint is written next to its destination under a temporary name,
+flushed, fsynced and renamed over the destination, then the directory is fsynced. A writer killed
+at any moment leaves either the old checkpoint or the new one, never a torn one; its temporary
 (``<name>.tmp-<host id>-<pid>-<random>``) is deleted by the next save of the same destination once
 it is provably abandoned (see :func:`save_step` for the rule).
 
-Checkpoints of a run live in one directory as ``<prefix>-<step:08d>.pt``; :func:`save_step` writes
-one and keeps only the newest few, :func:`latest` finds the newest, :func:`steps` lists them all.
-
-Trees sharded by :mod:`fddp.zero` are saved per rank instead, into a directory that loads onto any
-number of ranks: :func:`save_sharded` and :func:`load_sharded`.
+Checkpoints of a run live in one directory as ``<prefix>-<step:08d>.pt`` (a file) or
+``<prefix>-<step:08d>`` (a sharded checkpoint); :func:`save_step` writes one of the right kind and
+keeps only the newest few, :func:`latest` finds the newest, :func:`steps` lists them all,
+:func:`load_step` reads either kind.
 
 Example:
     >>> import tempfile, torch, fddp.checkpoint as ckpt
     >>> d = tempfile.mkdtemp()
     >>> state = {"params": {"w": torch.ones(2)}, "step": 10}
     >>> _ = ckpt.save_step(d, 10, state, keep=3)
-    >>> ckpt.load(ckpt.latest(d), like=state)["step"]
+    >>> ckpt.load_step(ckpt.latest(d), like=state)["step"]
     10
 """
 
 from fddp.checkpoint._codec import CheckpointError
-from fddp.checkpoint._sharded import load_sharded, save_sharded
-from fddp.checkpoint._single import latest, load, save, save_step, step_path, steps
+from fddp.checkpoint._sharded import PerRank, load_sharded, save_sharded
+from fddp.checkpoint._single import load, save
+from fddp.checkpoint._steps import latest, load_step, save_step, step_path, steps
 
-__all__ = ["CheckpointError", "save", "load", "save_step", "latest", "steps", "step_path", "save_sharded", "load_sharded"]
+__all__ = [
+    "CheckpointError",
+    "PerRank",
+    "save",
+    "load",
+    "save_step",
+    "load_step",
+    "latest",
+    "steps",
+    "step_path",
+    "save_sharded",
+    "load_sharded",
+]

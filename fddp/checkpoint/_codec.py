@@ -476,10 +476,14 @@ def _check_zip(f: Any, path: str) -> None:
                         f"{path}: damaged: the tree's structure and Python values ({name}) fail the zip's "
                         "CRC-32 (the file changed after it was written); use another copy or an older checkpoint"
                     ) from None
+    except CheckpointError:
+        raise
     except zipfile.BadZipFile as e:
         what = "no zip central directory: cut short" if "central directory" in str(e) or "not a zip" in str(e) else str(e)
         raise CheckpointError(f"{path}: truncated or damaged: {what} ({size} bytes)") from None
-    except (EOFError, OSError, ValueError, zlib.error) as e:
+    except Exception as e:
+        # A damaged header makes zipfile raise what it would for a zip it cannot read: EOFError,
+        # NotImplementedError ("That compression method is not supported"), RuntimeError ("encrypted"), struct.error, ...
         raise CheckpointError(f"{path}: truncated or damaged: {type(e).__name__}: {e} ({size} bytes)") from None
 
 

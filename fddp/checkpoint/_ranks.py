@@ -43,23 +43,38 @@ def is_writer(group: dist.ProcessGroup | None) -> bool:
     return rank(group) == 0
 
 
-def agree(values: Sequence[int], group: dist.ProcessGroup | None, what: str, doing: str) -> list[int]:
-    """Sum ``values`` (ints) over the ranks of ``group``; every rank must call it with as many.
+def agree(
+    values: Sequence[int],
+    group: dist.ProcessGroup | None,
+    what: str,
+    doing: str,
+    *,
+    rows: Sequence[tuple] = (),
+    op: str = "sum",
+) -> list[int]:
+    """Reduce ``values`` (ints) over the ranks of ``group``; every rank must call it with as many.
 
     Args:
         values: this rank's contribution, e.g. ``[1]`` for "I failed" or rank 0's token.
         group: the process group; without one (or with one rank) the values come back as they are.
         what: the public function, for the error (``"checkpoint.save_step"``).
         doing: what the ranks agree on, for the error.
+        rows: what else the ranks must agree on first, as ``fddp._tree`` rows (a tree's paths,
+            shapes and dtypes): part of the call's header, so a difference is a
+            :class:`fddp.MismatchError` on every rank naming the first row that differs.
+        op: ``"sum"`` or ``"max"``.
 
     Raises:
+        fddp.MismatchError: the ranks are at different calls, or their ``rows`` differ.
         RuntimeError: a peer failed or did not arrive within the process group's timeout.
     """
     if world_size(group) == 1:
         return [int(v) for v in values]
     count_call(group, what)
-    described = [("checkpoint", f"fddp.{what}: {doing} ({len(values)} values)", None)]
+    # The rows first: where trees differ, their first difference is named, not the count it implies.
+    described = [*rows, ("checkpoint", f"fddp.{what}: {doing} ({len(values)} values, {op})", None)]
     _signature.check(_dist.digest(described), lambda: described, group, what)
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
-    wait(dist.all_reduce(t, group=group, async_op=True), group, what, doing)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, what, doing)
     return [int(v) for v in t.tolist()]

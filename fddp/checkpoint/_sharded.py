@@ -1,167 +1,153 @@
-"""Checkpoints of sharded trees with torch.distributed.checkpoint (DCP): per-rank files that reshard.
+"""Checkpoints of sharded and per-rank trees with torch.distributed.checkpoint (DCP): per-rank files
+that reshard, keyed as DCP keys a module's state dict.
 
-Every leaf of every tree is stored under its own key, its path (``opt/exp_avg/0.weight``), as one
-1-D tensor of the leaf's elements; each rank writes the pieces its shards hold, at their offsets in
-the leaf. Neither the world size nor the bucket plan appears in the keys, so a checkpoint saved on
-4 ranks loads on 2, on 1, or into a replicated tree: DCP reads the saved pieces that overlap the
-pieces each rank asks for straight into its new shard buffers. Leaves that are not sharded (a step
-count) are the same on every rank and are stored once; Python scalars go into a small manifest,
-a file of :mod:`fddp.checkpoint._codec`'s format.
+Every leaf is stored whole under its own key, the leaf's path joined with dots the way DCP
+flattens a nested state dict: ``params.0.weight`` for the leaf at ``{"params": {"0.weight": w}}``,
+and for a tree that *is* a module's parameters (``fddp.zero.shard(params)``, ``fully_shard``'s
+shards), exactly the module's parameter names, what
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` writes. Each leaf keeps its own
+shape; each rank writes the pieces its shards hold (:mod:`fddp.checkpoint._pieces`). Neither the
+world size nor the bucket plan appears in the keys, so a checkpoint saved on 4 ranks loads on 2,
+on 1, into a replicated tree, or with ``dcp.load`` into a module; and a checkpoint that DCP wrote
+from a module's state dict loads into fddp's shards.
 
-Pieces of a leaf at arbitrary offsets are not something DTensor can describe (its ``Shard(0)`` is a
-``torch.chunk`` range), so :class:`_FlatPieces` implements DCP's checkpointable protocol directly
-(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, as torch's own
-``LocalShardsWrapper`` does).
+Three kinds of leaf:
 
-Damage is detected, not loaded: each rank records a CRC-32 of the bytes of every piece it wrote
-(as they lie in its ``.distcp`` file), rank 0 gathers them with a CRC-32 of DCP's ``.metadata``
-into the manifest, and every piece is verified as it is read back, before DCP copies any of it.
+- parts of a :class:`fddp.zero.Sharded` tree: each rank writes its pieces;
+- other tensors and Python values, *replicated*: they must be equal on every rank (checked at
+  save: a value that differs is a :class:`fddp.MismatchError` on every rank) and one copy is stored;
+- leaves inside :class:`PerRank`: every rank's own copy is stored (under ``__rank<r>__.<key>``) and
+  each rank loads its own back, on as many ranks as saved.
+
+The ranks first agree on the tree's structure (every leaf's path, kind, shape and dtype, in the
+call's header), so a leaf that only one rank has is a :class:`fddp.MismatchError`, never a leaf
+silently left out. Python values go into a small manifest (:mod:`fddp.checkpoint._codec`'s format)
+with every leaf's shape and dtype and a CRC-32 of every piece as stored (:mod:`fddp.checkpoint._dcp`),
+verified as it is read back.
 
 Atomic: every rank writes into ``<directory>.tmp-<host id>-<pid>-<random>`` (rank 0's name, see
 :mod:`fddp.checkpoint._temp`); once DCP's last collective has returned (its ``.metadata`` is
-written), rank 0 adds the manifest and renames the directory into place. A directory is never
-overwritten. DCP's ``.metadata`` is a pickle; it is read with an unpickler that accepts DCP's own
-metadata classes and nothing else, so loading runs no code from the files.
+written), rank 0 adds the manifest and renames the directory into place.
 """
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import shutil
 import zlib
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp._tree import article, paths
-from fddp.checkpoint import _codec, _ranks, _temp
+from fddp._dist import MismatchError
+from fddp._tree import article, path_str
+from fddp.checkpoint import _codec, _dcp, _ranks, _temp
 from fddp.checkpoint._codec import PRIMITIVES, CheckpointError
+from fddp.checkpoint._dcp import dcp
+from fddp.checkpoint._pieces import Pieces
 from fddp.zero import _layout as _shard
 
-__all__ = ["load_sharded", "save_sharded"]
+__all__ = ["PerRank", "load_sharded", "save_sharded", "write_sharded"]
 
 _FORMAT = "fddp-sharded-checkpoint"
-_VERSION = 1  # manifests without "checksums" (written before they existed) load unverified
-_MANIFEST = "fddp-manifest.pt"
-_CHECKSUMS = "fddp-checksums-{rank}.pt"  # one per rank while saving; merged into the manifest
+_VERSION = 2  # 1: keys are fddp paths (params/w), every leaf stored flat; read still
+_RANK_PREFIX = "__rank{rank}__."
 
-try:  # DCP and its planner types (torch >= 2.4 has them; the protocol hooks are duck-typed)
-    import torch.distributed.checkpoint as dcp
+try:
     from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        StorageMeta,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 except ImportError:  # pragma: no cover - builds without torch.distributed
-    dcp = None
+    _CheckpointException = Exception
 
 
-class _FlatPieces(torch.Tensor):
-    """A 1-D tensor of ``numel`` elements of which this rank holds some ranges; for DCP only."""
+class PerRank:
+    """Mark a subtree whose values differ from rank to rank, so that every rank's copy is saved.
 
-    @staticmethod
-    def __new__(cls, numel: int, pieces: list[tuple[int, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> "_FlatPieces":
-        r = torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=dtype, device=device)
-        r._pieces = [(int(a), t) for a, t in pieces if t.numel() > 0]
-        return r
+    A sharded checkpoint stores one copy of every tensor and Python value that is not sharded, and
+    refuses values that differ across ranks (:class:`fddp.MismatchError`). Wrap what each rank
+    holds for itself in ``PerRank``: DiLoCo's parameters and inner optimizer state between
+    synchronisations, a compressor's residuals (``fddp.PowerSGD``, ``fddp.Int8``), a rank's own RNG
+    state. :func:`save_sharded` and :func:`fddp.checkpoint.save_step` then store each rank's copy,
+    and :func:`load_sharded` / :func:`fddp.checkpoint.load_step` give each rank its own back, on as
+    many ranks as saved it, in place of the ``PerRank`` (the result holds the tree, unwrapped). The
+    tree's structure, shapes and dtypes must be the same on every rank; no one-rank process groups
+    are needed.
 
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        if func is torch.ops.aten.detach.default:  # DCP may detach what it is given
-            return args[0]
-        raise NotImplementedError(f"fddp's checkpoint pieces support no tensor operations (got {func})")
+    Args:
+        tree: nested dicts, lists, tuples and NamedTuples of tensors and Python scalars (no
+            :class:`fddp.zero.Sharded` parts: they are per-rank already).
 
-    def __create_write_items__(self, fqn: str, obj: Any) -> list:
-        props = TensorProperties.create_from_tensor(self._pieces[0][1]) if self._pieces else TensorProperties(dtype=self.dtype)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, torch.Size([a])),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size([a]), sizes=torch.Size([t.numel()])),
-                    properties=props,
-                    size=self.size(),
-                ),
-            )
-            for a, t in self._pieces
-        ]
-
-    def __create_chunk_list__(self) -> list:
-        return [ChunkStorageMetadata(offsets=torch.Size([a]), sizes=torch.Size([t.numel()])) for a, t in self._pieces]
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        for a, t in self._pieces:
-            if index.offset is not None and index.offset[0] == a:
-                return t
-        raise ValueError(f"fddp checkpoint: no piece of {index.fqn} at offset {index.offset}")
-
-
-# --------------------------------------------------------------------------------------------
-# The tree as DCP entries: one key per leaf, fddp's path format
-# --------------------------------------------------------------------------------------------
-
-
-def _flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec, tuple[str, ...]]:
-    """The tree's leaves (a :class:`Sharded` is one), its structure and every leaf's path."""
-    leaves, spec = optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, _shard.Sharded), none_is_leaf=True)
-    return leaves, spec, paths(spec)
-
-
-def _join(outer: str, inner: str) -> str:
-    """The key of leaf ``inner`` of a Sharded tree found at ``outer``."""
-    if outer == "<root>":
-        return inner
-    return outer if inner == "<root>" else f"{outer}/{inner}"
-
-
-def _entries(leaves: list, keys: tuple[str, ...], shards_for: Any, what: str) -> tuple[dict, dict, list]:
-    """Describe the leaves for DCP: ``tensors`` (key -> 1-D tensor or pieces, leaf shape), ``scalars``.
-
-    ``shards_for(leaf)`` gives the buffers to describe (the leaf's own when saving, new zeroed ones
-    when loading). Also returns the leaves rebuilt around those buffers (for loading).
+    Example:
+        >>> state = {"outer": outer_state, "local": fddp.checkpoint.PerRank({"params": params, "inner": inner_state})}
+        >>> fddp.checkpoint.save_step("runs/diloco", step, state, keep=2)  # every rank calls it
+        >>> state = fddp.checkpoint.load_step(fddp.checkpoint.latest("runs/diloco"), like=state)
+        >>> params, inner_state = state["local"]["params"], state["local"]["inner"]  # this rank's
     """
-    tensors: dict[str, Any] = {}
-    scalars: dict[str, Any] = {}
-    rebuilt = []
-    for key, leaf in zip(keys, leaves):
-        if isinstance(leaf, _shard.Sharded):
-            lay = leaf.layout
-            lay.check_group(what)
-            shards = shards_for(leaf)
-            inner = paths(lay.spec)
-            for i, ((shape, dtype, device), pieces) in enumerate(zip(_leaf_specs(lay), _shard.leaf_pieces(lay))):
-                held = [(a, shards[k][x : x + n]) for k, a, x, n in pieces]
-                tensors[_join(key, inner[i])] = (_FlatPieces(_numel(shape), held, dtype, device), shape)
-            rebuilt.append(_shard.Sharded(shards, lay))
-        elif isinstance(leaf, torch.Tensor):
-            t = shards_for(leaf)
-            tensors[key] = (t.reshape(-1), tuple(leaf.shape))
-            rebuilt.append(t)
-        elif type(leaf) in PRIMITIVES:
-            scalars[key] = leaf
-            rebuilt.append(leaf)
-        else:
-            raise TypeError(
-                f"fddp.checkpoint.{what}: leaf at {key!r} has unsupported type {type(leaf).__qualname__}; "
-                "expected tensors, fddp.zero.Sharded trees and Python scalars inside dicts, lists, tuples and NamedTuples"
-            )
-    return tensors, scalars, rebuilt
+
+    __slots__ = ("tree",)
+
+    def __init__(self, tree: Any, /) -> None:
+        self.tree = tree
+
+    def __repr__(self) -> str:
+        return f"PerRank({self.tree!r})"
+
+
+class _Keys(NamedTuple):
+    """How leaves are keyed and laid out in DCP: ``sep`` joins a path, ``flat`` stores leaves 1-D."""
+
+    sep: str
+    flat: bool
+
+    def join(self, parts: tuple) -> str:
+        return self.sep.join(map(str, parts)) if parts else "<root>"
+
+
+_V2 = _Keys(".", False)
+_V1 = _Keys("/", True)
+
+
+class _Entry(NamedTuple):
+    """One leaf as stored: its fddp path (for messages), its DCP key (without a rank prefix), its
+    kind (``tensor``, ``sharded`` or ``scalar``), whether it is per-rank, shape and dtype (tensors),
+    and the object DCP writes or reads (a tensor, :class:`Pieces`), or the Python value."""
+
+    path: str
+    key: str
+    kind: str
+    per_rank: bool
+    shape: tuple | None
+    dtype: torch.dtype | None
+    value: Any
+
+    def where(self) -> str:
+        return f"{self.path!r}" if self.key == self.path else f"{self.path!r} (key {self.key!r})"
+
+
+class _Group(NamedTuple):
+    """A :class:`PerRank` part, rebuilt: its tree's structure and leaves."""
+
+    spec: optree.PyTreeSpec
+    leaves: list
+
+
+def _parts(accessor: Any) -> tuple:
+    """A leaf's path as plain keys: dict keys, NamedTuple field names, sequence indices."""
+    return tuple(getattr(e, "field", None) or getattr(e, "entry", e) for e in accessor)
+
+
+def _flatten(tree: Any) -> tuple[list, optree.PyTreeSpec, list[tuple]]:
+    leaves, spec = optree.tree_flatten(tree, is_leaf=lambda x: isinstance(x, (_shard.Sharded, PerRank)), none_is_leaf=True)
+    return leaves, spec, [_parts(a) for a in spec.accessors()]
 
 
 def _leaf_specs(lay: _shard.ShardLayout) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
     specs: list[Any] = [None] * lay.plan.num_leaves
     for b in lay.plan.buckets:
         for i, shape in zip(b.indices, b.shapes):
-            specs[i] = (shape, b.dtype, b.device)
+            specs[i] = (tuple(shape), b.dtype, b.device)
     return specs
 
 
@@ -172,177 +158,104 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-# --------------------------------------------------------------------------------------------
-# Checksums of the pieces, as stored
-# --------------------------------------------------------------------------------------------
+def _entries(tree: Any, keys: _Keys, what: str, fresh: bool) -> tuple[list[_Entry], Callable[[Callable[[_Entry], Any]], Any]]:
+    """Describe ``tree``'s leaves for DCP; also return ``rebuild(value_of)``, the tree again.
 
-
-def _crc_of_file(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _stored_checksums(root: str, results: list) -> dict[str, dict[str, torch.Tensor]]:
-    """Per ``.distcp`` file, the CRC-32s of every item written, read back as it lies in the file.
-
-    ``items`` holds one row ``(byte offset, length, index of its first CRC)`` per item, ``crcs``
-    the CRC-32 of every 4 MiB block of every item (:func:`fddp.checkpoint._codec.crc32s`).
+    With ``fresh`` (loading), tensors and shards are new zeroed buffers that DCP reads into;
+    ``rebuild`` puts them back into ``tree``'s structure, each Python value as ``value_of(entry)``
+    gives it, and every :class:`PerRank` unwrapped.
     """
-    per_file: dict[str, list[tuple[int, int]]] = {}
-    for wr in results:
-        info = wr.storage_data
-        per_file.setdefault(info.relative_path, []).append((info.offset, info.length))
-    out = {}
-    for name, items in per_file.items():
-        rows, crcs = [], []
-        with open(os.path.join(root, name), "rb") as f:
-            for offset, length in items:
-                f.seek(offset)
-                rows.append((offset, length, len(crcs)))
-                crcs.extend(_codec.crc32s([f.read(length)])[0])
-        out[name] = {"items": torch.tensor(rows, dtype=torch.int64).reshape(-1, 3), "crcs": torch.tensor(crcs, dtype=torch.int64)}
-    return out
+    entries: list[_Entry] = []
 
-
-def _saved_crcs(per_file: dict) -> dict[tuple[int, int], tuple[int, ...]]:
-    """``(byte offset, length) -> CRC-32s`` of one file's items, from :func:`_stored_checksums`' record."""
-    items, crcs = per_file["items"].tolist(), per_file["crcs"].tolist()
-    ends = [first for _, _, first in items[1:]] + [len(crcs)]
-    return {(offset, length): tuple(crcs[first:end]) for (offset, length, first), end in zip(items, ends)}
-
-
-def _write_file(path: str, tree: Any) -> None:
-    with open(path, "wb") as f:
-        _codec.write(f, _codec.encode(tree))
-
-
-def _read_file(path: str) -> Any:
-    return _codec.decode(_codec.read(path), None, path)
-
-
-if dcp is not None:
-
-    class _Writer(dcp.FileSystemWriter):
-        """DCP's file writer; each rank also records the CRC-32 of every piece it wrote."""
-
-        def __init__(self, path: str, rank: int) -> None:
-            super().__init__(path)
-            self._fddp_rank = rank
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            fut = super().write_data(plan, planner)  # already complete: DCP's writer is synchronous
-            root = os.fspath(self.path)
-            sums = _stored_checksums(root, fut.wait())
-            _write_file(os.path.join(root, _CHECKSUMS.format(rank=self._fddp_rank)), sums)
-            return fut
-
-    class _Reader(dcp.FileSystemReader):
-        """DCP's file reader, with the metadata :func:`_read_metadata` checked, and every piece verified."""
-
-        def __init__(self, path: str, manifest: dict, metadata: Any) -> None:
-            super().__init__(path)
-            self._fddp_sums = manifest.get("checksums")  # None: written before checksums existed
-            self._fddp_metadata = metadata
-            self._fddp_names: dict[tuple[str, int], Any] = {}
-            self._fddp_crcs: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            # Read and checked by _read_metadata before DCP starts, so that its errors reach the
-            # caller as they are (DCP would wrap them, after logging two tracebacks).
-            metadata = self._fddp_metadata
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-        def _slice_file(self, file: Any, sinfo: Any) -> Any:
-            if self._fddp_sums is None:
-                return super()._slice_file(file, sinfo)
-            file.seek(sinfo.offset)
-            data = file.read(sinfo.length)
-            saved = self._saved(sinfo.relative_path).get((sinfo.offset, sinfo.length))
-            found = _codec.crc32s([data])[0]
-            if len(data) != sinfo.length or found != saved:
-                index = self._index_of(sinfo)
-                where = os.path.join(os.fspath(self.path), sinfo.relative_path)
-                if saved is None:
-                    what = "no CRC-32 was saved for it"
-                else:
-                    k = next((k for k, (a, b) in enumerate(zip(found, saved)) if a != b), 0)
-                    what = f"at byte {k * _codec.BLOCK} of it, saved CRC-32 {saved[k]:#010x}, now {found[k]:#010x}"
-                raise CheckpointError(
-                    f"{where}: damaged: the piece of leaf {index.fqn!r} starting at element "
-                    f"{index.offset[0] if index.offset else 0} (bytes {sinfo.offset}..{sinfo.offset + sinfo.length} "
-                    f"of the file) fails its check ({what}); use another copy or an older checkpoint"
+    def leaf(parts: tuple, x: Any, per_rank: bool) -> Any:
+        path = path_str(parts)
+        if isinstance(x, _shard.Sharded):
+            if per_rank:
+                raise TypeError(
+                    f"fddp.checkpoint.{what}: a fddp.zero.Sharded tree at {path!r} is inside PerRank; shards are per-rank already"
                 )
-            return io.BytesIO(data)
+            lay = x.layout
+            lay.check_group(what)
+            shards = _shard.new_shards(lay) if fresh else list(x.shards)
+            inner = [_parts(a) for a in lay.spec.accessors()]
+            for q, (shape, dtype, device), pieces in zip(inner, _leaf_specs(lay), _shard.leaf_pieces(lay)):
+                held = [(a, shards[k][s : s + n]) for k, a, s, n in pieces]
+                stored = (_numel(shape),) if keys.flat else shape
+                full = parts + q
+                entries.append(_Entry(path_str(full), keys.join(full), "sharded", False, shape, dtype, Pieces(stored, held, dtype, device)))
+            return _shard.Sharded(shards, lay)
+        if isinstance(x, torch.Tensor):
+            t = torch.zeros_like(x, memory_format=torch.contiguous_format) if fresh else x.detach().contiguous()
+            entries.append(_Entry(path, keys.join(parts), "tensor", per_rank, tuple(x.shape), x.dtype, t.reshape(-1) if keys.flat else t))
+            return t
+        if type(x) in PRIMITIVES:
+            entry = _Entry(path, keys.join(parts), "scalar", per_rank, None, None, x)
+            entries.append(entry)
+            return entry  # a placeholder: rebuild asks value_of for it
+        raise TypeError(
+            f"fddp.checkpoint.{what}: leaf at {path!r} has unsupported type {type(x).__qualname__}; expected tensors, "
+            "fddp.zero.Sharded trees, fddp.checkpoint.PerRank parts and Python scalars inside dicts, lists, tuples and NamedTuples"
+        )
 
-        def _saved(self, relative_path: str) -> dict[tuple[int, int], tuple[int, ...]]:
-            if relative_path not in self._fddp_crcs:
-                per_file = self._fddp_sums.get(relative_path)
-                self._fddp_crcs[relative_path] = {} if per_file is None else _saved_crcs(per_file)
-            return self._fddp_crcs[relative_path]
+    leaves, spec, paths = _flatten(tree)
+    out: list[Any] = []
+    for parts, x in zip(paths, leaves):
+        if isinstance(x, PerRank):
+            inner, inner_spec, inner_paths = _flatten(x.tree)
+            if any(isinstance(y, PerRank) for y in inner):
+                raise TypeError(f"fddp.checkpoint.{what}: PerRank inside PerRank at {path_str(parts)!r}")
+            out.append(_Group(inner_spec, [leaf(parts + q, y, True) for q, y in zip(inner_paths, inner)]))
+        else:
+            out.append(leaf(parts, x, False))
 
-        def _index_of(self, sinfo: Any) -> Any:
-            if not self._fddp_names:
-                self._fddp_names = {(i.relative_path, i.offset): k for k, i in self.storage_data.items()}
-            return self._fddp_names.get((sinfo.relative_path, sinfo.offset), MetadataIndex("<unknown>"))
+    def rebuild(value_of: Callable[[_Entry], Any]) -> Any:
+        def fill(x: Any) -> Any:
+            return value_of(x) if isinstance(x, _Entry) else x
 
+        done = [optree.tree_unflatten(x.spec, [fill(y) for y in x.leaves]) if isinstance(x, _Group) else fill(x) for x in out]
+        return optree.tree_unflatten(spec, done)
 
-class _Unpickler(pickle.Unpickler):
-    """Reads DCP's metadata: its own dataclasses, torch sizes, dtypes and layouts, plain containers."""
-
-    _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),  # a name to torch.strided & co.
-        ("pathlib", "PosixPath"),  # the checkpoint id DCP records
-        ("pathlib", "WindowsPath"),
-        ("collections", "OrderedDict"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-        ("builtins", "slice"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in self._ALLOWED_MODULES or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused to load {module}.{name}: not part of DCP's checkpoint metadata")
+    return entries, rebuild
 
 
-def _read_metadata(directory: str, manifest: dict) -> Any:
-    """DCP's ``.metadata`` of ``directory``, unpickled by :class:`_Unpickler` and checked against the manifest."""
-    path = os.path.join(directory, ".metadata")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read DCP's index of the pieces ({e})") from None
-    saved = manifest.get("metadata_crc32")
-    changed = saved is not None and zlib.crc32(data) != saved
-    damaged = f"damaged: it does not match the CRC-32 saved in {_MANIFEST} (the file changed after it was written)"
-    try:
-        metadata = _Unpickler(io.BytesIO(data)).load()
-    except Exception as e:
-        why = f"; {damaged}" if changed else ""
-        raise CheckpointError(f"{path}: refused to load the checkpoint's metadata ({e}){why}") from None
-    if changed:
-        raise CheckpointError(f"{path}: {damaged}; use another copy or an older checkpoint")
-    if not isinstance(metadata, Metadata) or not all(
-        isinstance(v, TensorStorageMetadata) for v in metadata.state_dict_metadata.values()
-    ):
-        # fddp writes tensors only; DCP would unpickle anything else (torch.load, weights_only=False).
-        raise CheckpointError(f"{path}: refused to load: the checkpoint holds entries other than tensors")
-    return metadata
+def _dcp_key(e: _Entry, rank: int) -> str:
+    return _RANK_PREFIX.format(rank=rank) + e.key if e.per_rank else e.key
+
+
+def _rows(entries: list[_Entry]) -> list[tuple]:
+    """The structure the ranks must agree on before saving: every leaf's path, kind, shape and dtype."""
+    rows = []
+    for e in entries:
+        kind = ("per-rank " if e.per_rank else "") + (e.kind if e.kind != "scalar" else type(e.value).__name__)
+        shape = "" if e.shape is None else f" shape={e.shape} dtype={e.dtype}"
+        rows.append((e.path, kind + shape, None))
+    return rows
+
+
+def _checked(entries: list[_Entry]) -> list[_Entry]:
+    """The entries stored once, whose values must be equal on every rank."""
+    return [e for e in entries if not e.per_rank and e.kind != "sharded"]
+
+
+def _crc(e: _Entry) -> int:
+    if e.kind == "scalar":
+        return zlib.crc32(repr((type(e.value).__name__, e.value)).encode())
+    return zlib.crc32(repr(_codec.crc32s([_codec.tensor_bytes(e.value)])[0]).encode())
+
+
+def _check_keys(entries: list[_Entry], what: str) -> None:
+    seen: dict[str, str] = {}
+    for e in entries:
+        key = _dcp_key(e, 0)
+        if key in seen:
+            raise ValueError(f"fddp.checkpoint.{what}: leaves {seen[key]!r} and {e.path!r} would both be stored as {key!r}; rename a key")
+        if not e.per_rank and e.key.startswith("__rank"):
+            raise ValueError(f"fddp.checkpoint.{what}: the key {e.key!r} (leaf {e.path!r}) starts with '__rank', which per-rank state uses")
+        seen[key] = e.path
 
 
 # --------------------------------------------------------------------------------------------
-# Public API
+# Saving
 # --------------------------------------------------------------------------------------------
 
 
@@ -352,17 +265,26 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
     The format is torch.distributed.checkpoint's (DCP): one file per rank plus a ``.metadata``
     index, and a small ``fddp-manifest.pt`` (the format of :func:`save`) holding the Python scalars,
     every leaf's shape and dtype, and a CRC-32 of every piece as stored, which
-    :func:`load_sharded` verifies. Each leaf is stored whole under its path
-    (``opt/exp_avg/0.weight``), each rank writing the pieces its shards hold, so nothing in the
-    checkpoint depends on the world size or the bucket plan: :func:`load_sharded` reads it back
-    on any number of ranks, resharding, or into a replicated tree. Tensors that are not sharded (a
-    step count) must be equal on every rank; one copy is stored.
+    :func:`load_sharded` verifies. Each leaf is stored whole, in its own shape, under its path
+    joined with dots, as DCP keys a nested state dict (``opt.exp_avg.0.weight``); a tree that is a
+    module's parameters (``fddp.zero.shard(params)``, ``fully_shard``'s shards) is keyed by the
+    module's parameter names, so ``torch.distributed.checkpoint.load`` reads it into
+    ``get_model_state_dict(model)`` as it reads torchtitan's. Nothing in the checkpoint depends on
+    the world size or the bucket plan: :func:`load_sharded` reads it back on any number of ranks,
+    resharding, or into a replicated tree.
+
+    Tensors and Python values that are not sharded are stored once and must be equal on every rank
+    (compared bitwise, at the cost of a CRC-32 of them on every rank): a value that differs is a
+    :class:`fddp.MismatchError` on every rank, before anything is written. Wrap state that differs
+    per rank in :class:`PerRank` to store every rank's copy. The ranks agree on the tree's
+    structure first: a leaf that one rank has and another lacks is a :class:`fddp.MismatchError`
+    too.
 
     Atomic: the ranks write into ``<directory>.tmp-<host id>-<pid>-<random>`` and rank 0 renames it
     to ``directory`` once everything is written, so ``directory`` either does not exist or is
     complete. An existing ``directory`` is never overwritten (:class:`FileExistsError`): write
-    each checkpoint to a new one (say, per step) and delete old ones afterwards. Every rank of
-    ``group`` must call this, with trees of the same structure.
+    each checkpoint to a new one, or let :func:`fddp.checkpoint.save_step` name, rotate and replace
+    them. Every rank of ``group`` must call this.
 
     A save killed before the rename (``SIGKILL``, a lost node) leaves its temporary directory, as
     large as the checkpoint. The next ``save_sharded`` to the same ``directory`` (say, the same
@@ -375,7 +297,8 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
     Args:
         directory: the checkpoint directory to create (on a file system every rank sees).
         tree: nested dicts, lists, tuples and NamedTuples of :class:`fddp.zero.Sharded` trees,
-            tensors and Python scalars: say ``{"params": shards, "opt": opt_state, "step": step}``.
+            :class:`PerRank` parts, tensors and Python scalars: say ``{"params": shards, "opt":
+            opt_state, "step": step}``.
         group: the process group the tree is sharded over; ``None`` for the default group.
             Without an initialised process group, one process writes everything.
 
@@ -384,6 +307,8 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
 
     Raises:
         FileExistsError: ``directory`` exists (on every rank, before any rank writes).
+        fddp.MismatchError: on every rank, the ranks' trees differ in structure, or a value that is
+            stored once differs across ranks (naming the first such leaf).
         RuntimeError: a sharded part was made for another world size or rank; or a peer did not
             arrive within the process group's timeout.
         CheckpointError: on the other ranks, rank 0 failed to finish the checkpoint (its own
@@ -392,35 +317,77 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
     Example:
         >>> fddp.checkpoint.save_sharded(f"ckpt/step-{step:08d}", {"params": shards, "opt": opt_state, "step": step})
     """
-    if dcp is None:  # pragma: no cover
-        raise RuntimeError("fddp.checkpoint.save_sharded needs torch.distributed.checkpoint")
     directory = os.path.abspath(os.fspath(directory))
-    rank, world = _ranks.rank(group), _ranks.world_size(group)
     if os.path.exists(directory):  # every rank sees the same file system: all raise, no one waits
         raise FileExistsError(
             f"fddp.checkpoint.save_sharded: {directory} exists; sharded checkpoints are never overwritten "
-            "(write each to a new directory, e.g. one per step, and delete old ones after)"
+            "(write each to a new directory, e.g. one per step, or use fddp.checkpoint.save_step, which rotates them)"
         )
-    leaves, _, keys = _flatten(tree)
-    tensors, scalars, _ = _entries(leaves, keys, lambda x: x.shards if isinstance(x, _shard.Sharded) else x.detach(), "save_sharded")
-    parent, name = os.path.split(directory)
+    name = os.path.basename(directory)
+    return write_sharded(directory, tree, group, "checkpoint.save_sharded", lambda base: base == name)
+
+
+def write_sharded(
+    directory: str,
+    tree: Any,
+    group: dist.ProcessGroup | None,
+    what: str,
+    belongs: Callable[[str], Any],
+    after: Callable[[], None] | None = None,
+) -> str:
+    """:func:`save_sharded`'s write, which replaces an existing ``directory``.
+
+    ``belongs(name)`` says which destinations' abandoned temporaries rank 0 deletes first;
+    ``after()`` runs on rank 0 once the checkpoint is in place, before the ranks learn the outcome
+    (:func:`fddp.checkpoint.save_step` prunes old steps there).
+
+    An existing ``directory`` is first renamed to a temporary name, then the new one into place:
+    a kill between the two renames leaves no ``directory`` but both complete ones (the old under
+    its temporary name, deleted by the next save).
+    """
+    if dcp is None:  # pragma: no cover
+        raise RuntimeError("fddp.checkpoint.save_sharded needs torch.distributed.checkpoint")
+    rank, world = _ranks.rank(group), _ranks.world_size(group)
+    entries, _ = _entries(tree, _V2, what.rpartition(".")[2], fresh=False)
+    checked = _checked(entries)
+    crcs = [_crc(e) for e in checked]
+    parent = os.path.dirname(directory)
     if rank == 0:
-        _temp.clean(parent, lambda base: base == name)
-    # Rank 0 names the temporary; the others learn its name (host id, pid, random token).
+        _temp.clean(parent, belongs)
+    # One reduction (MAX) after the header that agrees on the structure: rank 0's name for the
+    # temporary (host id, pid, random token; the others send 0), and each stored-once value's
+    # CRC-32 and its negation: max == -max(-crc) exactly when every rank holds the same value.
     mine = [_temp.HOST_ID, os.getpid(), int.from_bytes(os.urandom(7), "big")] if rank == 0 else [0, 0, 0]
-    tmp = _temp.new_name(directory, *_ranks.agree(mine, group, "checkpoint.save_sharded", "agreeing on the temporary directory"))
-    state = {k: (t if isinstance(t, _FlatPieces) else t.contiguous()) for k, (t, _) in tensors.items()}
+    doing = "agreeing on the temporary directory and on the values stored once"
+    agreed = _ranks.agree(mine + crcs + [-c for c in crcs], group, what, doing, rows=_rows(entries), op="max")
+    n = len(crcs)
+    differ = [e for e, hi, neg in zip(checked, agreed[3 : 3 + n], agreed[3 + n :]) if hi != -neg]
+    if differ:
+        e = differ[0]
+        more = f" ({len(differ) - 1} more leaves differ too)" if len(differ) > 1 else ""
+        raise MismatchError(
+            f"fddp.{what}: the ranks hold different values at {e.where()}{more}, which a sharded checkpoint stores once "
+            "(it is neither sharded nor per-rank). Make it equal on every rank (fddp.broadcast it, or save it from the "
+            "replicated state), or wrap state that differs per rank in fddp.checkpoint.PerRank(...) to store each "
+            "rank's copy; nothing was written."
+        )
+    _check_keys(entries, what.rpartition(".")[2])
+    tmp = _temp.new_name(directory, *agreed[:3])
+    state = {_dcp_key(e, rank): e.value for e in entries if e.kind != "scalar" and _numel(e.shape)}
+    mine_scalars = {e.key: e.value for e in entries if e.kind == "scalar" and e.per_rank}
     error: BaseException | None = None
     with _temp.writing(tmp):
         try:
-            dcp.save(state, storage_writer=_Writer(tmp, rank), process_group=group, no_dist=not _ranks.is_distributed())
+            dcp.save(state, storage_writer=_dcp.Writer(tmp, rank, mine_scalars), process_group=group, no_dist=not _ranks.is_distributed())
             if rank == 0:
-                _finish(tmp, directory, tensors, scalars, world)
+                _finish(tmp, directory, entries, world)
+                if after is not None:
+                    after()
         # DCP's CheckpointException is a BaseException (it holds every failed rank's error); an
         # interrupt is not caught: the process is going away, and the next save removes its temporary.
         except (Exception, _CheckpointException) as e:  # noqa: BLE001 - every rank learns below whether the checkpoint is complete
             error = e
-        (failed,) = _ranks.agree([error is not None], group, "checkpoint.save_sharded", f"the barrier after writing {directory}")
+        (failed,) = _ranks.agree([error is not None], group, what, f"the barrier after writing {directory}")
     if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes
@@ -430,51 +397,75 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
     return directory
 
 
-def _finish(tmp: str, directory: str, tensors: dict, scalars: dict, world: int) -> None:
+def _finish(tmp: str, directory: str, entries: list[_Entry], world: int) -> None:
     """On rank 0, after DCP's save: write the manifest with every rank's checksums, rename into place."""
     sums: dict[str, dict[str, torch.Tensor]] = {}
+    per_rank_scalars = []
     for r in range(world):
-        part = os.path.join(tmp, _CHECKSUMS.format(rank=r))
-        sums.update(_read_file(part))
+        part = os.path.join(tmp, _dcp.CHECKSUMS.format(rank=r))
+        got = _dcp.read_file(part)
+        sums.update(got["checksums"])
+        per_rank_scalars.append(got["scalars"])
         os.remove(part)
+    shared = [e for e in entries if not e.per_rank]
+    mine = [e for e in entries if e.per_rank]
     manifest = {
         "format": _FORMAT,
         "version": _VERSION,
-        "world_size": world,  # informational
-        "tensors": {k: (list(shape), str(t.dtype)) for k, (t, shape) in tensors.items()},
-        "scalars": scalars,
+        "world_size": world,
+        "tensors": {e.key: (list(e.shape), str(e.dtype)) for e in shared if e.kind != "scalar"},
+        "scalars": {e.key: e.value for e in shared if e.kind == "scalar"},
+        "per_rank": {"tensors": {e.key: (list(e.shape), str(e.dtype)) for e in mine if e.kind != "scalar"}, "scalars": per_rank_scalars},
         "checksums": sums,
-        "metadata_crc32": _crc_of_file(os.path.join(tmp, ".metadata")),
+        "metadata_crc32": _dcp.crc_of_file(os.path.join(tmp, ".metadata")),
     }
-    _write_file(os.path.join(tmp, _MANIFEST), manifest)
+    _dcp.write_file(os.path.join(tmp, _dcp.MANIFEST), manifest)
     _codec.fsync_dir(tmp)
+    old = None
+    if os.path.isdir(directory):  # save_step replacing a step: move the old one aside first
+        old = _temp.new_name(directory)
+        os.replace(directory, old)
     os.replace(tmp, directory)
     _codec.fsync_dir(os.path.dirname(directory))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
 
 
 def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.ProcessGroup | None = None) -> Any:
-    """Read a checkpoint written by :func:`save_sharded` into the shape of ``like``, on any world size.
+    """Read a sharded checkpoint into the shape of ``like``, on any world size.
 
     ``like`` says what to load and how it is cut here: make it as for a fresh start on the ranks
     that load, ``shards = fddp.zero.shard(params)`` and ``opt.init(shards)``, and every rank reads
     the pieces of the saved leaves that its new shards cover, whatever the world size at save. A
     replicated ``like`` (full trees, say on one process for evaluation) loads whole leaves. The
-    structure, every leaf's number of elements and dtype, and every Python scalar's type must match;
-    the first difference raises :class:`CheckpointError`. No code from the checkpoint runs: its
-    manifest is read with :func:`load` and DCP's ``.metadata`` with an unpickler that accepts DCP's
-    own metadata classes only. Every piece read is checked against the CRC-32 saved for it (and
-    ``.metadata`` against its own) before DCP copies it, so a damaged file is an error naming the
-    file and the leaf; checkpoints written before checksums existed load unverified. Every rank
-    of ``group`` must call this.
+    structure, every leaf's shape and dtype, and every Python scalar's type must match; the first
+    difference raises :class:`CheckpointError`. A :class:`PerRank` part of ``like`` reads this
+    rank's own copy (the checkpoint must come from as many ranks) and comes back unwrapped.
+
+    No code from the checkpoint runs: its manifest is read with :func:`load` and DCP's
+    ``.metadata`` with an unpickler that accepts DCP's own metadata classes only. Every piece read
+    is checked against the CRC-32 saved for it (and ``.metadata`` against its own) before DCP
+    copies it, so a damaged file is an error naming the file and the leaf; checkpoints written
+    before checksums existed load unverified, as do those written by torch.distributed.checkpoint
+    itself (``dcp.save(get_model_state_dict(model))``, torchtitan): those have no manifest, the
+    shapes and dtypes come from DCP's index, entries that ``like`` does not name are not read, and
+    ``like`` may hold tensors only. Every rank of ``group`` must call this.
 
     Args:
-        directory: a directory written by :func:`save_sharded`.
+        directory: a directory written by :func:`save_sharded` (or :func:`fddp.checkpoint.save_step`),
+            or by torch.distributed.checkpoint.
         like: the tree to fill, e.g. ``{"params": shards, "opt": opt.init(shards), "step": 0}``; its
             values are not used, only its structure, layouts, dtypes and devices.
         group: the process group ``like``'s shards were made on; ``None`` for the default group.
 
     Returns:
-        A tree like ``like`` holding the checkpoint's values (new tensors; ``like`` is not modified).
+        A tree like ``like`` holding the checkpoint's values (new tensors; ``like`` is not modified),
+        each :class:`PerRank` replaced by the tree it wraps.
 
     Raises:
         CheckpointError: ``directory`` is not a complete sharded checkpoint, is damaged, does not
@@ -490,63 +481,107 @@ def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.Proc
         raise RuntimeError("fddp.checkpoint.load_sharded needs torch.distributed.checkpoint")
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)
-
-    def fresh(leaf: Any) -> Any:
-        if isinstance(leaf, _shard.Sharded):
-            return _shard.new_shards(leaf.layout)
-        return torch.zeros_like(leaf, memory_format=torch.contiguous_format).detach()
-
-    leaves, spec, keys = _flatten(like)
-    tensors, scalars, rebuilt = _entries(leaves, keys, fresh, "load_sharded")
-    _check_against(directory, manifest, tensors, scalars)
-    state = {k: t for k, (t, _) in tensors.items()}
-    reader = _Reader(directory, manifest, _read_metadata(directory, manifest))
+    metadata = None
+    if manifest is None:  # written by DCP itself: no manifest, no checksums, no Python values
+        metadata = _dcp.read_metadata(directory, None, tensors_only=False)
+    saved = _foreign(metadata) if manifest is None else manifest
+    rank, world = _ranks.rank(group), _ranks.world_size(group)
+    entries, rebuild = _entries(like, _V1 if saved["version"] == 1 else _V2, "load_sharded", fresh=True)
+    _check_against(directory, saved, entries, rank, world, foreign=manifest is None)
+    if metadata is None:
+        metadata = _dcp.read_metadata(directory, manifest.get("metadata_crc32"), tensors_only=True)
+    state = {_dcp_key(e, rank): e.value for e in entries if e.kind != "scalar" and _numel(e.shape)}
+    reader = _dcp.Reader(directory, None if manifest is None else manifest.get("checksums"), metadata)
     try:
         dcp.load(state, storage_reader=reader, process_group=group, no_dist=not _ranks.is_distributed())
     except _CheckpointException as e:  # a BaseException, with every failed rank's error inside
-        first = next(iter(e.failures.values()))[0]
+        first = next(iter(e.failures.values()))
+        first = first[0] if isinstance(first, tuple) else first
         if isinstance(first, CheckpointError):
             raise CheckpointError(str(first)) from None
-        raise CheckpointError(f"{directory}: torch.distributed.checkpoint could not load it: {first}") from None
-    saved_scalars = manifest["scalars"]
-    out = [saved_scalars[k] if type(x) in PRIMITIVES else x for k, x in zip(keys, rebuilt)]
-    return optree.tree_unflatten(spec, out)
+        raise CheckpointError(f"{directory}: torch.distributed.checkpoint could not load it: {type(first).__name__}: {first}") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # DCP's own checks, before its collectives (sizes, missing keys)
+        raise CheckpointError(f"{directory}: torch.distributed.checkpoint could not load it: {type(e).__name__}: {e}") from None
+    shared, mine = saved["scalars"], (saved.get("per_rank") or {}).get("scalars")
+    return rebuild(lambda e: mine[rank][e.key] if e.per_rank else shared[e.key])
 
 
-def _read_manifest(directory: str) -> dict:
-    path = os.path.join(directory, _MANIFEST)
+def _read_manifest(directory: str) -> dict | None:
+    """fddp's manifest of ``directory``; None for a checkpoint of DCP's own (no manifest, a ``.metadata``)."""
+    path = os.path.join(directory, _dcp.MANIFEST)
     if not os.path.isfile(path):
-        raise CheckpointError(f"{directory}: not a sharded fddp checkpoint (no {_MANIFEST}; is the save complete?)")
-    manifest = _read_file(path)
+        if os.path.isfile(os.path.join(directory, ".metadata")):
+            return None
+        raise CheckpointError(f"{directory}: not a sharded checkpoint (no {_dcp.MANIFEST}, no DCP .metadata; is the save complete?)")
+    manifest = _dcp.read_file(path)
     if not (isinstance(manifest, dict) and manifest.get("format") == _FORMAT):
         raise CheckpointError(f"{path}: not an fddp sharded-checkpoint manifest")
-    if manifest.get("version") != _VERSION:
-        raise CheckpointError(f"{path}: version {manifest.get('version')!r}; this fddp reads version {_VERSION}")
+    if manifest.get("version") not in (1, _VERSION):
+        raise CheckpointError(f"{path}: version {manifest.get('version')!r}; this fddp reads versions 1 and {_VERSION}")
+    tables = [manifest.get("tensors"), manifest.get("scalars")]
+    per_rank = manifest.get("per_rank")
+    if per_rank is not None:
+        tables += [per_rank.get("tensors"), per_rank.get("scalars")] if isinstance(per_rank, dict) else [None]
+    if not all(isinstance(t, (dict, list)) for t in tables):
+        raise CheckpointError(f"{path}: corrupt manifest (its tables of tensors and Python values are missing)")
     return manifest
 
 
-def _check_against(directory: str, manifest: dict, tensors: dict, scalars: dict) -> None:
-    """Raise at the first leaf where ``like`` (its tensors and scalars) and the manifest differ."""
-    saved_tensors, saved_scalars = manifest["tensors"], manifest["scalars"]
-    for key, (t, shape) in tensors.items():
-        if key not in saved_tensors:
-            raise CheckpointError(f"{directory}: checkpoint does not match `like` at {key!r}: expected a tensor, found no such key")
-        saved_shape, saved_dtype = saved_tensors[key]
-        if _numel(tuple(saved_shape)) != _numel(shape) or saved_dtype != str(t.dtype):
-            raise CheckpointError(
-                f"{directory}: checkpoint does not match `like` at {key!r}: expected shape {tuple(shape)} and dtype "
-                f"{t.dtype}, found shape {tuple(saved_shape)} and dtype {saved_dtype}"
-            )
-    extra = [k for k in saved_tensors if k not in tensors] + [k for k in saved_scalars if k not in scalars]
-    if extra:
-        raise CheckpointError(f"{directory}: checkpoint does not match `like`: it holds {extra[0]!r}, which `like` lacks")
-    for key, value in scalars.items():
-        if key not in saved_scalars:
-            raise CheckpointError(
-                f"{directory}: checkpoint does not match `like` at {key!r}: expected {article(type(value).__name__)}, found no such key"
-            )
-        if type(saved_scalars[key]) is not type(value):
-            raise CheckpointError(
-                f"{directory}: checkpoint does not match `like` at {key!r}: expected {article(type(value).__name__)}, "
-                f"found {type(saved_scalars[key]).__name__} {saved_scalars[key]!r}"
-            )
+def _foreign(metadata: Any) -> dict:
+    """A manifest's view of a checkpoint that DCP wrote: its tensors' shapes and dtypes, no Python values."""
+    tensors, others = {}, set()
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            tensors[key] = (list(md.size), str(md.properties.dtype))
+        else:
+            others.add(key)
+    return {"version": _VERSION, "tensors": tensors, "scalars": {}, "others": others}
+
+
+def _check_against(directory: str, saved: dict, entries: list[_Entry], rank: int, world: int, foreign: bool) -> None:
+    """Raise at the first leaf where ``like`` (its entries) and the checkpoint differ."""
+
+    def mismatch(e: _Entry, expected: str, found: str) -> CheckpointError:
+        return CheckpointError(f"{directory}: checkpoint does not match `like` at {e.where()}: expected {expected}, found {found}")
+
+    per_rank = saved.get("per_rank") or {"tensors": {}, "scalars": []}
+    for e in entries:
+        if e.per_rank:
+            saved_by = saved.get("world_size")
+            if len(per_rank["scalars"]) != world or saved_by != world:
+                held = f"{saved_by} ranks' own state" if per_rank["tensors"] or any(per_rank["scalars"]) else "no per-rank state"
+                raise CheckpointError(
+                    f"{directory}: `like` has per-rank state at {e.where()}, and the checkpoint holds {held}; per-rank "
+                    f"state loads on as many ranks as saved it (each rank reads its own), and this group has {world}"
+                )
+            tensors, scalars = per_rank["tensors"], per_rank["scalars"][rank]
+        else:
+            tensors, scalars = saved["tensors"], saved["scalars"]
+        if e.kind == "scalar":
+            if e.key not in scalars:
+                pickled = e.key in saved.get("others", ())
+                found = "a pickled object, which fddp does not load (it could run code)" if pickled else "no such key"
+                raise mismatch(e, article(type(e.value).__name__), found)
+            if type(scalars[e.key]) is not type(e.value):
+                raise mismatch(e, article(type(e.value).__name__), f"{type(scalars[e.key]).__name__} {scalars[e.key]!r}")
+            continue
+        expected = f"shape {e.shape} and dtype {e.dtype}"
+        if e.key not in tensors:
+            among = f" (the checkpoint has {len(tensors)} tensors)" if foreign else ""
+            raise mismatch(e, f"a tensor of {expected}", "no such key" + among)
+        shape, dtype = tensors[e.key]
+        if tuple(shape) != tuple(e.shape) or dtype != str(e.dtype):
+            raise mismatch(e, expected, f"shape {tuple(shape)} and dtype {dtype}")
+    if foreign:
+        return  # other tools' checkpoints hold more (an optimizer's, a data loader's state): not read
+    for name, table, mine in (
+        ("", saved["tensors"], {e.key for e in entries if not e.per_rank and e.kind != "scalar"}),
+        ("", saved["scalars"], {e.key for e in entries if not e.per_rank and e.kind == "scalar"}),
+        ("per-rank ", per_rank["tensors"], {e.key for e in entries if e.per_rank and e.kind != "scalar"}),
+        ("per-rank ", per_rank["scalars"][0] if per_rank["scalars"] else {}, {e.key for e in entries if e.per_rank and e.kind == "scalar"}),
+    ):
+        extra = [k for k in table if k not in mine]
+        if extra:
+            raise CheckpointError(f"{directory}: checkpoint does not match `like`: it holds {name}{extra[0]!r}, which `like` lacks")

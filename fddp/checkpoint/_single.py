@@ -1,4 +1,4 @@
-"""Single-file checkpoints: atomic, rank-0-only writes, code-free loads, and a directory of steps.
+"""Single-file checkpoints: atomic, rank-0-only writes, code-free loads.
 
 The file format is :mod:`fddp.checkpoint._codec`'s. A write goes to a temporary next to the
 destination (named by :mod:`fddp.checkpoint._temp`), is flushed, fsynced and renamed over the
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
-import zipfile
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -19,7 +17,7 @@ import torch.distributed as dist
 from fddp.checkpoint import _codec, _ranks, _temp
 from fddp.checkpoint._codec import CheckpointError
 
-__all__ = ["latest", "load", "save", "save_step", "step_path", "steps"]
+__all__ = ["load", "save", "write"]
 
 
 def save(
@@ -37,7 +35,7 @@ def save(
     either the old checkpoint or the complete new one. A write that fails (a full disk, say)
     removes the temporary file and leaves the old checkpoint as it was; a writer killed before the
     rename leaves its temporary, which the next ``save`` to ``path`` deletes once it is provably
-    abandoned (see :func:`save_step`). Missing parent directories are created. Tensors are stored
+    abandoned (see :func:`fddp.checkpoint.save_step`). Missing parent directories are created. Tensors are stored
     detached, compact (a view saves only its own elements, not its base's storage) and on the CPU,
     as plain ``torch.Tensor``, each with CRC-32s of its bytes (one per 4 MiB) that :func:`load` verifies;
     :func:`load` puts them back on a device.
@@ -52,7 +50,7 @@ def save(
             file is in place, so all ranks may read it afterwards (one small all-reduce that also
             carries rank 0's success: if rank 0 fails to write, it raises its error and every other
             rank raises :class:`CheckpointError`, instead of waiting). Leave it False when only
-            rank 0 calls ``save``. :func:`save_step` does this by default.
+            rank 0 calls ``save``. :func:`fddp.checkpoint.save_step` does this by default.
 
     Returns:
         ``path`` as a string (on every rank).
@@ -73,12 +71,12 @@ def save(
     error = None
     if _ranks.is_writer(group):
         name = os.path.basename(path)
-        error = _write(path, tree, lambda base: base == name)
-    _agree(path, error, group, barrier, "checkpoint.save")
+        error = write(path, tree, lambda base: base == name)
+    agree(path, error, group, barrier, "checkpoint.save")
     return path
 
 
-def _write(path: str, tree: Any, belongs: Callable[[str], Any]) -> BaseException | None:
+def write(path: str, tree: Any, belongs: Callable[[str], Any]) -> BaseException | None:
     """Write the file (on the writing rank); return the exception that stopped it, if any.
 
     ``belongs(name)`` says which destinations' abandoned temporaries to delete first.
@@ -102,7 +100,7 @@ def _write(path: str, tree: Any, belongs: Callable[[str], Any]) -> BaseException
                     pass
                 raise _write_error(e, path) from e
         _codec.fsync_dir(directory)
-    except BaseException as e:  # noqa: BLE001 - handed to _agree, which raises it
+    except BaseException as e:  # noqa: BLE001 - handed to agree, which raises it
         return e
     return None
 
@@ -130,7 +128,7 @@ def _write_error(e: BaseException, path: str) -> BaseException:
     )
 
 
-def _agree(path: str, error: BaseException | None, group: dist.ProcessGroup | None, barrier: bool, what: str) -> None:
+def agree(path: str, error: BaseException | None, group: dist.ProcessGroup | None, barrier: bool, what: str) -> None:
     """Raise the writer's error; with ``barrier``, first tell every rank whether the write succeeded."""
     if barrier and _ranks.world_size(group) > 1:
         # A barrier that carries the outcome: nobody waits for a writer that has already failed.
@@ -192,145 +190,3 @@ def load(
     """
     path = os.fspath(path)
     return _codec.decode(_codec.read(path, map_location), like, path)
-
-
-def step_path(directory: str | os.PathLike, step: int, /, *, prefix: str = "ckpt") -> str:
-    """Return the file name :func:`save_step` uses for ``step``: ``<directory>/<prefix>-<step:08d>.pt``.
-
-    Example:
-        >>> step_path("runs/a", 42)
-        'runs/a/ckpt-00000042.pt'
-    """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return os.path.join(os.fspath(directory), f"{prefix}-{int(step):08d}.pt")
-
-
-def _step_name(prefix: str) -> re.Pattern:
-    return re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
-
-
-def steps(directory: str | os.PathLike, /, *, prefix: str = "ckpt") -> list[tuple[int, str]]:
-    """List the complete checkpoints in ``directory`` as ``(step, path)``, oldest step first.
-
-    Only files named ``<prefix>-<digits>.pt`` that are whole zip archives count: temporaries of an
-    interrupted write (``*.pt.tmp-*``, files or directories) and truncated copies are skipped. A
-    missing directory has no checkpoints.
-
-    Example:
-        >>> import tempfile, torch
-        >>> d = tempfile.mkdtemp()
-        >>> _ = save_step(d, 5, {"w": torch.ones(1)})
-        >>> [s for s, _ in steps(d)]
-        [5]
-    """
-    directory = os.fspath(directory)
-    pattern = _step_name(prefix)
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        m = pattern.fullmatch(name)
-        if not m:
-            continue
-        full = os.path.join(directory, name)
-        # torch.save writes a zip; its central directory is written last, so a file that was cut
-        # short (by a copy, not by save, whose rename is atomic) fails this cheap check.
-        if os.path.isfile(full) and zipfile.is_zipfile(full):
-            found.append((int(m.group(1)), full))
-    return sorted(found)
-
-
-def latest(directory: str | os.PathLike, /, *, prefix: str = "ckpt") -> str | None:
-    """Return the path of the newest complete checkpoint in ``directory``, or None if there is none.
-
-    "Newest" means the highest step number in the file name, not the modification time;
-    temporaries of interrupted writes never count (see :func:`steps`).
-
-    Example:
-        >>> import tempfile, torch
-        >>> d = tempfile.mkdtemp()
-        >>> latest(d) is None
-        True
-        >>> _ = save_step(d, 7, {"w": torch.ones(1)})
-        >>> latest(d).endswith("ckpt-00000007.pt")
-        True
-    """
-    found = steps(directory, prefix=prefix)
-    return found[-1][1] if found else None
-
-
-def save_step(
-    directory: str | os.PathLike,
-    step: int,
-    tree: Any,
-    /,
-    *,
-    keep: int | None = 3,
-    prefix: str = "ckpt",
-    group: dist.ProcessGroup | None = None,
-    barrier: bool = True,
-) -> str:
-    """Save ``tree`` as the checkpoint of ``step`` in ``directory`` and keep only the newest ``keep``.
-
-    The write is :func:`save` (atomic, rank 0 of ``group`` only). Older checkpoints are deleted
-    only after the new one is in place, so a crash never leaves fewer than before. Pruning keeps
-    the file just written plus the ``keep - 1`` highest other steps. If higher steps exist (say,
-    from an abandoned earlier run in the same directory) they count among those and
-    :func:`latest` keeps returning them; clear the directory when restarting from an older step.
-
-    Before writing, rank 0 deletes the temporaries of this series (``<prefix>-<step>.pt.tmp-*``)
-    that a killed earlier write left behind, but only those provably abandoned: written on this
-    host by a process that is no longer running (or by this process, by no write still under way).
-    A temporary written from another host or container is never deleted automatically, since its
-    writer may still be running there; one older than an hour draws a warning with the command to
-    delete it by hand once no job writes to ``directory`` (``rm <directory>/<prefix>-*.pt.tmp-*``).
-
-    Every rank of ``group`` calls ``save_step`` and, by default, returns only once the new file is
-    in place and the old ones are pruned, so :func:`latest` then finds it on every rank.
-
-    Args:
-        directory: where checkpoints live; created if missing.
-        step: training step, used in the file name (see :func:`step_path`).
-        tree: the pytree to save.
-        keep: how many checkpoints to keep (>= 1), or None to keep all.
-        prefix: file name prefix.
-        group: process group whose rank 0 writes and prunes.
-        barrier: wait until rank 0 has written (see :func:`save`); True by default here. With
-            False, the other ranks return at once, and may still find the previous checkpoint.
-
-    Returns:
-        The path of the checkpoint (on every rank).
-
-    Raises:
-        OSError: on rank 0, the file cannot be written (a full disk says so).
-        CheckpointError: on the other ranks (with ``barrier``), rank 0 failed to write.
-        RuntimeError: with ``barrier``, a peer did not arrive within the process group's timeout
-            (say, a rank that skipped this call); the message names the rank and the call.
-
-    Example:
-        >>> import tempfile, torch
-        >>> d = tempfile.mkdtemp()
-        >>> for s in range(5):
-        ...     _ = save_step(d, s, {"w": torch.full((1,), float(s))}, keep=2)
-        >>> [s for s, _ in steps(d)]
-        [3, 4]
-    """
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be >= 1 or None, got {keep}")
-    path = step_path(directory, step, prefix=prefix)
-    error = None
-    if _ranks.is_writer(group):
-        error = _write(path, tree, _step_name(prefix).fullmatch)
-        if error is None and keep is not None:
-            others = [(s, p) for s, p in steps(directory, prefix=prefix) if s != step]
-            # Keep the new file plus the (keep - 1) highest other steps.
-            for _, old in others[: max(0, len(others) - (keep - 1))]:
-                try:
-                    os.remove(old)
-                except FileNotFoundError:
-                    pass
-    _agree(path, error, group, barrier, "checkpoint.save_step")
-    return path

@@ -6,16 +6,20 @@ minus their parameters) with fddp's bucketed all-reduce and any comm hook, and a
 (any ``fddp.optim`` transformation) steps the snapshot with the mean. One synchronisation every
 ``every`` steps sends what data parallelism sends every step. Two lines join a local loop::
 
-    outer = fddp.diloco.diloco(every=50)       # outer SGD, Nesterov momentum 0.9, lr 0.7
+    outer = fddp.diloco.diloco(every=50)       # outer SGD at lr 1 (the ranks' mean); any fddp.optim
     state = outer.init(params)
     for x, y in loader:
         grads = torch.func.grad(loss_fn)(params, x, y)              # local: no communication
         params, opt_state = fddp.optim.apply_gradients(inner, grads, opt_state, params)
         params, state = outer.step(params, state)                   # syncs every 50th call
 
-``fddp.diloco.local_sgd(every=H)`` averages the parameters instead (outer SGD, learning rate 1).
-Streaming DiLoCo (``fragments=F, delay=tau, mixing=alpha``) synchronises ``F`` groups of leaves at
-staggered steps, each overlapping ``tau`` inner steps. The state (:class:`DiLoCoState`) is a
+``fddp.diloco.local_sgd(every=H)`` averages the parameters (outer SGD, learning rate 1: also
+``diloco``'s default outer step: docs/lowcomm.md says how it was chosen); ``warmup=W``
+makes the first ``W`` inner steps synchronous. Streaming DiLoCo (``fragments=F, delay=tau,
+mixing=alpha``) synchronises ``F`` groups of leaves at staggered steps, each overlapping ``tau``
+inner steps; ``fragments=[["embed", "blocks.0"], ["blocks.1", "head"]]`` names them by leaf prefix.
+Before every synchronisation the ranks agree on the configuration, the step count and checksums of
+the snapshot: stale or mismatched state is an error on every rank. The state (:class:`DiLoCoState`) is a
 pytree of tensors: :mod:`fddp.checkpoint` saves it, after :meth:`DiLoCo.settle` when a fragment
 is in flight, and a resumed run continues bitwise.
 

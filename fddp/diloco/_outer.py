@@ -5,17 +5,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, NamedTuple
+import weakref
+from typing import Any, NamedTuple, Sequence
 
 import optree
 import torch
 import torch.distributed as dist
 
-from fddp import _caches, optim, zero
-from fddp.diloco._plan import Fragment, describe, launches, split
+from fddp import _caches, _dist, _layout, _tree, optim, zero
+from fddp.diloco._plan import Fragment, describe, launches, split, split_by, warm
 from fddp.optim import GradientTransformation
-from fddp.sync import Cast, SyncInfo, hooks
+from fddp.sync import Cast, SyncInfo, checksum, hooks
 from fddp.sync._inflight import InFlight, agree, start
+from fddp.sync._signature import signature_digest
 
 __all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "diloco", "local_sgd"]
 
@@ -120,7 +122,8 @@ class DiLoCo:
         optimizer: the outer optimizer, any ``fddp.optim`` transformation.
         compression: how pseudo-gradients travel: ``None``, ``"bf16"``, ``"fp16"``, or any
             :class:`fddp.hooks.CommHook` (:class:`fddp.Int8`, :class:`fddp.PowerSGD`, yours).
-        fragments: ``F``, the number of fragments.
+        fragments: ``F``, the number of fragments, or the fragments themselves: per fragment, the
+            prefixes of its leaves (``(("embed", "blocks.0"), ("blocks.1",), ("head",))``).
         delay: ``tau``, inner steps a fragment's all-reduce overlaps, ``0 <= tau < every``.
         mixing: the weight of the local values at a merge (``alpha``); 0 replaces them.
         shard: keep the outer optimizer's state sharded over the ranks (reduce-scatter the
@@ -128,6 +131,9 @@ class DiLoCo:
         group: the process group to average over (``None``: the default group).
         bucket_cap_mb: bucket cap of the synchronisations, in MiB.
         first_bucket_mb: cap of their first bucket, in MiB.
+        warmup: the first inner steps, synchronous: after each of them the ranks average their
+            parameters (every fragment at once, no outer optimizer); the rounds of ``every`` steps
+            start after them.
 
     Example:
         >>> outer = fddp.diloco.diloco(every=40, fragments=4, delay=5, mixing=0.5, compression=fddp.Int8())
@@ -138,23 +144,26 @@ class DiLoCo:
     every: int
     optimizer: GradientTransformation
     compression: Any = None
-    fragments: int = 1
+    fragments: int | tuple[tuple[str, ...], ...] = 1
     delay: int = 0
     mixing: float = 0.0
     shard: bool = False
     group: dist.ProcessGroup | None = None
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
+    warmup: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("every", 1), ("fragments", 1), ("delay", 0)):
+        if not isinstance(self.fragments, int):
+            object.__setattr__(self, "fragments", _prefixes(self.fragments))
+        for name, low in (("every", 1), ("delay", 0), ("warmup", 0)) + ((("fragments", 1),) if isinstance(self.fragments, int) else ()):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"fddp.diloco: {name} must be an int >= {low}, got {v!r}")
-        if self.fragments > self.every:
+        if self.count > self.every:
             raise ValueError(
-                f"fddp.diloco: fragments={self.fragments} > every={self.every}: each fragment needs its own step "
-                "within every round; use fragments <= every"
+                f"fddp.diloco: fragments={self.count} > every={self.every}: each fragment needs its own step "
+                "within every round; use at most every fragments"
             )
         if self.delay >= self.every:
             raise ValueError(
@@ -170,8 +179,17 @@ class DiLoCo:
     def __repr__(self) -> str:
         return (
             f"DiLoCo(every={self.every}, fragments={self.fragments}, delay={self.delay}, mixing={self.mixing}, "
-            f"compression={self.compression!r}, shard={self.shard})"
+            f"compression={self.compression!r}, shard={self.shard}, warmup={self.warmup})"
         )
+
+    @property
+    def count(self) -> int:
+        """``F``, the number of fragments."""
+        return self._n
+
+    @functools.cached_property
+    def _n(self) -> int:
+        return self.fragments if isinstance(self.fragments, int) else len(self.fragments)
 
     # --- the pure functions ------------------------------------------------------------------
 
@@ -186,6 +204,7 @@ class DiLoCo:
             >>> state = outer.init(params)
         """
         leaves, spec = _leaves(params, "diloco.init")
+        self._refuse_split(spec, "diloco.init")
         frags = self._fragments(params)
         snapshot = [t.detach().clone() for t in leaves]
         trees = [_fragment_tree(f, snapshot) for f in frags]
@@ -206,7 +225,14 @@ class DiLoCo:
              return_info: bool = False) -> Any:  # fmt: skip
         """Count one inner step; synchronise the fragments that are due. Pure: nothing is modified.
 
-        Between synchronisations this only counts (a few microseconds). When a fragment is due:
+        Between synchronisations this counts and checks ``params`` against the state's shapes and
+        dtypes (tens of microseconds; a ``ValueError`` naming the leaf at once for a resized
+        model). At the first step of this configuration in the process, and before every
+        synchronisation, the ranks agree on the configuration (the outer optimizer by value), the
+        step count, the tree and the checksums of the snapshot's leaves about to be synchronised
+        (all of them at the first step): another step (a rank resumed from an older file),
+        another start (no :func:`fddp.broadcast`) or another tree on one rank is a
+        :class:`fddp.MismatchError` on every rank, naming the difference. When a fragment is due:
         its pseudo-gradient ``snapshot - params`` is averaged over the ranks (the weighted mean
         with ``weight=``), the outer optimizer steps the snapshot with it, and the fragment's
         parameters become the new global values (mixed with the local ones by ``mixing``). Every
@@ -232,26 +258,38 @@ class DiLoCo:
             ...     params, state = outer.step(params, state)
         """
         self._check_state(state)
+        leaves, spec, snap_leaves, snap_spec, problem = _against(params, state.snapshot)
         t = int(state.count) + 1
         weights = state.weight
         if weight is not None:
             w = _as_weight(weight)
             weights = tuple(a + w for a in weights)
+        n = self._n
         due_merge = [p for p, f in enumerate(state.flights) if int(f.merge_at) == t]
-        due_launch = [p for p in range(self.fragments) if launches(t, p, self.fragments, self.every, self.delay)]
+        warming = warm(t, self.warmup)
+        due_launch = list(range(n)) if warming else [p for p in range(n) if launches(t, p, n, self.every, self.delay, self.warmup)]
+        first = self._first_step()
         count = torch.tensor(t, dtype=torch.int64)
-        if not due_merge and not due_launch:
+        if not due_merge and not due_launch and not first:
+            if problem is not None:
+                with _dist.call(self.group, _WHAT):  # announced: the peers raise at their next synchronisation
+                    raise ValueError(f"fddp.{_WHAT}: {problem}")
             new_state = state._replace(count=count, weight=weights)
             return (params, new_state, OuterInfo((), (), (), 0, 0.0)) if return_info else (params, new_state)
 
-        leaves, spec = _leaves(params, _WHAT)
-        snap_leaves, snap_spec = optree.tree_flatten(state.snapshot, none_is_leaf=True)
-        if snap_spec != spec:
-            raise ValueError(
-                f"fddp.{_WHAT}: params and state.snapshot have different structures; make the state with "
-                f"outer.init(params) for these params.\n  params:   {spec}\n  snapshot: {snap_spec}"
-            )
-        frags = self._fragments(params)
+        with _dist.call(self.group, _WHAT):  # a refusal here is announced in place of this call's header
+            leaves, spec = _leaves(params, _WHAT)
+            self._refuse_split(spec, _WHAT)
+        frags = self._fragments(params) if problem is None else ()
+        if first or due_launch:
+            # Before anything moves, the ranks agree on the configuration, the step, the tree, and
+            # the checksums of the snapshot's leaves that are about to be synchronised (all of them
+            # at the first step of this process): a rank resumed from another checkpoint, or that
+            # started from other parameters, is an error on every rank, not a silent divergence.
+            checked = range(len(snap_leaves)) if first or problem is not None else [i for p in due_launch for i in frags[p].indices]
+            self._agree(t, state.snapshot, snap_leaves, snap_spec, sorted(checked), problem)
+        if problem is not None:
+            raise ValueError(f"fddp.{_WHAT}: {problem}")  # on every rank: the agreement passed
         out = list(leaves)
         snap = list(snap_leaves)
         outer, comp, flights = list(state.outer_state), list(state.compression_state), list(state.flights)
@@ -259,13 +297,13 @@ class DiLoCo:
         syncs: list[SyncInfo] = []
         wait_s, gathered = 0.0, 0
 
-        def receive(p: int, pending: InFlight) -> None:
+        def receive(p: int, pending: InFlight, average: bool = False) -> None:
             nonlocal wait_s, gathered
             t0 = time.perf_counter()
             mean, info = pending.wait()
             wait_s += time.perf_counter() - t0
             syncs.append(info)
-            gathered += self._apply(p, frags[p], mean, info, snap, outer, comp)
+            gathered += self._apply(p, frags[p], mean, info, snap, outer, comp, average)
 
         def merge(p: int) -> None:
             for i in frags[p].indices:
@@ -276,8 +314,6 @@ class DiLoCo:
             if flights[p].pending is not None:
                 receive(p, flights[p].pending)
             merge(p)
-        if due_launch:
-            agree(self._rows, self.group, _WHAT)
         for p in due_launch:
             tree = _fragment_tree(frags[p], snap)
             pseudo = {path: torch.sub(snap[i], out[i].detach()) for path, i in zip(frags[p].paths, frags[p].indices)}
@@ -287,7 +323,11 @@ class DiLoCo:
                 compression=_hook(self.compression, self.shard), compression_state=comp[p],
             )  # fmt: skip
             weights[p] = torch.zeros((), dtype=torch.float64)
-            if self.delay == 0:
+            if warming:  # the local values become the ranks' mean, whatever the mixing
+                receive(p, pending, average=True)
+                for i in frags[p].indices:
+                    out[i] = snap[i].clone()
+            elif self.delay == 0:
                 receive(p, pending)
                 merge(p)
             else:
@@ -298,7 +338,7 @@ class DiLoCo:
         new_params = optree.tree_unflatten(spec, out)
         if not return_info:
             return new_params, new_state
-        info = OuterInfo(tuple(due_launch), tuple(due_merge) + (tuple(due_launch) if self.delay == 0 else ()),
+        info = OuterInfo(tuple(due_launch), tuple(due_merge) + (tuple(due_launch) if self.delay == 0 or warming else ()),
                          tuple(syncs), sum(s.bytes_sent for s in syncs) + gathered, wait_s)  # fmt: skip
         return new_params, new_state, info
 
@@ -333,9 +373,11 @@ class DiLoCo:
 
     # --- the pieces ----------------------------------------------------------------------------
 
-    def _apply(self, p: int, frag: Fragment, mean: Any, info: SyncInfo, snap: list, outer: list, comp: list) -> int:
+    def _apply(self, p: int, frag: Fragment, mean: Any, info: SyncInfo, snap: list, outer: list, comp: list,
+               average: bool = False) -> int:  # fmt: skip
         """Step fragment ``p`` of the snapshot with its mean pseudo-gradient (into ``snap``, ``outer``,
-        ``comp``); return the bytes this sent (the all-gather of the new shards, with ``shard``)."""
+        ``comp``); with ``average`` (a warm-up step) subtract it instead, leaving the outer state as
+        it is. Return the bytes this sent (the all-gather of the new shards, with ``shard``)."""
         if _stateful(_hook(self.compression, self.shard)):
             comp[p] = info.compression_state
         if info.weight is not None and bool(info.weight == 0):
@@ -344,9 +386,14 @@ class DiLoCo:
         sent = 0
         if self.shard:
             shards = zero.shard(tree, group=self.group, bucket_cap_mb=self.bucket_cap_mb, first_bucket_mb=self.first_bucket_mb)
-            shards, outer[p] = optim.apply_gradients(self.optimizer, mean, outer[p], shards)
+            if average:
+                shards = optree.tree_map(torch.sub, shards, mean)
+            else:
+                shards, outer[p] = optim.apply_gradients(self.optimizer, mean, outer[p], shards)
             new = zero.gather(shards).wait()
             sent = sum(s.numel() * s.element_size() for s in shards.shards)
+        elif average:
+            new = {path: torch.sub(tree[path], mean[path]) for path in tree}
         else:
             new, outer[p] = optim.apply_gradients(self.optimizer, mean, outer[p], tree)
         for path, i in zip(frag.paths, frag.indices):
@@ -357,36 +404,229 @@ class DiLoCo:
         return _split_of(optree.tree_structure(params, none_is_leaf=True), _specs(params), self.fragments)
 
     @functools.cached_property
-    def _rows(self) -> list[tuple[str, str]]:
-        """The configuration as the ranks compare it (once per group, before the first launch)."""
+    def _rows(self) -> list[tuple[str, str, None]]:
+        """The configuration as the ranks compare it (at the first step and at every launch)."""
         return [
-            ("diloco every", str(self.every)),
-            ("diloco fragments", str(self.fragments)),
-            ("diloco delay", str(self.delay)),
-            ("diloco mixing", repr(self.mixing)),
-            ("diloco shard", str(self.shard)),
-            ("diloco optimizer", describe(self.optimizer)),
+            ("option diloco every", str(self.every), None),
+            ("option diloco fragments", str(self.fragments), None),
+            ("option diloco delay", str(self.delay), None),
+            ("option diloco mixing", repr(float(self.mixing)), None),
+            ("option diloco shard", str(self.shard), None),
+            ("option diloco compression", describe(self.compression), None),
+            ("option diloco warmup", str(self.warmup), None),
+            ("option diloco optimizer", describe(self.optimizer), None),
         ]
 
+    @functools.cached_property
+    def _digest(self) -> int:
+        return _dist.digest(self._rows)
+
+    def _first_step(self) -> bool:
+        """Whether this is the first step of this configuration on its group in this process
+        (every rank's is the same call: the loops start together)."""
+        if self.__dict__.get("_agreed_in") == _generation[0]:  # this object's first step is behind it (a fast path)
+            return False
+        return self._digest not in _started.get(self.group if self.group is not None else dist.group.WORLD, ())
+
+    def _note_started(self) -> None:
+        _started.setdefault(self.group if self.group is not None else dist.group.WORLD, set()).add(self._digest)
+        self.__dict__["_agreed_in"] = _generation[0]  # forgotten with fddp.clear_caches(), which starts a new generation
+
+    def _agree(self, t: int, snapshot: Any, leaves: list, spec: Any, checked: Sequence[int], problem: str | None) -> None:
+        """Agree across the group on the configuration, the step ``t``, the tree, whether the params
+        match the state, and the checksums of the snapshot's leaves ``checked``; raise
+        :class:`fddp.MismatchError` on every rank, naming the difference, unless all ranks do.
+
+        With the agreement off (``fddp.set_checks(agreement=False)``) only the configuration and the
+        tree are compared, once, as every fddp call's signature is.
+        """
+        key = ("diloco.tree", spec, _specs_of(leaves))
+        tree = signature_digest(key, lambda: _tree.structure_rows(snapshot))
+        paths = _tree.paths(spec)
+        if not _dist.checks().agreement:
+            agree(_dist.digest((self._digest, tree)), lambda: [*self._rows, *_tree.structure_rows(snapshot)],
+                  self.group, _WHAT, _name_difference)  # fmt: skip
+            self._note_started()
+            return
+        sums = torch.stack([checksum(leaves[i]).cpu() for i in checked]).tolist() if checked else []
+        state = problem or "match the state's shapes"
+
+        def rows() -> list[tuple]:
+            return [
+                *self._rows,
+                ("option diloco step", str(t), None),
+                ("option diloco params", state, None),
+                *_tree.structure_rows(snapshot),
+                *[(f"snapshot {paths[i]}", f"checksum {s}", None) for i, s in zip(checked, sums)],
+            ]
+
+        agree(_dist.digest((self._digest, tree, t, state, tuple(checked), tuple(sums))), rows, self.group, _WHAT, _name_difference)
+        self._note_started()  # once the ranks agreed: a first step that failed is a first step again next time
+
+    def _refuse_split(self, spec: Any, what: str) -> None:
+        """Raise unless every rank of the group holds the same slices: ZeRO's shards on the group
+        DiLoCo averages over (``fddp.zero.shard``, ``fully_shard``) differ between ranks by design."""
+        if not _layout.has_split(spec):
+            return
+        mine = set(dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD))
+        for node in _layout.split_nodes(spec):
+            g = node.split.group
+            theirs = set(dist.get_process_group_ranks(g if g is not None else dist.group.WORLD))
+            if len(mine & theirs) > 1:
+                kind = "fully sharded parameters (ZeRO stage 3, fddp.zero.fully_shard)" if node.stage == 3 else (
+                    "sharded parameters (fddp.zero.shard)")  # fmt: skip
+                raise TypeError(
+                    f"fddp.{what}: got {kind} sharded over ranks {sorted(mine & theirs)}, which this outer step "
+                    "also averages over: each of them holds other slices of the buckets, and averaging them mixes "
+                    "unrelated values. Average across replicas instead: shard within each worker and give DiLoCo "
+                    "a group of ranks that hold the same slices (fully_shard(model, group=shard_group) and "
+                    "fddp.diloco.diloco(..., group=replica_group)), or give it the gathered tree"
+                )
+
     def _check_state(self, state: Any) -> None:
+        if type(state) is DiLoCoState and len(state.flights) == self._n == len(state.outer_state):
+            return
         if not isinstance(state, tuple) or getattr(type(state), "_fields", None) != DiLoCoState._fields:
             raise TypeError(f"fddp.{_WHAT}: state must be the DiLoCoState from outer.init(params), got {type(state).__name__}")
-        if len(state.flights) != self.fragments or len(state.outer_state) != self.fragments:
+        if len(state.flights) != self.count or len(state.outer_state) != self.count:
             raise ValueError(
-                f"fddp.{_WHAT}: the state has {len(state.flights)} fragments, this outer step {self.fragments}; "
+                f"fddp.{_WHAT}: the state has {len(state.flights)} fragments, this outer step {self.count}; "
                 "make the state with the same outer step's init(params)"
             )
 
 
 @_caches.cached(maxsize=64)
-def _split_of(spec: Any, specs: tuple, count: int) -> tuple[Fragment, ...]:
+def _split_of(spec: Any, specs: tuple, fragments: int | tuple) -> tuple[Fragment, ...]:
     """The fragments of trees of this structure and these leaf shapes and dtypes (cached)."""
     like = optree.tree_unflatten(spec, [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs])
-    return split(like, count, _WHAT)
+    return split(like, fragments, _WHAT) if isinstance(fragments, int) else split_by(like, fragments, _WHAT)
 
 
 def _specs(params: Any) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in optree.tree_leaves(params, none_is_leaf=True))
+    return _specs_of(optree.tree_leaves(params, none_is_leaf=True))
+
+
+def _specs_of(leaves: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in leaves)
+
+
+def _prefixes(fragments: Any) -> tuple[tuple[str, ...], ...]:
+    """``fragments=`` as the user's groups of leaf prefixes: a sequence of prefixes or of lists of them."""
+    bad = ValueError(
+        "fddp.diloco: fragments must be an int or a sequence of fragments, each a leaf prefix ('blocks.0') or a "
+        f"list of them (['embed', 'blocks.0']), got {fragments!r}"
+    )
+    if isinstance(fragments, (str, bytes)) or not isinstance(fragments, Sequence) or not fragments:
+        raise bad
+    out = []
+    for f in fragments:
+        group = (f,) if isinstance(f, str) else tuple(f) if isinstance(f, Sequence) else None
+        if not group or not all(isinstance(x, str) for x in group):
+            raise bad
+        out.append(group)
+    return tuple(out)
+
+
+def _against(params: Any, snapshot: Any) -> tuple[list, Any, list, Any, str | None]:
+    """Both trees' leaves and structures, and :func:`_mismatch`'s words (a few microseconds for
+    trees that match: this runs at every step)."""
+    leaves, spec = _tree.flatten(params)
+    snap_leaves, snap_spec = _tree.flatten(snapshot)
+    try:
+        if spec == snap_spec and _shapes(leaves) == _snapshot_shapes(snap_leaves):
+            return leaves, spec, snap_leaves, snap_spec, None
+    except AttributeError:  # a leaf that is not a tensor: _leaves names it
+        _leaves(params, _WHAT)
+    return leaves, spec, snap_leaves, snap_spec, _mismatch(leaves, spec, snap_leaves, snap_spec)
+
+
+def _shapes(leaves: list) -> list:
+    return [(t.shape, t.dtype) for t in leaves]
+
+
+# The last snapshot's shapes, while its first and last leaves live (weakly held): between two
+# syncs the state carries the same snapshot, so its shapes are read once per sync, not per step.
+_last_snapshot: list[Any] = [None, None, None]
+
+
+def _snapshot_shapes(leaves: list) -> list:
+    refs, n, shapes = _last_snapshot
+    if refs is not None and n == len(leaves) and refs[0]() is leaves[0] and refs[1]() is leaves[-1]:
+        return shapes
+    shapes = _shapes(leaves)
+    _last_snapshot[:] = [(weakref.ref(leaves[0]), weakref.ref(leaves[-1])) if leaves else None, len(leaves), shapes]
+    return shapes
+
+
+_caches.register("fddp.diloco._outer._last_snapshot", lambda: _last_snapshot.__setitem__(slice(None), [None, None, None]))
+
+
+def _mismatch(leaves: list, spec: Any, snap_leaves: list, snap_spec: Any) -> str | None:
+    """Words for how ``params`` differ from the state's snapshot in structure, shapes or dtypes, or ``None``."""
+    advice = "make the state with outer.init(params) for these params (or load the checkpoint of this model)"
+    if spec != snap_spec:
+        mine, theirs = _tree.paths(spec), _tree.paths(snap_spec)
+        diff = next((f"params have {a!r} where the state has {b!r}" for a, b in zip(mine, theirs) if a != b), None)
+        diff = diff or f"params have {len(mine)} leaves, the state {len(theirs)}"
+        return f"params do not match the DiLoCo state's structure: {diff}; {advice}"
+    for i, (a, b) in enumerate(zip(leaves, snap_leaves)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (
+                f"params do not match the DiLoCo state at leaf {_tree.paths(spec)[i]!r}: params have shape "
+                f"{tuple(a.shape)} and dtype {a.dtype}, the state {tuple(b.shape)} and {b.dtype}; {advice}"
+            )
+    return None
+
+
+# The (group, configuration) pairs that have made their first step in this process.
+_started: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
+_generation = [0]
+
+
+def _forget_started() -> None:
+    _started.clear()
+    _generation[0] += 1
+
+
+_caches.register("fddp.diloco._outer._started", _forget_started)
+
+
+def _name_difference(per_rank: Sequence[list[tuple]]) -> str:
+    """Words for the first row where a rank's DiLoCo state differs from rank 0's, with the fix."""
+    ref = per_rank[0]
+    for r, rows in enumerate(per_rank[1:], start=1):
+        diff = _tree.first_difference(ref, rows, "rank 0", f"rank {r}")
+        if diff is None:
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(ref, rows)) if a != b) if len(ref) == len(rows) else None
+        name = ref[at][0] if at is not None else ""
+        if name == "option diloco step":
+            return (
+                f"The ranks are at different inner steps of their DiLoCo state: rank 0 at step {ref[at][1]}, rank {r} "
+                f"at step {rows[at][1]}. A rank resumed from another checkpoint than the others (an older file), or "
+                "made more outer.step calls: load every rank's state saved at the same step, and call outer.step "
+                "once per inner step on every rank."
+            )
+        if name == "option diloco params":
+            bad = next(q for q, x in enumerate(per_rank) if x[at][1] != "match the state's shapes")
+            return f"Rank {bad}'s {per_rank[bad][at][1]}."
+        if name.startswith("snapshot "):
+            differ = [a[0][len("snapshot ") :] for a, b in zip(ref, rows) if a[0].startswith("snapshot ") and a != b]
+            more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+            step = int(next(x[1] for x in ref if x[0] == "option diloco step"))
+            why = (
+                "The ranks started from different parameters: call params = fddp.broadcast(params) on every rank "
+                "before outer.init(params)."
+                if step == 1
+                else "A rank's state comes from another run or another checkpoint than the others', or the ranks "
+                "started from different parameters (params = fddp.broadcast(params) before outer.init(params))."
+            )
+            return (
+                f"The ranks hold different global parameters (state.snapshot, which every rank must hold alike) at "
+                f"leaf {differ[0]!r}{more}: rank {r}'s differ from rank 0's. {why}"
+            )
+        return diff[0].upper() + diff[1:] + ". Every rank must run the same outer step on the same model."
+    return "The DiLoCo states hash differently but compare equal."  # pragma: no cover
 
 
 def _leaves(params: Any, what: str) -> tuple[list[torch.Tensor], Any]:
@@ -443,23 +683,34 @@ def diloco(
     group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
+    warmup: int = 0,
 ) -> DiLoCo:
     """DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): an outer optimizer on averaged
     pseudo-gradients every ``every`` inner steps.
 
     Args:
         every: ``H``, inner steps between synchronisations (of each fragment).
-        optimizer: the outer optimizer; default the paper's, SGD with Nesterov momentum 0.9 and
-            learning rate 0.7 (``fddp.optim.sgd(0.7, momentum=0.9, nesterov=True)``).
+        optimizer: the outer optimizer; default SGD at learning rate 1 without momentum
+            (``fddp.optim.sgd(1.0)``: the new global parameters are the ranks' mean), which
+            reached DDP's loss best on runs of 15 to 30 outer steps in ``benchmarks/lowcomm.py``'s
+            tuning (docs/lowcomm.md). The paper's Nesterov SGD (``fddp.optim.sgd(0.7,
+            momentum=0.9, nesterov=True)``) is for runs of hundreds of outer steps: in runs of
+            15 to 30 it ended 9% (a language model) and 93% (non-iid shards) above DDP's loss.
         compression: ``None``, ``"bf16"``, ``"fp16"`` or a comm hook (:class:`fddp.Int8`,
             :class:`fddp.PowerSGD`, any :class:`fddp.hooks.CommHook`).
-        fragments: ``F`` for streaming: groups of leaves synchronised at staggered steps.
+        fragments: ``F`` for streaming: groups of leaves synchronised at staggered steps; an int
+            (contiguous runs of leaves of about equal bytes) or the fragments themselves, each a
+            leaf prefix or a list of them, as torchft takes module lists
+            (``[["embed", "blocks.0"], "blocks.1", ["blocks.2", "head"]]``).
         delay: ``tau``, inner steps each fragment's all-reduce overlaps before it merges.
         mixing: ``alpha``, the weight of the local values when a fragment merges.
         shard: keep the outer optimizer's state sharded (``fddp.zero``'s cut).
         group: the process group (``None``: the default group).
         bucket_cap_mb: the synchronisations' bucket cap, in MiB.
         first_bucket_mb: their first bucket's cap, in MiB.
+        warmup: synchronous inner steps at the start: after each, the ranks average their
+            parameters (post-local SGD's warm start; ``PeriodicModelAverager``'s ``warmup_steps``,
+            with averaging instead of a separate DDP phase); the rounds start after them.
 
     Returns:
         A :class:`DiLoCo`: ``init(params)``, ``step(params, state)``, ``settle(state)``.
@@ -470,8 +721,8 @@ def diloco(
         >>> params, state = outer.step(params, state)  # after each inner step
     """
     if optimizer is None:
-        optimizer = optim.sgd(0.7, momentum=0.9, nesterov=True)
-    return DiLoCo(every, optimizer, compression, fragments, delay, mixing, shard, group, bucket_cap_mb, first_bucket_mb)
+        optimizer = optim.sgd(1.0)
+    return DiLoCo(every, optimizer, compression, fragments, delay, mixing, shard, group, bucket_cap_mb, first_bucket_mb, warmup)
 
 
 def local_sgd(
@@ -481,6 +732,7 @@ def local_sgd(
     group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
+    warmup: int = 0,
 ) -> DiLoCo:
     """Local SGD: average the parameters over the ranks every ``every`` inner steps.
 
@@ -495,6 +747,7 @@ def local_sgd(
         group: the process group (``None``: the default group).
         bucket_cap_mb: the synchronisations' bucket cap, in MiB.
         first_bucket_mb: their first bucket's cap, in MiB.
+        warmup: synchronous inner steps at the start (see :func:`diloco`).
 
     Returns:
         A :class:`DiLoCo`.
@@ -505,4 +758,4 @@ def local_sgd(
         >>> params, state = outer.step(params, state)  # after each inner step
     """
     return diloco(every, optim.sgd(1.0), compression=compression, group=group, bucket_cap_mb=bucket_cap_mb,
-                  first_bucket_mb=first_bucket_mb)  # fmt: skip
+                  first_bucket_mb=first_bucket_mb, warmup=warmup)  # fmt: skip

@@ -16,6 +16,10 @@ or, in one call that runs torch's fused kernels where it can (``sgd``, ``adam``,
 Gradients must be tensors of their parameter's dtype, as torch requires of ``param.grad``: a
 ``None`` gradient is rejected (pass zeros or drop the leaf), and so is, naming the leaf and both
 dtypes, a float64 gradient for a float32 parameter.
+
+Parameter groups (torch's ``param_groups``) are ``mask=`` on an optimizer (where weight decay
+applies) or :func:`multi_transform` (a transformation per label); hyperparameters that change
+mid-run live in the state with :func:`inject_hyperparams` and :func:`set_hyperparams`.
 """
 
 from ._adam import AdamState, adam, adamw
@@ -31,6 +35,8 @@ from ._base import (
     fast_path,
 )
 from ._clip import clip_by_global_norm
+from ._groups import MaskedNode, MaskedState, MultiTransformState, by_path, masked, multi_transform, set_to_zero
+from ._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from ._multi_steps import AccumulateState, accumulate
 from ._schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
 from ._sgd import SGDState, sgd
@@ -51,6 +57,16 @@ __all__ = [
     "adamw",
     "AdamState",
     "clip_by_global_norm",
+    "multi_transform",
+    "MultiTransformState",
+    "masked",
+    "MaskedState",
+    "MaskedNode",
+    "set_to_zero",
+    "by_path",
+    "inject_hyperparams",
+    "set_hyperparams",
+    "InjectHyperparamsState",
     "accumulate",
     "AccumulateState",
     "constant",

@@ -15,6 +15,7 @@ from . import _flat as flat
 from . import _kernels
 from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
+from ._groups import Labels, grouped
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -42,6 +43,8 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     amsgrad: bool = False,
+    *,
+    mask: Labels | None = None,
 ) -> GradientTransformationExtraArgs:
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
 
@@ -51,6 +54,10 @@ def adam(
         eps: term added to the denominator.
         weight_decay: L2 penalty (``grad + weight_decay * param``); needs ``params`` in ``update``.
         amsgrad: use the running maximum of the second moment (AMSGrad).
+        mask: where weight decay applies: True for the leaves it decays, as a tree of bools shaped
+            like the parameters (or a prefix of it) or a function ``mask(params) -> such a tree``
+            (see :func:`fddp.optim.by_path`); ``None`` decays every leaf. torch's two param groups,
+            one with ``weight_decay=0``: each group takes its own fused step.
 
     Returns:
         A ``GradientTransformationExtraArgs`` whose state is an ``AdamState``; ``apply_gradients``
@@ -61,7 +68,7 @@ def adam(
         >>> state = opt.init(params)
         >>> updates, state = opt.update(grads, state, params)
     """
-    return _make("adam", lr, betas, eps, weight_decay, amsgrad, decoupled=False)
+    return _masked("adam", lr, betas, eps, weight_decay, amsgrad, mask, decoupled=False)
 
 
 def adamw(
@@ -70,6 +77,8 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
+    *,
+    mask: Labels | None = None,
 ) -> GradientTransformationExtraArgs:
     """Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
@@ -80,6 +89,9 @@ def adamw(
         weight_decay: decoupled decay: params shrink by ``lr * weight_decay`` each step (where
             :func:`adam`'s L2 penalty adds ``weight_decay * param`` to the gradient).
         amsgrad: as in :func:`adam`.
+        mask: where weight decay applies (as in :func:`adam`; optax's ``adamw(mask=)``). Language
+            models leave biases and norms undecayed: ``mask=fddp.optim.by_path(lambda path, p:
+            p.ndim >= 2)``.
 
     Returns:
         A ``GradientTransformationExtraArgs`` whose state is an ``AdamState``; ``apply_gradients``
@@ -88,10 +100,11 @@ def adamw(
     Example:
         >>> opt = fddp.optim.adamw(lr=1e-3, weight_decay=1e-2)
         >>> state = opt.init(params)
+        >>> opt = fddp.optim.adamw(lr=1e-3, weight_decay=0.1, mask=fddp.optim.by_path(lambda path, p: p.ndim >= 2))
         >>> updates, state = opt.update(grads, state, params)
         >>> params = fddp.optim.apply_updates(params, updates)
     """
-    return _make("adamw", lr, betas, eps, weight_decay, amsgrad, decoupled=True)
+    return _masked("adamw", lr, betas, eps, weight_decay, amsgrad, mask, decoupled=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +127,17 @@ class _Adam:
     @property
     def where(self) -> str:
         return f"{self.name}.update"
+
+
+def _masked(
+    name: str, lr: ScalarOrSchedule, betas: tuple[float, float], eps: float, weight_decay: float, amsgrad: bool, mask: Labels | None,
+    *, decoupled: bool,
+) -> GradientTransformationExtraArgs:
+    decayed = _make(name, lr, betas, eps, weight_decay, amsgrad, decoupled=decoupled)
+    if mask is None:
+        return decayed
+    plain = _make(name, lr, betas, eps, 0.0, amsgrad, decoupled=decoupled)
+    return grouped({True: decayed, False: plain}, mask, name)
 
 
 def _make(

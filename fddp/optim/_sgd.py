@@ -15,6 +15,7 @@ from . import _flat as flat
 from . import _kernels
 from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
+from ._groups import Labels, grouped
 
 __all__ = ["SGDState", "sgd"]
 
@@ -37,6 +38,8 @@ def sgd(
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    *,
+    mask: Labels | None = None,
 ) -> GradientTransformationExtraArgs:
     """Stochastic gradient descent, as ``torch.optim.SGD``.
 
@@ -48,6 +51,7 @@ def sgd(
         dampening: dampening for momentum.
         nesterov: use Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         weight_decay: L2 penalty (``grad + weight_decay * param``); needs ``params`` in ``update``.
+        mask: where weight decay applies, as in :func:`fddp.optim.adam`; ``None`` decays every leaf.
 
     Returns:
         A ``GradientTransformationExtraArgs`` whose state is an ``SGDState``; ``apply_gradients``
@@ -67,7 +71,13 @@ def sgd(
             f"sgd: nesterov=True requires momentum > 0 and dampening == 0, got momentum={momentum!r}, "
             f"dampening={dampening!r}"
         )
-    cfg = _SGD(lr, momentum, dampening, bool(nesterov), weight_decay)
+    decayed = _make(_SGD(lr, momentum, dampening, bool(nesterov), weight_decay))
+    if mask is None:
+        return decayed
+    return grouped({True: decayed, False: _make(_SGD(lr, momentum, dampening, bool(nesterov), 0.0))}, mask, "sgd")
+
+
+def _make(cfg: "_SGD") -> GradientTransformationExtraArgs:
     return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
 
 

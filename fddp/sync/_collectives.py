@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from fddp import _dist
+from fddp import _dist, _layout
 from fddp._tree import BUFFERS_FIX, not_a_module
 from fddp.sync import _differentiable
 from fddp.sync._checksum import checksum, compare_replicas
@@ -137,7 +137,24 @@ def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> 
     """
     _differentiable.refuse_under_transforms("verify_replicas")
     with _dist.call(group, "verify_replicas"):
+        _refuse_shards(tree)
         _verify(tree, group)
+
+
+def _refuse_shards(tree: Any) -> None:
+    """Say what to verify instead of ZeRO's shards, which differ between ranks by design."""
+    nodes = _layout.split_nodes(tree)
+    if not nodes:
+        return
+    kind = (
+        "fully sharded parameters (ZeRO stage 3, fddp.zero.fully_shard)" if any(n.stage == 3 for n in nodes)
+        else "a sharded tree (fddp.zero.Sharded, from fddp.zero.shard or ReduceScatter)"
+    )  # fmt: skip
+    raise TypeError(
+        f"fddp.verify_replicas: got {kind}: each rank holds its own slices of the buckets, which differ between "
+        "ranks by design, so there is nothing to compare. Verify the gathered tree, which every rank holds whole: "
+        "fddp.verify_replicas(fddp.zero.unshard(shards)) (or fddp.zero.gather(shards).wait())"
+    )
 
 
 def _verify(tree: Any, group: dist.ProcessGroup | None) -> None:

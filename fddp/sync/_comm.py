@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp._dist import collective_device, rank, size, wait
+from fddp._dist import Segment, collective_device, rank, size, wait
 from fddp._layout import BucketPlan
 
 __all__ = ["Comm"]
@@ -45,18 +45,28 @@ class Comm:
         self.weight_sum: torch.Tensor | None = None
         self.bytes_sent = 0
         self.collectives = 0
+        # The call's sequence of collectives, where its header does not fix them (a fully sharded
+        # forward's): each collective is checked against it before it is issued.
+        self.segment: Segment | None = None
 
     @property
     def device(self) -> torch.device:
         """Where small tensors for this group's collectives must live."""
         return collective_device(self.group)
 
+    def _issue(self, op: str, t: torch.Tensor, tag: str | None, numel: int | None = None) -> None:
+        if self.segment is not None:
+            self.segment.issue(op, t, tag, numel)
+
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_sent += t.numel() * t.element_size()
         self.collectives += 1
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> Any:
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", tag: str | None = None) -> Any:
         """Start an all-reduce of ``t`` in place (``op``: ``"sum"`` or ``"max"``); return its work handle.
+
+        ``tag`` (on every method) names what the collective carries in the ranks' agreement on
+        the call's sequence of collectives (``fddp._dist.issue``): a bucket of a unit, say.
 
         Example:
             >>> work = bucket.comm.all_reduce(bucket.buffer)
@@ -65,9 +75,10 @@ class Comm:
         self._count(t)
         if torch.compiler.is_compiling():
             return _TracedAllReduce(t, op, self.group)
+        self._issue(f"all-reduce ({op})", t, tag)
         return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
 
-    def all_gather(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def all_gather(self, t: torch.Tensor, tag: str | None = None) -> tuple[torch.Tensor, Any]:
         """Start gathering every rank's ``t`` (same shape on every rank); return ``(out, work)``,
         ``out`` of shape ``(world_size, *t.shape)``, valid once ``work`` is waited for.
 
@@ -76,11 +87,12 @@ class Comm:
             >>> bucket.comm.wait(work, "the gather")
         """
         self._count(t)
+        self._issue("all-gather", t, tag)
         flat = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
         work = _all_gather_single(flat, t.contiguous().reshape(-1), group=self.group, async_op=True)
         return flat.view(self.world_size, *t.shape), work
 
-    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Any:
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, tag: str | None = None) -> Any:
         """Start summing ``t`` (``world_size * out.numel()`` elements) over the ranks, this rank
         receiving its slice ``[rank * n, (rank + 1) * n)`` of the sum in ``out``; return the work.
 
@@ -96,10 +108,11 @@ class Comm:
         if dist.get_backend(self.group) == "gloo":
             self._check_parts("a reduce-scatter", t, out)
             self._count(t)
+            self._issue("reduce-scatter", t, tag)
             return _SlicedReduce(out, t.clone(), self.rank, self.group)
-        return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out)
+        return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out, tag=tag)
 
-    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> Any:
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, tag: str | None = None) -> Any:
         """Start gathering every rank's ``t`` into ``out`` (rank ``r``'s at ``[r * n, (r + 1) * n)``);
         return the work.
 
@@ -107,12 +120,15 @@ class Comm:
             >>> work = bucket.comm.all_gather_into(full, shard)
             >>> bucket.comm.wait(work, "the all-gather")
         """
-        return self._sized("an all-gather", _all_gather_single, out, t, whole=out, part=t)
+        return self._sized("an all-gather", _all_gather_single, out, t, whole=out, part=t, tag=tag)
 
-    def _sized(self, collective: str, op: Any, out: torch.Tensor, t: torch.Tensor, *, whole: torch.Tensor, part: torch.Tensor) -> Any:
+    def _sized(
+        self, collective: str, op: Any, out: torch.Tensor, t: torch.Tensor, *, whole: torch.Tensor, part: torch.Tensor, tag: str | None
+    ) -> Any:
         """Check that ``whole`` holds ``world_size`` parts, count ``t``, start ``op(out, t)``."""
         self._check_parts(collective, whole, part)
         self._count(t)
+        self._issue(collective.split(" ", 1)[1], t, tag)
         return op(out, t, group=self.group, async_op=True)
 
     def _check_parts(self, collective: str, whole: torch.Tensor, part: torch.Tensor) -> None:
@@ -122,7 +138,7 @@ class Comm:
                 f"{self.world_size} x {part.numel()} elements in all, got {whole.numel()}"
             )
 
-    def swap(self, send: torch.Tensor, got: torch.Tensor, peer: int) -> Any:
+    def swap(self, send: torch.Tensor, got: torch.Tensor, peer: int, tag: str | None = None) -> Any:
         """Start sending ``send`` to rank ``peer`` of the group while receiving ``got`` from it (one
         exchange); return its work.
 
@@ -135,15 +151,17 @@ class Comm:
             >>> bucket.comm.wait(work, "the exchange")
         """
         self._count(send)
+        self._issue("exchange", send, tag, numel=send.numel() + got.numel())  # the halves differ, their sum does not
         sizes_in = [send.numel() if r == peer else 0 for r in range(self.world_size)]
         sizes_out = [got.numel() if r == peer else 0 for r in range(self.world_size)]
         return dist.all_to_all_single(
             got.reshape(-1), send.contiguous().reshape(-1), sizes_out, sizes_in, group=self.group, async_op=True
         )
 
-    def broadcast(self, t: torch.Tensor, src: int) -> Any:
+    def broadcast(self, t: torch.Tensor, src: int, tag: str | None = None) -> Any:
         """Start a broadcast of ``t`` from ``src`` (a rank of the group), in place; return its work."""
         self._count(t)
+        self._issue("broadcast", t, tag)
         global_src = src if self.group is None else dist.get_global_rank(self.group, src)
         return dist.broadcast(t, src=global_src, group=self.group, async_op=True)
 

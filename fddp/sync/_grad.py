@@ -203,8 +203,7 @@ class _Transform:
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what, name=self.tree_name)
         if _fully_sharded(flat[1], what):
-            scope.without_header()  # the collectives are fully_shard's apply_fn's, on its groups
-            return self._fully_sharded(args, kwargs, flat, options, state, weight)
+            return self._fully_sharded(scope, args, kwargs, flat, options, state, weight)
         leaves = flat[0]
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*leaves):
             for i, t in enumerate(leaves):
@@ -258,7 +257,7 @@ class _Transform:
         return call_args
 
     def _fully_sharded(
-        self, args: tuple, kwargs: dict, flat: tuple, options: SyncOptions, state: Any, weight: Any
+        self, scope: _dist.call, args: tuple, kwargs: dict, flat: tuple, options: SyncOptions, state: Any, weight: Any
     ) -> tuple[Any, Any, SyncInfo]:
         """ZeRO stage 3's shards (``fddp.zero.fully_shard``): the backward of the gathers inside
         ``fn`` already averages their gradients, so this is autograd alone, with no sync."""
@@ -271,10 +270,14 @@ class _Transform:
         leaves, spec = flat
         inputs = [t.detach().requires_grad_() for t in leaves]
         call_args = self.with_inputs(args, optree.tree_unflatten(spec, inputs))
+        scope.without_header()  # from here the collectives are fully_shard's apply_fn's, on its groups
         with torch.enable_grad():
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)
             grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+        # A forward whose backward did not run here (its output unused in this rank's loss) fails
+        # the shards' groups as its graph is freed (fddp._dist.dropped): raise it in this call.
+        _dist.raise_if_failed_here()
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
         return optree.tree_unflatten(spec, grads), _detached(out), SyncInfo(None, None, 0, 0)
 

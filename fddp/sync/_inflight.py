@@ -2,14 +2,14 @@
 
 Low-communication training (``fddp.diloco``) needs two things ``fddp.sync`` has but does not
 expose: a synchronisation whose collectives run while the caller computes (streaming DiLoCo's
-fragments stay in flight for ``delay`` inner steps), and the signature check for options that are
-not a tree's (``every``, ``fragments``, the outer optimizer). Both live here, in one file, so that
+fragments stay in flight for ``delay`` inner steps), and the agreement on what is not a tree's
+signature (``every``, the outer optimizer, the step count, the snapshot's checksums). Both live here, in one file, so that
 every use of the sync's internals by ``fddp.diloco`` is in one place.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import optree
 import torch
@@ -98,17 +98,24 @@ def start(
     return InFlight(sync, reducer)
 
 
-def agree(rows: Sequence[tuple[str, str]], group: dist.ProcessGroup | None, what: str) -> None:
-    """Raise :class:`fddp.MismatchError` on every rank unless all ranks pass the same ``rows``.
+def agree(
+    digest: int,
+    rows: Callable[[], list[tuple]],
+    group: dist.ProcessGroup | None,
+    what: str,
+    name_difference: Callable[[Sequence[list[tuple]]], str] = _signature.name_difference,
+) -> None:
+    """Raise :class:`fddp.MismatchError` on every rank unless all ranks describe the same state.
 
-    ``rows`` are ``(name, value)`` pairs describing a configuration; a mismatch names the first
-    that differs and both values. One small all-reduce: the per-call agreement of every fddp
-    collective (``fddp._dist.agree``), on the configuration's rows.
+    ``digest`` is :func:`fddp._dist.digest` of what ``rows()`` describes (``(name, value, keys)``
+    rows: a configuration, a step count, checksums, a tree); only on a mismatch are the rows built
+    and gathered, and ``name_difference`` words the first difference. One small all-reduce: the
+    per-call agreement of every fddp collective (``fddp._dist.agree``).
 
     Example:
-        >>> agree([("every", "8"), ("fragments", "1")], None, "diloco.step")
+        >>> rows = [("option every", "8", None), ("option step", "16", None)]
+        >>> agree(fddp._dist.digest(rows), lambda: rows, None, "diloco.step")
     """
-    described = [(f"option {name}", value, None) for name, value in rows]
     with _dist.call(group, what):
         _dist.count_call(group, what)
-        _signature.check(_signature.signature_digest((what, tuple(described)), lambda: described), lambda: described, group, what)
+        _dist.agree(group, what, digest, rows, name_difference)

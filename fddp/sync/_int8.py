@@ -45,9 +45,10 @@ class _Call:
     def __init__(self, hook: "Int8", state: Any, comm: Any) -> None:
         if comm.world_size > 127:
             raise ValueError(f"fddp.Int8: the sum of {comm.world_size} int8 values can overflow; use at most 127 ranks")
-        self.comm, self.hook = comm, hook
+        self.comm, self.hook, self.state = comm, hook, state
         self.levels = 127 // comm.world_size
         self.error, self.spec = None, None
+        self.bad: torch.Tensor | None = None  # some block of some bucket was not finite on some rank
         if hook.error_feedback:
             if not isinstance(state, Int8State):
                 raise ValueError(
@@ -75,33 +76,45 @@ class _Call:
         padded = torch.zeros(blocks * block, dtype=_work_dtype(x.dtype), device=x.device)
         padded[:n].copy_(x)
         grid = padded.view(blocks, block)
-        # One scale per block, shared by every rank: the largest |x| of the block on any rank.
+        # One scale per block, shared by every rank: the largest |x| of the block on any rank. A
+        # block that is not finite on some rank travels as +inf (a NaN can be lost in a maximum;
+        # inf cannot), so every rank knows it.
         amax = grid.abs().amax(1)
+        amax = torch.where(torch.isfinite(amax), amax, torch.inf)
         comm.wait(comm.all_reduce(amax, "max"), f"the all-reduce of the scales of bucket {bucket.index}")
-        scale = amax.div_(self.levels)
+        bad = torch.isinf(amax)
+        self.bad = bad.any() if self.bad is None else self.bad | bad.any()
+        scale = torch.where(bad, 0.0, amax / self.levels)
         q = torch.round(grid / scale.clamp_min(torch.finfo(scale.dtype).tiny)[:, None]).clamp_(-self.levels, self.levels)
+        q = torch.where(bad[:, None], 0.0, q)  # nothing is sent for a block that is not finite somewhere
         sent = q.to(torch.int8).reshape(-1)[:n].clone()
         if self.error is not None:
             # The residual: this rank's input minus what it sent, in the bucket's dtype.
             residual = x.sub_((q * scale[:, None]).reshape(-1)[:n].to(x.dtype))
             for leaf, v, shape in zip(layout.indices, residual.split(layout.numels), layout.shapes):
                 self.new_error[leaf] = v.view(shape)
-        return sent, scale, comm.all_reduce(sent)
+        return sent, scale, bad, comm.all_reduce(sent)
 
     def finish(self, bucket: GradBucket, pending: Any) -> torch.Tensor:
-        sent, scale, work = pending
+        sent, scale, bad, work = pending
         comm, layout = self.comm, bucket.layout
         comm.wait(work, f"the int8 all-reduce of bucket {bucket.index}")
         n, block = sent.numel(), self.hook.block
         blocks = scale.numel()
         total = torch.zeros(blocks * block, dtype=scale.dtype, device=sent.device)
         total[:n].copy_(sent)
-        mean = (total.view(blocks, block) * (scale / comm.world_size)[:, None]).reshape(-1)[:n]
+        # A block that was not finite on some rank is NaN on every rank: the step is not finite
+        # (info.finite, fddp.apply_if_finite), as it would be without compression.
+        mean = torch.where(bad[:, None], torch.nan, total.view(blocks, block) * (scale / comm.world_size)[:, None]).reshape(-1)[:n]
         return mean.to(layout.dtype) if layout.dtype != mean.dtype else mean
 
     def new_state(self) -> Any:
         if self.error is None:
             return None
+        if self.bad is not None and bool(self.bad):
+            # A step that is not finite gets skipped (fddp.apply_if_finite): its residuals must not
+            # carry the NaN on, so the state it was given is the state it returns.
+            return self.state
         return Int8State(optree.tree_unflatten(self.spec, self.new_error))
 
 

@@ -286,7 +286,7 @@ class Sync:
         """
         replicas = replicas and _dist.checks().replicas
         ask = replicas and module_aliases(self.leaves)
-        values = _dist.fingerprint(self.leaves) if replicas and drift else 0
+        values = _dist.fingerprint(self.leaves) if replicas and drift and _dist._costs.fingerprint else 0
         return PendingAgreement(self, _signature.start(self.digest, self.rows, self.options.group, self.what, ask, values))
 
     def reducer(self, state: Any = None) -> Reducer:
@@ -395,8 +395,9 @@ def setup(
         return [*option_rows, *structure_rows(tree)]
 
     key = (spec, specs, order, option_rows, members, options.bucket_cap_mb, options.first_bucket_mb)
-    if torch.compiler.is_compiling():  # dynamo traces neither the cache nor the digest
-        record = _Record(0, _plan(specs, members, order, options))
+    if torch.compiler.is_compiling():  # dynamo traces neither the cache nor hashlib: the digest is taken at trace time
+        record = _Record(_dist.traced_digest((option_rows, tuple((tuple(s[0]), str(s[1]), str(s[2])) for s in specs), order)),
+                         _plan(specs, members, order, options))
     else:
         record = _records.get(key)
     if record is None:

@@ -49,21 +49,34 @@ def name_difference(per_rank: Sequence[list[tuple]]) -> str:
 
 
 def check(
-    digest: int, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str, ask: bool = False, values: int = 0
+    digest: int,
+    rows: Callable[[], list[tuple]],
+    group: dist.ProcessGroup | None,
+    what: str,
+    ask: bool = False,
+    values: int = 0,
+    sequenced: bool = False,
 ) -> _dist.Agreed:
     """Agree across ``group`` on the call whose signature has this ``digest`` (see
     :func:`fddp._dist.agree`: ``ask`` asks for a new tree's further checks, ``values`` is a
-    fingerprint of values that must be equal on every rank).
+    fingerprint of values that must be equal on every rank, ``sequenced`` that the call's further
+    collectives are learnt and checked as a sequence).
 
     Raises :class:`MismatchError` on every rank if the ranks' signatures (or call numbers, or
     threads) differ.
     """
-    return start(digest, rows, group, what, ask, values).finish()
+    return start(digest, rows, group, what, ask, values, sequenced).finish()
 
 
 def start(
-    digest: int, rows: Callable[[], list[tuple]], group: dist.ProcessGroup | None, what: str, ask: bool = False, values: int = 0
+    digest: int,
+    rows: Callable[[], list[tuple]],
+    group: dist.ProcessGroup | None,
+    what: str,
+    ask: bool = False,
+    values: int = 0,
+    sequenced: bool = False,
 ) -> _dist.Agreement:
     """:func:`check`, started: the header is sent, and the caller finishes the agreement
     (:meth:`fddp._dist.Agreement.finish`) before the call's other collectives."""
-    return _dist.start_agreement(group, what, digest, rows, name_difference, ask, values)
+    return _dist.start_agreement(group, what, digest, rows, name_difference, ask, values, sequenced)

@@ -54,10 +54,10 @@ def shard(
         >>> opt_state = opt.init(shards)  # this rank's 1/N of the state
     """
     _differentiable.refuse_under_transforms("zero.shard")
-    options = make_options(
-        "zero.shard", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=ReduceScatter()
-    )
-    with _dist.call(group, "zero.shard"):
+    with _dist.call(group, "zero.shard"):  # a rank whose arguments fail a check tells its peers
+        options = make_options(
+            "zero.shard", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=ReduceScatter()
+        )
         sync = setup(params, options, "zero.shard")
     lay = shard_layout.layout(sync.plan, sync.spec, dist.get_world_size(group), dist.get_rank(group), group)
     out = shard_layout.new_shards(lay)
@@ -132,17 +132,17 @@ def gather(shards: Sharded, /) -> Gathered:
         )
     _differentiable.refuse_under_transforms("zero.gather")
     lay = shards.layout
-    if lay.spec is None:
-        raise ValueError("fddp.zero.gather: these shards have no tree structure to rebuild")
-    lay.check_group("zero.gather")
-    for k, (b, c, t) in enumerate(zip(lay.plan.buckets, lay.cuts, shards.shards)):
-        if not isinstance(t, torch.Tensor) or t.shape != (c.size,) or t.dtype != b.dtype or t.device != b.device:
-            got = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"fddp.zero.gather: shard {k} must be a tensor of shape ({c.size},), dtype {b.dtype}, device "
-                f"{b.device}; got {got}"
-            )
-    with _dist.call(lay.group, "zero.gather"):
+    with _dist.call(lay.group, "zero.gather"):  # a rank whose shards fail a check tells its peers
+        if lay.spec is None:
+            raise ValueError("fddp.zero.gather: these shards have no tree structure to rebuild")
+        lay.check_group("zero.gather")
+        for k, (b, c, t) in enumerate(zip(lay.plan.buckets, lay.cuts, shards.shards)):
+            if not isinstance(t, torch.Tensor) or t.shape != (c.size,) or t.dtype != b.dtype or t.device != b.device:
+                got = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"fddp.zero.gather: shard {k} must be a tensor of shape ({c.size},), dtype {b.dtype}, device "
+                    f"{b.device}; got {got}"
+                )
         _dist.count_call(lay.group, "zero.gather")
         _signature.check(_signature.signature_digest(("zero.gather", lay), lay.describe), lay.describe, lay.group, "zero.gather")
         comm = Comm(lay.group, "zero.gather", lay.plan)

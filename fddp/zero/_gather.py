@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
+from fddp import _dist
 from fddp.sync._comm import Comm
 from fddp.zero import _layout as shard_layout
 
@@ -207,6 +208,43 @@ class _Comms:
         self.pair = 1 - lay.rank if lay.world == 2 else None
 
 
+class _Debt:
+    """What a call still owes its layout's groups: the collectives of a backward still to run
+    (``fddp._dist.owe``: a failure meanwhile is fatal), and the end of its agreed sequences
+    (``fddp._dist.Segment``: the shard group's and, with hybrid sharding, the replica group's)."""
+
+    __slots__ = ("groups", "segments", "owing")
+
+    def __init__(self, lay: shard_layout.ShardLayout, segments: Sequence[Any]) -> None:
+        replica_group = getattr(lay, "replica_group", None)
+        self.groups = [lay.group] + ([replica_group] if replica_group is not None else [])
+        self.segments = [s for s in segments if s is not None]
+        self.owing = False
+
+    def owe(self) -> None:
+        if not self.owing and dist.is_initialized():
+            self.owing = True
+            for g in self.groups:
+                _dist.owe(g, 1)
+
+    def settle(self, dropped: bool = False) -> None:
+        """The call's collectives are over: its backward ran (or it has none); or, ``dropped``,
+        the pipeline died without it (its graph was freed): the peers may be waiting in them."""
+        try:
+            if self.owing:
+                self.owing = False
+                for g in self.groups:
+                    _dist.owe(g, -1)
+            for seg in self.segments:
+                seg.drop() if dropped else seg.close()
+        except _dist.MismatchError:
+            if not dropped:
+                raise
+        except Exception:  # noqa: BLE001 - a finalizer at interpreter exit: the group may be gone
+            if not dropped:
+                raise
+
+
 class Pipeline:
     """The collectives of one call of a fully sharded forward (and of its backward): asynchronous.
 
@@ -222,6 +260,7 @@ class Pipeline:
     def __init__(
         self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
         order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
+        segments: Sequence[Any] = (),
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
         # remat="params": the buckets' memory is given back after their unit's forward and gathered
@@ -231,6 +270,11 @@ class Pipeline:
         self.done: dict[int, _Released] = {}  # gathered into again, until their gradient is reduced
         self.last: dict[int, _Pending] = {}  # each bucket's latest forward gather
         self.comms = _Comms(lay, what)
+        # The header's agreed sequences: every gather and reduction is checked against them.
+        if segments and self.comms.shard is not None:
+            self.comms.shard.segment = segments[0]
+        if len(segments) > 1 and self.comms.replica is not None:
+            self.comms.replica.segment = segments[1]
         self.plains = [plain(s) for s in shards]
         self.order = list(order)  # the predicted forward sequence of buckets
         self.remat = remat  # buckets gathered again in backward
@@ -238,9 +282,22 @@ class Pipeline:
         self.reduces: collections.deque[_Pending] = collections.deque()
         self.seq: list[int] = []  # the forward sequence, as it happened
         self.repeated: set[int] = set()  # buckets gathered more than once in it
+        self.uses: dict[int, int] = {}  # per bucket, the gathers of the forward sequence
+        self.left: dict[int, int] = {}  # per gathered-again bucket, its gathers' backwards still to come
         self.cursor = 0
         self.back: list[int] | None = None  # the backward sequence, once backward starts
         self.bcursor = 0
+        # The backward this forward leaves to run owes its collectives to the groups: a failure
+        # before it has run is fatal for them. Settled by the backward (or at the forward's end
+        # when there is none), or when the pipeline is dropped without one (the finalizer).
+        self.debt = _Debt(lay, segments)
+        weakref.finalize(self, self.debt.settle, True)
+
+    def tag(self, k: int) -> str:
+        """What bucket ``k``'s collectives carry, in words (the sequence agreement names it)."""
+        units = getattr(self.lay, "unit_of", None)
+        name = units(k) if units is not None else None
+        return f"bucket {k}" + (f" of unit {name!r}" if name is not None else "")
 
     # -- gathers --------------------------------------------------------------------------------
 
@@ -254,7 +311,7 @@ class Pipeline:
         # the counters) alive exactly as long as they need it, and remat="params" resizes it.
         buf = torch.empty(lay.world * src.numel(), dtype=src.dtype, device=src.device)
         held = self.counters.hold(buf)
-        work = comms.shard.all_gather_into(buf, src.reshape(-1))
+        work = comms.shard.all_gather_into(buf, src.reshape(-1), tag=self.tag(k))
         self.counters.gathers += 1
         self.counters.gathered_bytes += src.numel() * src.element_size()
         return _Pending(_key(shard), buf, work, batch, held=held)
@@ -301,15 +358,25 @@ class Pipeline:
         p = self.last.pop(k, None)
         if p is None or p.work is None and self.comms.shard is None:
             return  # one rank: the full buffer is the shard itself
+        if k in self.released:
+            # A unit called again in this forward (a block applied twice): the earlier call's
+            # memory is gathered back once in backward, for every use; this call's buffer stays
+            # alive, held by autograd's views until its backward (one unit's bytes more).
+            return
         base = p.buf if full.untyped_storage().data_ptr() == p.buf.untyped_storage().data_ptr() else None
-        r = _Released(full, base, full.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
+        # A detached alias: the same storage and version counter, but no grad_fn. Under autograd
+        # ``full`` is the gather's output, whose grad_fn holds this pipeline: kept here, it would
+        # close a cycle through autograd's C++ graph that gc cannot see, and every step would
+        # leave its pipeline and shards behind.
+        alias = full.detach()
+        r = _Released(alias, base, alias.untyped_storage().nbytes(), self.plains[k], p.held if base is not None else None, full._version)
         r.free()
         self.released[k] = r
 
     def _start_refill(self, k: int, r: _Released) -> _Pending:
         r.restore()
         if r.base is not None:  # gather straight into the memory autograd's views look into
-            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1))
+            work = self.comms.shard.all_gather_into(r.base, r.shard.contiguous().reshape(-1), tag=self.tag(k))
             self.counters.gathers += 1
             self.counters.gathered_bytes += r.shard.numel() * r.shard.element_size()
             p = _Pending(None, r.base, work, tuple(r.shard.shape[:-1]))
@@ -344,10 +411,17 @@ class Pipeline:
     @_eager
     def release_again(self, k: int) -> None:
         """Bucket ``k``'s unit has run backward: give its memory back again (a second backward gathers again)."""
-        r = self.done.pop(k, None)
-        if r is not None:
-            r.free()
-            self.released[k] = r
+        r = self.done.get(k)
+        if r is None:
+            return
+        left = self.left.get(k, 1) - 1
+        if left > 0:  # a unit used several times: the other uses' backwards still read it
+            self.left[k] = left
+            return
+        del self.done[k]
+        self.left[k] = self.uses.get(k, 1)
+        r.free()
+        self.released[k] = r
 
     @_eager
     def gather_now(self, k: int, shard: torch.Tensor) -> torch.Tensor:
@@ -376,9 +450,16 @@ class Pipeline:
             self._finish_gather(k, self.gathers.pop(k))
         self.last.clear()
         self.back = [k for k in reversed(self.seq) if k in self.remat]
-        self.repeated = {k for k, n in collections.Counter(self.seq).items() if n > 1}
+        if self.release_after_forward:  # each released bucket is gathered back once, for all its uses
+            self.back = list(dict.fromkeys(self.back))
+        self.uses = dict(collections.Counter(self.seq))
+        self.left = dict(self.uses)
+        self.repeated = {k for k, n in self.uses.items() if n > 1}
         if will_backward:
+            self.debt.owe()
             self._prefetch(self.back[: self.depth])
+        else:
+            self.debt.settle()  # an evaluation forward: its collectives are over
 
     def _prefetch_backward(self, k: int) -> None:
         back = self.back if self.back is not None else []
@@ -428,7 +509,7 @@ class Pipeline:
             work = self._exchange(k, buf)
         elif comms.shard is not None:
             counters.reduced_bytes += buf.numel() * buf.element_size()
-            work = comms.shard.all_reduce(buf)
+            work = comms.shard.all_reduce(buf, tag=self.tag(k))
         p = _Pending(k, buf, work, batch, out, held=held)
         self.reduces.append(p)
         return out
@@ -446,7 +527,7 @@ class Pipeline:
         send = buf[..., theirs.lo : theirs.hi].contiguous()
         got = torch.empty(*buf.shape[:-1], c.held, dtype=buf.dtype, device=buf.device)
         self.counters.reduced_bytes += send.numel() * send.element_size()
-        return comms.shard.swap(send, got, comms.pair), got
+        return comms.shard.swap(send, got, comms.pair, tag=self.tag(k)), got
 
     def _advance(self, p: _Pending) -> None:
         """Phase 1 done: keep this rank's slice; start the all-reduce across the replicas."""
@@ -467,7 +548,7 @@ class Pipeline:
         p.buf, p.work, p.phase = None, None, 2
         if comms.replica is not None:
             self.counters.replica_bytes += p.out.numel() * p.out.element_size()
-            p.work = comms.replica.all_reduce(p.out)
+            p.work = comms.replica.all_reduce(p.out, tag=self.tag(p.key))
 
     def _finish(self, p: _Pending) -> None:
         comms = self.comms
@@ -484,6 +565,11 @@ class Pipeline:
         """Wait for every reduction in flight: the gradient shards are complete after this."""
         while self.reduces:
             self._finish(self.reduces.popleft())
+
+    def end_backward(self) -> None:
+        """The backward has run (the shards' boundary): nothing of this call is owed any more."""
+        self.finish_reduces()
+        self.debt.settle()
 
     @_eager
     def reduce_now(self, k: int, ct: torch.Tensor, invariant: bool) -> torch.Tensor:
@@ -598,7 +684,7 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
-        ctx.pipe.finish_reduces()
+        ctx.pipe.end_backward()
         return (None, *cts)
 
     @staticmethod

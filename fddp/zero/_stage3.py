@@ -25,16 +25,17 @@ or not at all (``remat=None``: autograd keeps the full parameters). Parameters t
 form the *root* unit, gathered at the start of the call and kept until backward (as FSDP2 keeps
 its root's).
 
-The gathers are prefetched (the next ``prefetch`` buckets start before the current unit runs, in
-the order the previous call ran them; in backward, the previous ones), the reductions run behind
-the backward pass, and with a ``replica_group`` (hybrid sharding) each shard is all-reduced across
-the replicas after its reduce-scatter within the shard group.
+The gathers are prefetched (the next ``prefetch`` buckets, one per unit and dtype, start before
+the current unit runs, in the order the previous call ran them; in backward, the previous ones),
+the reductions run behind the backward pass, and with a ``replica_group`` (hybrid sharding) each
+shard is all-reduced across the replicas after its reduce-scatter within the shard group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Callable, Iterable, Sequence
 
 import optree
@@ -48,7 +49,7 @@ from torch.autograd import forward_ad
 from fddp import _dist, _layout
 from fddp._tree import paths
 from fddp.sync import _signature
-from fddp.sync._differentiable import active_transforms
+from fddp.sync._differentiable import active_transforms, transform_stack
 from fddp.zero import _gather, _units
 from fddp.zero import _layout as shard_layout
 from fddp.zero._gather import Counters, GatherCall, Pipeline
@@ -73,18 +74,25 @@ if shard_layout.Sharded not in torch_pytree.SUPPORTED_NODES:
     torch_pytree.register_pytree_node(shard_layout.Sharded, _torch_flatten, _torch_unflatten, serialized_type_name="fddp.zero.Sharded")
 
 
-def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequence[Any]) -> None:
-    """Raise ``fddp.MismatchError`` on every rank of each group unless its ranks hold the same rows."""
-    for g in groups:
-        _signature.check(_signature.signature_digest((what, key), rows), rows, g, what)
+def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequence[Any], sequenced: bool = False) -> list[Any]:
+    """Raise ``fddp.MismatchError`` on every rank of each group unless its ranks hold the same rows;
+    return each group's agreed sequence (``fddp._dist.Segment``, with ``sequenced``; else None)."""
+    return [
+        _signature.check(_signature.signature_digest((what, key), rows), rows, g, what, sequenced=sequenced).segment
+        for g in groups
+    ]
 
 
-def _agree_on(lay: UnitLayout, what: str) -> None:
+def _agree_on(lay: UnitLayout, what: str, kind: tuple[tuple, ...] = (), sequenced: bool = False) -> list[Any]:
     """Agree on a call across the shard group and, with hybrid sharding, across the replica group,
-    whose members must also hold the same place in their shard groups."""
-    _agree(what, lay, lay.describe, [lay.group])
+    whose members must also hold the same place in their shard groups. ``kind``: rows that say
+    which model and what kind of call (a forward's): part of the signature. ``sequenced``: the
+    collectives that follow are learnt and checked as a sequence; returns the groups' segments."""
+    segments = _agree(what, (lay, kind), lambda: [*kind, *lay.describe()], [lay.group], sequenced)
     if lay.replica_group is not None:
-        _agree(what, (lay, "replica"), lambda: [*lay.describe(), ("shard rank", str(lay.rank), None)], [lay.replica_group])
+        rows = lambda: [*kind, *lay.describe(), ("shard rank", str(lay.rank), None)]  # noqa: E731
+        segments += _agree(what, (lay, kind, "replica"), rows, [lay.replica_group], sequenced)
+    return segments
 
 
 # ----------------------------------------------------------------------------- the unit as a Function
@@ -290,6 +298,42 @@ def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
+_serials = itertools.count()
+
+
+class _BufferWrites:
+    """Which floating-point buffers a fully sharded forward writes (BatchNorm's running
+    statistics), learnt at the first call in each train/eval mode: on several ranks each would
+    keep its own, silently, so that is an error (``fddp.functionalize`` refuses the same)."""
+
+    def __init__(self, model: nn.Module, ranks: int) -> None:
+        self.floating = {n: b for n, b in model.named_buffers() if b.is_floating_point() or b.is_complex()} if ranks > 1 else {}
+        self.learnt: dict[tuple[bool, ...], tuple[str, ...]] = {}
+        self.before: list | None = None
+
+    def start(self, model: nn.Module) -> None:
+        mode = tuple(m.training for m in model.modules())
+        if self.floating and mode not in self.learnt:
+            self.before = [(n, b, b._version, b.detach().clone()) for n, b in self.floating.items()]
+
+    def check(self, model: nn.Module) -> None:
+        mode = tuple(m.training for m in model.modules())
+        if self.before is not None:
+            now = dict(model.named_buffers())
+            written = [n for n, b, v, copy in self.before if now.get(n) is not b or b._version != v or not torch.equal(b, copy)]
+            self.learnt[mode] = tuple(written)
+            self.before = None
+        written = self.learnt.get(mode, ())
+        if written:
+            shown = ", ".join(repr(n) for n in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+            raise _dist.collective(RuntimeError(  # the same model on every rank: every rank raises here
+                f"fddp.zero.fully_shard's apply_fn: the forward writes the model's floating-point buffers {shown} "
+                "(BatchNorm's running statistics, say); on several ranks each would keep its own, silently. Run those "
+                "layers in eval mode (model.eval() on them, or track_running_stats=False), or replace them with a "
+                "normalisation without state (LayerNorm, GroupNorm)."
+            ))
+
+
 class FullyShardedForward:
     """The module as a pure function of its shards: ``apply_fn(shards, *args, **kwargs)``.
 
@@ -324,6 +368,9 @@ class FullyShardedForward:
         self._order: list[int] = [k for u in units for k in u.buckets]  # refined by each call
         self._remat_buckets = frozenset(k for u in units if u.name for k in u.buckets) if remat else frozenset()
         self._run: _Call | None = None
+        self._owner: dict[str, str] = {}  # every name of every trainable parameter: its unit's name
+        self.serial = next(_serials)  # the same on every rank: fully_shard is a collective call
+        self._buffers = _BufferWrites(model, layout.world * layout.replicas)
 
     def __repr__(self) -> str:
         return f"FullyShardedForward({type(self.model).__name__}, {self.layout!r}, prefetch={self.prefetch}, remat={self.remat})"
@@ -391,14 +438,32 @@ class FullyShardedForward:
             # keeps only the first): a rank that skipped or reordered a forward is named here,
             # not left to time out inside a gather.
             _dist.count_call(lay.group, "zero.fully_shard")
-            _agree_on(lay, "zero.fully_shard")
-            return self._forward(lay, shards, args, kwargs)
+            differentiated = _differentiated(shards.shards)
+            # The header names the model and the kind of forward, and the collectives that follow
+            # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
+            # kind of call runs, then checked before each one, so that a rank that runs its units
+            # otherwise fails at once instead of pairing them with its peers' other units.
+            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated), sequenced=True)
+            self._buffers.start(self.model)
+            out = self._forward(lay, shards, differentiated, segments, args, kwargs)
+            self._buffers.check(self.model)
+            return out
 
-    def _forward(self, lay: UnitLayout, shards: shard_layout.Sharded, args: tuple, kwargs: dict) -> Any:
-        differentiated = _differentiated(shards.shards)
+    def _kind(self, differentiated: bool) -> tuple[tuple, ...]:
+        """This call's kind as signature rows: the model, the forward's kind, the prefetch order."""
+        forward = "a training forward (its backward gathers and reduces)" if differentiated else "an evaluation forward (no gradients)"
+        return (
+            ("model", f"fully_shard's model #{self.serial}, {type(self.model).__name__}", None),
+            ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack()) or 'no transform'}", None),
+            ("prefetch order", f"{_dist.digest(tuple(self._order)):016x}", None),
+        )
+
+    def _forward(
+        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, segments: list[Any], args: tuple, kwargs: dict
+    ) -> Any:
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
-            release=self.remat == "params",
+            release=self.remat == "params", segments=segments,
         )  # fmt: skip
         leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated)
@@ -415,6 +480,16 @@ class FullyShardedForward:
                 with self._swapped(root, fulls):
                     del fulls
                     out = self.model(*args, **kwargs)
+        except _units.ReleasedUse as e:
+            unit = self._owner.get(e.name)
+            if unit is None or unit in run.entered:
+                raise
+            raise RuntimeError(
+                f"fddp.zero.fully_shard's apply_fn: parameter {e.name!r} belongs to unit {unit!r}, whose forward was not "
+                f"called in this forward: a unit's parameters are gathered only while its forward runs, and the model "
+                f"uses the submodules or parameters of {unit!r} without calling it (iterating over a Sequential, say). "
+                f"Make the modules that are called the units (units=[...], or their class), or call {unit!r} itself"
+            ) from e
         finally:
             for u in patched:
                 u.module.__dict__.pop("forward", None)
@@ -432,6 +507,7 @@ class _Call:
     pipe: Pipeline
     leaves: Sequence[torch.Tensor]
     differentiated: bool
+    entered: set[str] = dataclasses.field(default_factory=set)  # the units whose forward this call ran
 
     def gather(self, k: int) -> torch.Tensor:
         call = GatherCall(self.pipe, k, self.owner.invariant)
@@ -445,6 +521,7 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
         run = owner._run
         if run is None:  # called outside apply_fn (the module's own forward is patched only during it)
             return unit.forward(*args, **kwargs)
+        run.entered.add(unit.name)
         flat, spec = _flatten_call(args, kwargs)
         pos = tuple(i for i, t in enumerate(flat) if isinstance(t, torch.Tensor))
         calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
@@ -516,7 +593,9 @@ def fully_shard(
         replica_group: hybrid sharding: replicate the shards across this group (e.g. shard within
             a host, replicate across hosts); gradients are reduce-scattered within ``group`` and
             all-reduced across ``replica_group``.
-        prefetch: how many buckets' all-gathers run ahead of the one in use (0: none).
+        prefetch: how many buckets' all-gathers run ahead of the one in use (0: none). A unit is
+            one bucket per dtype and device of its parameters, so for a model in one dtype this
+            counts units: ``prefetch=1`` gathers the next unit while one runs.
         remat: what backward gathers again. ``"params"``: each unit's parameters, gathered back
             into the memory its forward's autograd views look into (the activations are kept, as
             in stage 2 and FSDP2); ``"unit"``: the parameters, and the unit is recomputed (its
@@ -562,15 +641,23 @@ def fully_shard(
     for n, p in model.named_parameters(remove_duplicate=False):
         if p.requires_grad:
             trainable.setdefault(id(p), []).append(n)
-    leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
-    flat_names = list(paths(spec))
-    index = {n: i for i, n in enumerate(flat_names)}
 
     # Everything that can be wrong with the units is found here, and agreed on, before any
     # raise: a rank alone with a bad list would otherwise leave its peers waiting.
     problem: Exception | None = None
     units_: list[Unit] = []
     try:
+        taken = next((n for n, p in model.named_parameters() if isinstance(p, _units.Released)), None)
+        if taken is not None:
+            raise ValueError(
+                f"fddp.{what}: {type(model).__name__} is already sharded: parameter {taken!r} was taken by an earlier "
+                "fully_shard call and lives in its shards. Use the apply_fn and shards that call returned (its "
+                "units cannot change), or shard a new module (fddp.zero.gather(shards).wait() gives the full tree "
+                "to load into it)"
+            )
+        leaves, spec = optree.tree_flatten({n: p.detach() for n, p in params.items()}, none_is_leaf=True)
+        flat_names = list(paths(spec))
+        index = {n: i for i, n in enumerate(flat_names)}
         units_ = _units.resolve(model, units, params, trainable, index, what)
         if not units_:
             raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
@@ -612,7 +699,12 @@ def fully_shard(
         for n in names_:
             prefix, _, attr = n.rpartition(".")
             model.get_submodule(prefix)._parameters[attr] = ghost
-    return FullyShardedForward(model, lay, units_, prefetch, remat, invariant), shard_layout.Sharded(out, lay)
+    apply_fn = FullyShardedForward(model, lay, units_, prefetch, remat, invariant)
+    for u in units_:
+        for i in u.leaves:
+            for n in trainable[id(params[flat_names[i]])]:
+                apply_fn._owner[n] = u.name
+    return apply_fn, shard_layout.Sharded(out, lay)
 
 
 def _broadcast_replicas(lay: UnitLayout, shards: list[torch.Tensor]) -> None:

@@ -24,7 +24,7 @@ from fddp import _layout
 from fddp._tree import paths
 from fddp.zero import _layout as shard_layout
 
-__all__ = ["UnitLayout", "Unit", "Released", "resolve", "plan"]
+__all__ = ["UnitLayout", "Unit", "Released", "ReleasedUse", "resolve", "plan"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -58,10 +58,19 @@ class UnitLayout(shard_layout.ShardLayout):
             f"buckets={len(self.plan.buckets)}, leaves={self.plan.num_leaves}, elements={self.numel})"
         )
 
+    def unit_of(self, k: int) -> str | None:
+        """The name of the unit that holds bucket ``k`` (``'<root>'`` for the root unit)."""
+        for u, ks in zip(self.units, self.unit_buckets):
+            if k in ks:
+                return u or "<root>"
+        return None
+
     def describe(self) -> list[tuple]:
         """The layout as signature rows: the cut, the units and their leaves (not the rank)."""
         names = paths(self.spec)
         rows: list[tuple] = [("shard layout", f"stage 3, world={self.world} replicas={self.replicas} align={self.align}", None)]
+        # The unit list first: ranks that chose other units are told so, not a bucket's size.
+        rows.append(("fully_shard units", f"[{', '.join(repr(u or '<root>') for u in self.units)}]", None))
         for u, ks in zip(self.units, self.unit_buckets):
             for k in ks:
                 b, c = self.plan.buckets[k], self.cuts[k]
@@ -99,6 +108,14 @@ class Unit:
     forward: Callable[..., Any] | None = None  # the module's own forward, bound
 
 
+class ReleasedUse(RuntimeError):
+    """A :class:`Released` placeholder was computed with; ``name`` is the parameter's."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
 class Released(nn.Parameter):
     """What a module holds in place of a parameter that :func:`fully_shard` took: shape and dtype only.
 
@@ -115,12 +132,13 @@ class Released(nn.Parameter):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         name = next((a._fddp_name for a in optree.tree_leaves((args, kwargs)) if isinstance(a, Released)), "?")
-        raise RuntimeError(
+        raise ReleasedUse(
             f"fddp.zero.fully_shard: parameter {name!r} lives in the shards now, and the module holds no "
             f"value for it ({func} was called on it). Run the module through the apply_fn fully_shard "
             "returned; a parameter used outside its unit's forward must be in a unit that encloses "
             "that use; to write trained values back, fddp.zero.gather(shards).wait() gives the full "
-            "tree, for model.load_state_dict(tree, strict=False, assign=True)"
+            "tree, for model.load_state_dict(tree, strict=False, assign=True)",
+            name,
         )
 
     def __repr__(self) -> str:  # no dispatch: shown in a debugger
@@ -167,6 +185,16 @@ def _chosen(model: nn.Module, units: Any, trainable: dict[int, list[str]], what:
             raise ValueError(f"fddp.{what}: units must not nest: {n!r} is inside unit {o!r}")
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     out = sorted(set(outer), key=order.__getitem__)
+    for n in out:
+        m = model.get_submodule(n)
+        if type(m).forward is nn.Module.forward:
+            children = [f"{n}.{c}" for c, _ in m.named_children()]
+            shown = ", ".join(repr(c) for c in children[:2]) + (", ..." if len(children) > 2 else "")
+            raise ValueError(
+                f"fddp.{what}: unit {n!r} is a {type(m).__name__}, a container with no forward of its own: the model "
+                "calls its children, never it, so a unit there would never be gathered. Name its children "
+                f"(units=[{shown}], or their class) or the module whose forward calls them"
+            )
     return ([("", model)] if "" in chosen else []) + [(n, model.get_submodule(n)) for n in out]
 
 

@@ -1,0 +1,115 @@
+"""The built docs site as a reader gets it: code blocks that never soft-wrap, no placeholder text,
+reference pages split so that a name is found without scrolling through the whole API.
+
+One ``mkdocs build --strict`` into a temporary directory (module scope), then checks on its HTML
+and CSS. What a browser shows was checked by hand with headless Chromium at 1400 and 390 px; the
+rules that caused what it showed are what these tests pin down.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mkdocs")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A placeholder left in a page: ALL_CAPS_WITH_UNDERSCORES (EXAMPLE_RESULT) or a marker word, in
+# the text a reader sees (code is left out: environment variables are written in code spans).
+PLACEHOLDER = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]*[A-Z0-9]\b|\b(?:TODO|TBD|FIXME|XXX)\b|(?i:lorem ipsum)")
+KNOWN_NAMES = {"CAP_NET_ADMIN"}  # a Linux capability, named in prose on the multi-node page
+WRAPPING = re.compile(
+    r"white-space\s*:\s*(?:pre-wrap|pre-line|normal|break-spaces)|overflow-wrap\s*:\s*anywhere|word-break\s*:\s*break-all"
+)
+MAX_OBJECTS_PER_REFERENCE_PAGE = 30  # the API reference was one page of 103 (84,700 px tall at 1400 px)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def _pages(site: Path) -> list[tuple[str, str]]:
+    """Every page's article (the content, without the theme's navigation), by its path in the site."""
+    out = []
+    for path in sorted(site.rglob("index.html")):
+        m = re.search(r'<article class="md-content__inner md-typeset">(.*?)</article>', path.read_text(), re.DOTALL)
+        if m:
+            out.append((str(path.parent.relative_to(site)) or "home", m.group(1)))
+    return out
+
+
+def _rules(css: str) -> list[tuple[str, str]]:
+    """``(selector, declarations)`` of every rule in ``css``, at-rules' bodies included."""
+    css = re.sub(r"/\*.*?\*/", "", css, flags=re.DOTALL)
+    css = re.sub(r"@media[^{]*\{", "", css)  # flatten media queries: their rules count the same
+    return [(sel.strip(), body) for sel, body in re.findall(r"([^{}]+)\{([^{}]*)\}", css)]
+
+
+def _is_code_block(selector: str) -> bool:
+    return any(re.search(r"(^|[\s>+~,.:(])(pre|highlight|highlighttable)\b", part.strip()) for part in selector.split(","))
+
+
+def test_no_stylesheet_soft_wraps_code_blocks(site: Path) -> None:
+    """A rule of extra.css once set white-space: pre-wrap on every code block: loops wrapped with
+    their continuation lines at column 0 (other indentation, to a reader), commands broke inside a flag."""
+    offending = []
+    for css in [site / "stylesheets" / "extra.css"]:
+        for selector, body in _rules(css.read_text()):
+            if _is_code_block(selector) and WRAPPING.search(body):
+                offending.append(f"{css.name}: {selector} {{{body.strip()}}}")
+    assert not offending, "code blocks must scroll sideways, never wrap:\n" + "\n".join(offending)
+    for page, article in _pages(site):
+        styled = re.findall(r'<(?:pre|code)\b[^>]*style="[^"]*white-space[^"]*"', article)
+        assert not styled, f"{page}: a code block with its own white-space: {styled[0]}"
+
+
+def test_the_check_catches_the_rule_that_wrapped_every_block() -> None:
+    # The rule this project shipped: it would fail the test above.
+    old = '.md-typeset div.highlight:not([class*="language-"]) pre > code {\n  white-space: pre-wrap;\n}'
+    ((selector, body),) = _rules(old)
+    assert _is_code_block(selector) and WRAPPING.search(body)
+    # Inline code in tables is not a code block (it may wrap at the <wbr> that docs/hooks.py adds).
+    ((selector, body),) = _rules(".md-typeset table:not([class]) code { word-break: normal; }")
+    assert not _is_code_block(selector)
+
+
+def test_no_page_shows_a_placeholder(site: Path) -> None:
+    found = []
+    for page, article in _pages(site):
+        visible = re.sub(r"<(pre|code|script|style)\b.*?</\1>", " ", article, flags=re.DOTALL)
+        text = html.unescape(re.sub(r"<[^>]+>", " ", visible))
+        found += [f"{page}: {m}" for m in PLACEHOLDER.findall(text) if m not in KNOWN_NAMES]
+    assert not found, "placeholder text in the built site:\n" + "\n".join(found)
+
+
+def test_the_placeholder_check_sees_the_one_that_shipped() -> None:
+    assert PLACEHOLDER.findall("stops if it does not fit. EXAMPLE_RESULT") == ["EXAMPLE_RESULT"]
+
+
+def test_reference_and_benchmarks_are_split_into_pages(site: Path) -> None:
+    pages = dict(_pages(site))
+    reference = {p: a for p, a in pages.items() if p.startswith("api/")}
+    assert len(reference) >= 6, sorted(pages)
+    for page, article in reference.items():
+        objects = re.findall(r'<h[23] id="(fddp\.[\w.]+)"', article)
+        assert len(objects) <= MAX_OBJECTS_PER_REFERENCE_PAGE, f"{page} documents {len(objects)} names: split it"
+    # The index lists every page's names, linked.
+    assert all(f'href="{p[4:]}/' in pages["api"] for p in reference), "api/ does not link every reference page"
+    assert {p for p in pages if p.startswith("benchmarks/")} >= {"benchmarks/step", "benchmarks/zero", "benchmarks/cluster"}
+    # Model-by-model tables are tabs, not one long scroll.
+    assert pages["benchmarks/step"].count('class="tabbed-set') >= 1

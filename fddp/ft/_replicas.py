@@ -146,6 +146,13 @@ class _Group(ProcessGroupGloo):
                   group_rank: int | None = None, group_world_size: int | None = None,
                   global_ranks: list[int] | None = None) -> None:  # fmt: skip
         self.quorum = None  # until the new group exists: a failed configuration leaves none
+        # torchft drops the old gloo group here, and destroying a gloo group waits for its pending
+        # collectives to time out (gloo has no abort): after a peer's failure reached this rank
+        # through fddp's error channel, one is still pending, and the survivors would stall for the
+        # whole collective timeout. The old group goes to a thread of its own to die there.
+        retired = [self._pg]
+        self._pg = None
+        threading.Thread(target=retired.clear, name="fddp-ft-retired-group", daemon=True).start()
         super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks)
         self.quorum = Quorum(int(quorum_id if quorum_id is not None else -1), rank, world_size, store_addr)
 

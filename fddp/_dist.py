@@ -251,7 +251,7 @@ def size(group: dist.ProcessGroup | None = None) -> int:
     return st.size if st.size is not None else dist.get_world_size(group)
 
 
-def begin_epoch(group: dist.ProcessGroup | None, *, rank: int, world_size: int, store: Any = None) -> int:
+def begin_epoch(group: dist.ProcessGroup | None, *, rank: int, world_size: int, store: Any = None, epoch: int | None = None) -> int:
     """Start a new membership epoch of ``group``: fresh call numbers, agreed signatures and
     failure state, with this rank and world size (a fault-tolerant run's quorum gives them).
 
@@ -265,6 +265,9 @@ def begin_epoch(group: dist.ProcessGroup | None, *, rank: int, world_size: int, 
         world_size: the number of members.
         store: the store the members share for the error channel (under fault tolerance, the
             quorum's); ``None``: the group's own.
+        epoch: the new epoch's number, the same on every member (under fault tolerance, the
+            quorum's id: a member that joins late has begun fewer epochs than the others);
+            default: the previous epoch's plus one.
 
     Returns:
         The new epoch's number (0 for the first).
@@ -274,10 +277,12 @@ def begin_epoch(group: dist.ProcessGroup | None, *, rank: int, world_size: int, 
     """
     if not (isinstance(rank, int) and isinstance(world_size, int) and 0 <= rank < world_size):
         raise ValueError(f"fddp: an epoch needs 0 <= rank < world_size, got rank={rank!r}, world_size={world_size!r}")
+    if epoch is not None and not (isinstance(epoch, int) and epoch >= 0):
+        raise ValueError(f"fddp: an epoch's number must be an int >= 0, got {epoch!r}")
     pg = group if group is not None else dist.group.WORLD
     with _lock:
         old = _states.get(pg)
-        n = 0 if old is None else old.epoch + 1
+        n = epoch if epoch is not None else 0 if old is None else old.epoch + 1
         _states[pg] = _GroupState(n, rank, world_size, store)
         _last[0] = _last[1] = None
     return n
@@ -308,7 +313,10 @@ def _channel_of(st: _GroupState, group: dist.ProcessGroup | None) -> _channel.Ch
                 store = dist.distributed_c10d._get_process_group_store(pg)
             except Exception:  # noqa: BLE001 - a group torch.distributed does not register
                 return None
-        st.channel = _channel.Channel(store, f"fddp/g{_channel.generation()}/e{st.epoch}")
+        # An epoch's own store is shared by its members only; they need not have cleared fddp's
+        # caches alike (a member that joined late is a new process), so the generation stays out.
+        scope = f"fddp/e{st.epoch}" if st.store is not None else f"fddp/g{_channel.generation()}/e{st.epoch}"
+        st.channel = _channel.Channel(store, scope)
     return st.channel
 
 
@@ -452,6 +460,11 @@ def fail(group: dist.ProcessGroup | None, what: str, e: BaseException) -> None:
         return
     with _lock:
         groups = [(pg, s) for pg, s in _states.items() if s.failed is None]
+    if st.rank is not None:
+        # A group across fault-tolerant replica groups: this rank's other groups (its own replica
+        # group's) are not waiting for it; they meet at the step's vote, and must carry the next step.
+        pg = group if group is not None else dist.group.WORLD
+        groups = [(pg, st)]
     for pg, s in groups:
         mine = Failure(s.rank if s.rank is not None else dist.get_rank(pg), what, s.agreed, type(e).__name__, _first_line(e), True)
         channel = _channel_of(s, pg)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.util
 import inspect
 import io
 import os
@@ -28,9 +30,13 @@ def _public(module: types.ModuleType) -> list[tuple[str, object]]:
 
 
 def _documented_objects() -> list[tuple[str, object]]:
-    """Every public function and class of fddp, fddp.optim, fddp.checkpoint, fddp.zero and fddp.diloco."""
+    """Every public function and class of fddp, fddp.optim, fddp.checkpoint, fddp.zero, fddp.diloco
+    and (with torchft installed) fddp.ft."""
     out = []
-    for module in (fddp, fddp.optim, fddp.checkpoint, fddp.zero, fddp.diloco):
+    modules = [fddp, fddp.optim, fddp.checkpoint, fddp.zero, fddp.diloco]
+    if importlib.util.find_spec("torchft") is not None:
+        modules.append(importlib.import_module("fddp.ft"))
+    for module in modules:
         for name, obj in _public(module):
             if inspect.isfunction(obj) or inspect.isclass(obj):
                 out.append((name, obj))

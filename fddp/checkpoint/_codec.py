@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import ctypes
 import os
 import pickle
 import re
@@ -114,7 +115,14 @@ def tensor_bytes(t: torch.Tensor) -> memoryview | None:
         t = t.cpu()
     if not t.is_contiguous():
         t = t.contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # Through ctypes, not numpy: a live transfer (fddp.ft) must not need a package it does not
+    # declare. The array keeps the tensor alive as long as the view lives.
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_char * n).from_address(t.data_ptr())
+    raw._tensor = t  # type: ignore[attr-defined]
+    return memoryview(raw).cast("B")
 
 
 def crc32s(buffers: Sequence[Any]) -> list[tuple[int, ...] | None]:

@@ -1,0 +1,160 @@
+"""DiLoCo and local SGD across replica groups that come and go: the quorum only at synchronisations.
+
+``fddp.diloco``'s outer step is pure: ``outer.step(params, state)`` counts an inner step, and every
+``every`` steps averages the pseudo-gradients over its group and steps the snapshot. Here its group
+is :class:`fddp.ft.Replicas`' group, and a synchronisation is a fault-tolerant step: a quorum, the
+outer step, a vote. Inner steps take no quorum and pay nothing. A group that joins (or fell behind)
+receives the last synchronised state (snapshot, outer optimizer state) at the others' next
+synchronisation and takes part in it with weight 0, so the mean is over the groups that trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from fddp.diloco import DiLoCo, DiLoCoState
+from fddp.ft._replicas import Replicas, _transient
+
+__all__ = ["FaultTolerantOuter"]
+
+
+def _replicated(committed: tuple) -> tuple:
+    """What every member of a quorum must hold bitwise alike: the snapshot and the outer state
+    (the count and the weights are per group: a group that joins has not counted the round; the
+    inner optimizer's state is each group's own)."""
+    state, _ = committed
+    return state.snapshot, state.outer_state
+
+
+class FaultTolerantOuter:
+    """``outer.step`` across the replica groups of a fault-tolerant job.
+
+    Args:
+        replicas: this replica group's :class:`fddp.ft.Replicas`.
+        outer: ``fddp.diloco.diloco(every=H, group=replicas.group)`` or
+            ``fddp.diloco.local_sgd(every=H, group=replicas.group)``; one fragment, no delay (a
+            streaming synchronisation stays in flight across inner steps, beyond one quorum).
+
+    Example:
+        >>> outer = fddp.ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(every=50, group=replicas.group))
+        >>> params, state, inner_state = outer.start(params, inner_state=inner.init(params))
+        >>> for x, y in batches:
+        ...     params, inner_state = inner_step(params, inner_state, x, y)   # local: no communication
+        ...     params, state = outer.step(params, state, weight=len(x), inner_state=inner_state)
+    """
+
+    def __init__(self, replicas: Replicas, outer: DiLoCo) -> None:
+        if not isinstance(outer, DiLoCo):
+            raise TypeError(
+                f"fddp.ft.FaultTolerantOuter: outer must be fddp.diloco.diloco(...) or local_sgd(...), got {type(outer).__name__}"
+            )
+        if outer.group is not replicas.group:
+            raise ValueError(
+                "fddp.ft.FaultTolerantOuter: make the outer step with group=replicas.group (it averages across the replica groups)"
+            )
+        if outer.fragments != 1 or outer.delay != 0:
+            raise NotImplementedError(
+                f"fddp.ft.FaultTolerantOuter: fragments={outer.fragments}, delay={outer.delay}: streaming DiLoCo keeps a "
+                "synchronisation in flight across inner steps, which a quorum change would cut; use fragments=1, delay=0"
+            )
+        self.replicas, self.outer = replicas, outer
+
+    def start(self, params: Any, /, *, inner_state: Any = None) -> tuple:
+        """Join the job; return the parameters and the outer state to train from.
+
+        When the job starts, every group takes one group's parameters. A group that joins later
+        waits for the others' next synchronisation (up to the Manager's ``quorum_timeout``), takes
+        part in it with weight 0, and starts from its result, as they do.
+
+        Args:
+            params: this group's initial parameters.
+            inner_state: this group's inner optimizer state, to be replaced by a peer's when this
+                group joins late (its step count drives a learning-rate schedule: a fresh one would
+                start the schedule over); pass the same to :meth:`step`.
+
+        Returns:
+            ``(params, state)``, or ``(params, state, inner_state)`` when ``inner_state`` is given.
+
+        Example:
+            >>> params, state, inner_state = outer.start(params, inner_state=inner.init(params))
+        """
+        state = self.outer.init(params)
+        mine = (state, inner_state)
+        self.replicas._like_state = mine
+        committed, healed, intents, _ = self.replicas._quorum(mine, _replicated, 0)
+        if max(intents) > 0:  # the others are synchronising: join their synchronisation
+            params, state = self._join(committed, max(intents))
+        else:
+            self.replicas.manager.should_commit()  # the start counts as a step: a group that joins later is behind
+            self.replicas._committed = committed
+            state = committed[0]
+            if healed:
+                params = _copy(state.snapshot)
+        return (params, state) if inner_state is None else (params, state, committed[1])
+
+    def step(self, params: Any, state: DiLoCoState, /, *, weight: float | torch.Tensor = 1.0,
+             inner_state: Any = None) -> tuple[Any, DiLoCoState]:  # fmt: skip
+        """Count one inner step; at a synchronisation, run it as a fault-tolerant step.
+
+        Between synchronisations this is ``outer.step(params, state, weight=weight)``: no quorum, no
+        communication. At a synchronisation: the quorum (a group that joins receives the last
+        synchronised state now, and this group's ``inner_state``), the outer step on the groups of
+        the quorum, the vote. If a member fails during it, the inputs come back as they were (the
+        weight counted) and the next call synchronises again with the groups that are left.
+
+        Args:
+            params: this group's parameters after its inner step.
+            state: the outer state (from :meth:`start` or the previous call).
+            weight: this inner step's weight (its sample count): the mean pseudo-gradient is
+                weighted by what each group trained on since the last synchronisation.
+            inner_state: this group's inner optimizer state, for a group that joins now (see
+                :meth:`start`); not modified.
+
+        Returns:
+            ``(params, state)``.
+
+        Example:
+            >>> params, state = outer.step(params, state, weight=len(x), inner_state=inner_state)
+        """
+        t = int(state.count) + 1
+        if t % self.outer.every:
+            return self.outer.step(params, state, weight=weight)
+        last = (self.replicas._committed[0], inner_state)  # a joiner gets this group's inner state as it is now
+        self.replicas._committed = last
+        committed, healed, intents, _ = self.replicas._quorum(last, _replicated, t)
+        if healed or max(intents) > t:  # this group fell behind: its round is lost, take the others'
+            return self._join(committed, max(intents))
+        return self._sync(params, state, weight, inner_state)
+
+    def _join(self, committed: tuple, t: int) -> tuple[Any, DiLoCoState]:
+        """Take part in the others' synchronisation at count ``t`` from their last synchronised state."""
+        last, inner = committed
+        state = last._replace(count=torch.tensor(t - 1, dtype=torch.int64),
+                              weight=tuple(torch.zeros((), dtype=torch.float64) for _ in last.weight))  # fmt: skip
+        return self._sync(_copy(last.snapshot), state, 0.0, inner)
+
+    def _sync(self, params: Any, state: DiLoCoState, weight: Any, inner_state: Any) -> tuple[Any, DiLoCoState]:
+        replicas = self.replicas
+        error: BaseException | None = None
+        try:
+            new_params, new_state = self.outer.step(params, state, weight=weight)
+        except Exception as e:
+            error = e
+            replicas.manager.report_error(e)
+            if not _transient(e):
+                replicas.manager.should_commit()
+                raise
+        if replicas.manager.should_commit():
+            replicas._failures = 0
+            replicas._committed = (new_state, inner_state)
+            return new_params, new_state
+        replicas._fail(error or RuntimeError("a replica group of this synchronisation's quorum failed"))
+        w = torch.as_tensor(weight, dtype=torch.float64).reshape(())
+        return params, state._replace(weight=tuple(a + w for a in state.weight))
+
+
+def _copy(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.clone(), tree)

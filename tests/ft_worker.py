@@ -180,8 +180,9 @@ def main() -> None:
         inner = fddp.optim.sgd(0.05)
         # The DiLoCo paper's outer step (not fddp's default, the mean): momentum carries state across rounds.
         nesterov = fddp.optim.sgd(0.7, momentum=0.9, nesterov=True)
-        outer = fddp.ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(a.every, nesterov, group=replicas.group, compression=DieInAllReduce(),
-                                                                         bucket_cap_mb=cap, first_bucket_mb=cap))  # fmt: skip
+        diloco = fddp.diloco.diloco(a.every, nesterov, group=replicas.group, compression=DieInAllReduce(),
+                                    bucket_cap_mb=cap, first_bucket_mb=cap)  # fmt: skip
+        outer = fddp.ft.FaultTolerantOuter(replicas, diloco)
         params, ostate, inner_state = outer.start(params, inner_state=inner.init(params))
         emit(event="started", step=replicas.committed_steps, members=list(replicas.members))
         if replicas.committed_steps > 1:  # joined the others' synchronisation

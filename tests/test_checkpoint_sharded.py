@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 import fddp
 from dist import run as dist_run
 from fddp import checkpoint as ckpt
-from fddp.checkpoint import CheckpointError, PerRank
+from fddp.checkpoint import CheckpointError, PerRank, _dcp
 from fddp.zero import _layout as _shard
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -220,6 +220,20 @@ def _two_ranks_worker(directory: str) -> dict:
         ckpt.save_sharded(directory + "-extra", {"params": shards, **({"extra": torch.ones(2)} if rank == 1 else {})})
     except fddp.MismatchError as e:
         out["extra"] = str(e)
+    # A write that fails on one rank (a full disk there): every rank raises the same CheckpointError,
+    # naming the rank and its error, and the checkpoint that is there stays.
+    original = _dcp.Writer.write_data
+    if rank == 1:
+        def full(self, *args, **kwargs):
+            raise OSError(28, "No space left on device")
+        _dcp.Writer.write_data = full
+    try:
+        ckpt.save_sharded(directory + "-full", {"params": shards})
+    except Exception as e:  # noqa: BLE001 - each rank reports what it raised
+        out["full"] = f"{type(e).__name__}: {e}"
+    finally:
+        _dcp.Writer.write_data = original
+    torch.distributed.barrier()  # rank 0 removes the failed save's temporary after the ranks' verdict
     out["written"] = sorted(n for n in os.listdir(os.path.dirname(directory)) if n != os.path.basename(directory))
     out["steps_after"] = [s for s, _ in ckpt.steps(directory)]
     return out
@@ -238,6 +252,9 @@ def test_per_rank_state_and_values_that_differ_across_ranks():
             assert r0[what] == r1[what] and f"the ranks hold different values at {where}" in r0[what], r0[what]
             assert "fddp.checkpoint.PerRank" in r0[what] and "nothing was written" in r0[what]
         assert r0["extra"] == r1["extra"] and "rank 1 has 'extra' (tensor shape=(2,)" in r0["extra"], (r0["extra"], r1["extra"])
+        for r in (r0, r1):
+            assert r["full"].startswith("CheckpointError") and "rank(s) [1] of the group failed to write it" in r["full"], r["full"]
+            assert "OSError: [Errno 28] No space left on device" in r["full"], r["full"]
         assert r0["written"] == [] and r1["written"] == []
         # Saved by 2 ranks, read on 1 process: the shards reshard, DCP reads them into a module's
         # state dict (pieces cut inside a row, stored as boxes), per-rank state is refused.

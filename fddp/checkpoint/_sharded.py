@@ -312,7 +312,9 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
         RuntimeError: a sharded part was made for another world size or rank; or a peer did not
             arrive within the process group's timeout.
         CheckpointError: on the other ranks, rank 0 failed to finish the checkpoint (its own
-            error says why).
+            error says why); on every rank, a rank's write failed inside
+            torch.distributed.checkpoint (a full disk there: the message names the ranks and the
+            first one's error). Nothing is in place at ``directory`` after either.
 
     Example:
         >>> fddp.checkpoint.save_sharded(f"ckpt/step-{step:08d}", {"params": shards, "opt": opt_state, "step": step})
@@ -391,6 +393,16 @@ def write_sharded(
     if failed:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes
+        if isinstance(error, _CheckpointException) and not isinstance(error, Exception):
+            # DCP's aggregate is a BaseException (an `except Exception` would not see it); every
+            # rank gets it alike, with each failed rank's error inside: say which, as load does.
+            ranks = sorted(error.failures)
+            first = error.failures[ranks[0]]
+            first = first[0] if isinstance(first, tuple) else first
+            raise CheckpointError(
+                f"{directory}: not written: rank(s) {ranks} of the group failed to write it, rank {ranks[0]} with "
+                f"{type(first).__name__}: {first}; a checkpoint already there is kept"
+            ) from error
         if error is not None:
             raise error
         raise CheckpointError(f"{directory}: not written: {failed} rank(s) of the group failed to write it (their own errors say why)")

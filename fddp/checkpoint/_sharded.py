@@ -314,7 +314,7 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
         CheckpointError: on the other ranks, rank 0 failed to finish the checkpoint (its own
             error says why); on every rank, a rank's write failed inside
             torch.distributed.checkpoint (a full disk there: the message names the ranks and the
-            first one's error). Nothing is in place at ``directory`` after either.
+            first one's error).
 
     Example:
         >>> fddp.checkpoint.save_sharded(f"ckpt/step-{step:08d}", {"params": shards, "opt": opt_state, "step": step})

@@ -244,7 +244,3 @@ def _complete(w: Waiting, posts: dict[int, Waiting]) -> bool:
     """Whether every member of ``w``'s group waits in ``w``'s collective."""
     return all(r in posts and posts[r].where() == w.where() for r in w.ranks)
 
-
-def backoff(started: float) -> float:
-    """Seconds to wait before the next look at the channel: short at first, then one a quarter second."""
-    return 0.05 if time.monotonic() - started < 0.5 else 0.25

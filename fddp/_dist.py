@@ -711,7 +711,7 @@ def _agree_token(group: dist.ProcessGroup | None, st: _GroupState, seg: Segment,
     """Agree on one collective of a call being learnt: the same header, its fields the token's."""
     position = len(seg.tokens)
     h = [digest((seg.key, token)), position, _TOKEN, 0, int(_checks.agreement)]
-    t = torch.tensor(h + [-x for x in h] + [0, 0, 0, 0], dtype=torch.int64, device=collective_device(group))
+    t = _header(group, h)
     wait(_exchange(t, group, seg.what), group, seg.what, f"the agreement on its {_ordinal(position + 1)} collective")
     out = t.tolist()
     if out[_FAILED]:
@@ -740,14 +740,8 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
         if not _costs.channel or not _sliced(group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
             work.wait()  # NCCL's, a traced collective's, or a hook's own kind of work: one plain wait
             return
-        try:
-            if work.wait(_SLICE):
-                return
-        except RuntimeError:
-            if work.is_completed():
-                work.wait()  # finished as the slice ran out, or failed: this says which
-                return
-        _watch(work, group, what, doing)
+        if not _slice(work):
+            _watch(work, group, what, doing)
     except (PeerError, MismatchError):
         raise
     except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout
@@ -761,6 +755,17 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
             "calls in the same order); the process group's timeout (fddp.init(timeout=...)) bounds "
             "the wait."
         ) from e
+
+
+def _slice(work: Any) -> bool:
+    """Wait up to one slice for ``work``; return whether it finished (a failure raises)."""
+    try:
+        return bool(work.wait(_SLICE))
+    except RuntimeError:
+        if not work.is_completed():
+            return False  # the slice ran out
+        work.wait()  # finished as the slice ran out, or failed: this says which
+        return True
 
 
 def _sliced(group: dist.ProcessGroup | None) -> bool:
@@ -791,13 +796,8 @@ def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) ->
                 except MismatchError:
                     deadlocked = True  # the post stays: the peers it deadlocks with must see it to raise too
                     raise
-            try:
-                if work.wait(_SLICE):
-                    return
-            except RuntimeError:
-                if work.is_completed():
-                    work.wait()  # finished as the slice ran out, or failed: this says which
-                    return
+            if _slice(work):
+                return
     finally:
         if posted is not None and not deadlocked:
             board = _board()
@@ -874,6 +874,12 @@ _BOTH = 5
 _NEW, _ASKED, _FAILED, _LEARN = 2 * _BOTH, 2 * _BOTH + 1, 2 * _BOTH + 2, 2 * _BOTH + 3
 _HEADER = 2 * _BOTH + 4
 _TOKEN = digest("fddp: one collective of a call")  # the function field of a token's agreement
+
+
+def _header(group: dist.ProcessGroup | None, both: Sequence[int], new: int = 0, asked: int = 0, learn: int = 0) -> torch.Tensor:
+    """A header of every kind (a call's, a token's, a compiled call's) in the one layout: ``both``
+    (the ``_BOTH`` fields) as (x, -x), then the fields that travel as their maximum."""
+    return torch.tensor([*both, *[-x for x in both], new, asked, 0, learn], dtype=torch.int64, device=collective_device(group))
 
 
 class Agreed(NamedTuple):
@@ -974,7 +980,7 @@ def start_agreement(
         printed = values if _checks.replicas and replicas is not False else 0
         learn = int(sequenced and _checks.agreement and key not in st.recordings)
         h = [signature, call_, name, printed, mode]
-        t = torch.tensor(h + [-x for x in h] + [int(new), int(asked), 0, learn], dtype=torch.int64, device=collective_device(group))
+        t = _header(group, h, int(new), int(asked), learn)
         context = (group, what, st, signature, call_, rows, name_difference, replicas, bool(printed), segment)
         return Agreement(t, _exchange(t, group, what), None, context)
     _remember(st, signature, replicas)
@@ -992,7 +998,7 @@ def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int
     # compiled call that meets an eager one on another rank pairs with its header, not its
     # buckets: the eager rank raises too, instead of an abort in the backend.
     h = [signature, -1, name, 0, 1]
-    t = torch.tensor(h + [-x for x in h] + [0] * (_HEADER - 2 * _BOTH), dtype=torch.int64, device=collective_device(group))
+    t = _header(group, h)
     out = funcol.wait_tensor(funcol.all_reduce(t, "max", group if group is not None else dist.group.WORLD))
     torch._assert_async(
         (out[:_BOTH] == -out[_BOTH : 2 * _BOTH]).all() & (out[_FAILED] == 0),

@@ -16,7 +16,7 @@ import optree
 import torch
 
 from fddp.diloco import DiLoCo, DiLoCoState
-from fddp.ft._replicas import Replicas, _transient
+from fddp.ft._replicas import Replicas
 
 __all__ = ["FaultTolerantOuter"]
 
@@ -138,20 +138,12 @@ class FaultTolerantOuter:
 
     def _sync(self, params: Any, state: DiLoCoState, weight: Any, inner_state: Any) -> tuple[Any, DiLoCoState]:
         replicas = self.replicas
-        error: BaseException | None = None
-        try:
-            new_params, new_state = self.outer.step(params, state, weight=weight)
-        except Exception as e:
-            error = e
-            replicas.manager.report_error(e)
-            if not _transient(e):
-                replicas.manager.should_commit()
-                raise
-        if replicas.manager.should_commit():
-            replicas._failures = 0
+        committed, result, _ = replicas._voted(lambda: self.outer.step(params, state, weight=weight),
+                                               "a replica group of this synchronisation's quorum failed")  # fmt: skip
+        if committed:
+            new_params, new_state = result
             replicas._committed = (new_state, inner_state)
             return new_params, new_state
-        replicas._fail(error or RuntimeError("a replica group of this synchronisation's quorum failed"))
         w = torch.as_tensor(weight, dtype=torch.float64).reshape(())
         return params, state._replace(weight=tuple(a + w for a in state.weight))
 

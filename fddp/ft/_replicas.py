@@ -546,26 +546,35 @@ class Replicas:
         return (state, out, info) if return_info else (state, out)
 
     def _run(self, fn: Callable, state: Any, args: tuple, kwargs: dict) -> tuple[bool, Any, Any, BaseException | None]:
-        """``fn`` on this quorum, then the vote. A peer's failure votes no; this group's own error is
-        raised after voting no (so the other ranks of this group do not wait for the vote)."""
+        """``fn`` on this quorum, then the vote (:meth:`_voted`): whether it committed, the new state
+        (the input one if not), ``fn``'s output and the failure."""
+        committed, result, error = self._voted(lambda: fn(state, *args, **kwargs),
+                                               "a replica group of this step's quorum failed (the vote did not pass)")  # fmt: skip
+        if committed:
+            new, out = result
+            return True, new, out, None
+        return False, state, None, error
+
+    def _voted(self, fn: Callable[[], Any], failed: str) -> tuple[bool, Any, BaseException | None]:
+        """``fn()`` on this quorum, then the vote: whether every member committed, ``fn``'s result,
+        and the failure (``failed`` in words, when a peer's failure voted it down). This group's own
+        error is raised after voting no (so the other ranks of this group do not wait for the vote)."""
         error: BaseException | None = None
-        new = out = None
+        result = None
         try:
-            new, out = fn(state, *args, **kwargs)
+            result = fn()
         except Exception as e:
             error = e
             self.manager.report_error(e)
             if not _transient(e):
                 self.manager.should_commit()
                 raise
-        committed = self.manager.should_commit()
-        if committed:
+        if self.manager.should_commit():
             self._failures = 0
-            return True, new, out, None
-        if error is None:
-            error = RuntimeError("a replica group of this step's quorum failed (the vote did not pass)")
+            return True, result, None
+        error = error or RuntimeError(failed)
         self._fail(error)
-        return False, state, None, error
+        return False, None, error
 
     def close(self) -> None:
         """Leave the job: stop the Manager (the others see this group gone at its next heartbeat)."""

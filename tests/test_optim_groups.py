@@ -178,43 +178,32 @@ def test_multi_transform_of_two_kinds_equals_two_torch_optimizers():
 
 def test_masked_clips_the_masked_leaves_only():
     # chain(masked(clip, big), sgd): torch clips the matrices' gradients alone, then steps all.
-    model = _model()
-    tmodel = copy.deepcopy(model)
-    topt = torch.optim.SGD(tmodel.parameters(), lr=0.5, momentum=0.9)
+    def clipped_sgd(tmodel):
+        topt = torch.optim.SGD(tmodel.parameters(), lr=0.5, momentum=0.9)
+        matrices = [p for p in tmodel.parameters() if p.ndim >= 2]
+
+        def clip(*_):  # after backward, before the step
+            torch.nn.utils.clip_grad_norm_(matrices, 0.1)
+
+        topt.register_step_pre_hook(clip)
+        return topt, None
+
     opt = optim.chain(optim.masked(optim.clip_by_global_norm(0.1), DECAY), optim.sgd(0.5, momentum=0.9))
-    x, y = _batch()
-    params = _params(model)
-    state = opt.init(params)
-    for _ in range(20):
-        g = grad(lambda p: torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y))(params)
-        params, state = optim.apply_gradients(opt, g, state, params)
-        topt.zero_grad()
-        torch.nn.functional.cross_entropy(tmodel(x), y).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in tmodel.parameters() if p.ndim >= 2], 0.1)
-        topt.step()
-    for k, p in tmodel.named_parameters():
-        torch.testing.assert_close(params[k], p.detach(), rtol=RTOL, atol=ATOL)
+    _, state = _train(opt, clipped_sgd, 20, fused=True)
     assert isinstance(state[0], optim.MaskedState)
 
 
 def test_set_to_zero_freezes_a_group_and_the_rest_trains_as_alone():
-    model = _model()
-    tmodel = copy.deepcopy(model)
-    topt = torch.optim.AdamW(tmodel[3].parameters(), lr=1e-2, fused=True)  # only the head trains
+    # Only the head trains in torch; the frozen leaves of its model keep their initial values, which
+    # every_step_exact compares with ours at every step.
     frozen = optim.by_path(lambda path, p: "train" if path.startswith("3.") else "frozen")
     opt = optim.multi_transform({"train": optim.adamw(1e-2), "frozen": optim.set_to_zero()}, frozen)
+    head_only = lambda m: (torch.optim.AdamW(m[3].parameters(), lr=1e-2, fused=True), None)  # noqa: E731
+    params, state = _train(opt, head_only, 10, fused=True, every_step_exact=True)
+    start = _params(_model())
+    assert all(torch.equal(params[k], start[k]) for k in params if not k.startswith("3."))
     x, y = _batch()
-    params = _params(model)
-    start = {k: v.clone() for k, v in params.items()}
-    state = opt.init(params)
-    for _ in range(10):
-        g = grad(lambda p: torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y))(params)
-        params, state = optim.apply_gradients(opt, g, state, params)
-        topt.zero_grad()
-        torch.nn.functional.cross_entropy(tmodel(x), y).backward()
-        topt.step()
-    for k, p in tmodel.named_parameters():
-        assert torch.equal(params[k], p.detach() if k.startswith("3.") else start[k]), k
+    g = grad(lambda p: torch.nn.functional.cross_entropy(functional_call(_model(), p, (x,)), y))(params)
     updates, _ = opt.update(g, state, params)
     assert all(torch.equal(updates[k], torch.zeros_like(updates[k])) for k in params if not k.startswith("3."))
 

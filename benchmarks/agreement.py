@@ -3,11 +3,12 @@
     torchrun --standalone --nproc-per-node=2 benchmarks/agreement.py
 
 Every fddp call that communicates first all-reduces one fixed-size header (``fddp/_dist.py``:
-10 int64). This times, on each rank, ``--repeats`` calls of each row after a barrier, interleaved
+14 int64, 112 bytes). This times, on each rank, ``--repeats`` calls of each row after a barrier, interleaved
 round by round, and reports the median per call in µs (the slowest rank's):
 
     agreement header          fddp._dist.agree on the default group (the header, blocking)
-    all_reduce, 8 floats      torch.distributed.all_reduce of a tensor the header's size
+    all_reduce, 8 floats      torch.distributed.all_reduce of a small tensor (32 bytes: at these
+                              sizes a gloo all-reduce costs its latency, not its bytes)
     one-rank all_reduce       the same on a group of this rank alone: the hand-off to gloo's
                               thread that every collective pays, with no peer (what
                               benchmarks/overhead.py's one-rank ddp_step pays per bucket)

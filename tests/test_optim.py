@@ -250,23 +250,28 @@ def _force_per_leaf(monkeypatch):
     monkeypatch.setattr(flat, "multi_tensor_ok", lambda tensors: False)
 
 
-@pytest.mark.parametrize("name", ALL_OPTS)
-def test_flat_and_per_leaf_paths_identical(name, monkeypatch):
-    params = _params(_model())
-    grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(4)]
+def flat_and_per_leaf(make, params, monkeypatch, steps=4):
+    """``steps`` of ``update`` + ``apply_updates`` of the optimizer ``make()`` on random gradients,
+    on the flat (multi-tensor) path and then forced per leaf: both results, as flat leaf lists."""
+    grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(steps)]
 
     def run():
-        opt = ALL_OPTS[name]()
+        opt = make()
         p, s = params, opt.init(params)
         for g in grads:
             u, s = opt.update(g, s, p)
             p = optim.apply_updates(p, u)
-        return p, s
+        return optree.tree_leaves((p, s))
 
     fast = run()
     _force_per_leaf(monkeypatch)
-    slow = run()
-    for a, b in zip(optree.tree_leaves(fast), optree.tree_leaves(slow)):
+    return fast, run()
+
+
+@pytest.mark.parametrize("name", ALL_OPTS)
+def test_flat_and_per_leaf_paths_identical(name, monkeypatch):
+    fast, slow = flat_and_per_leaf(ALL_OPTS[name], _params(_model()), monkeypatch)
+    for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

@@ -16,11 +16,11 @@ import tempfile
 import optree
 import pytest
 import torch
+from test_optim import flat_and_per_leaf
 from torch.func import functional_call, grad, stack_module_state, vmap
 
 import fddp
 from fddp import optim
-from fddp.optim import _flat as flat
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -251,21 +251,11 @@ def test_groups_refuse_zero_shards():
 
 
 def test_grouped_flat_and_per_leaf_paths_identical(monkeypatch):
-    params = _params(_model())
-    grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(4)]
+    def make():
+        return optim.chain(optim.masked(optim.clip_by_global_norm(0.5), DECAY), GROUPED["adamw_mask"][0]())
 
-    def run():
-        opt = optim.chain(optim.masked(optim.clip_by_global_norm(0.5), DECAY), GROUPED["adamw_mask"][0]())
-        p, s = params, opt.init(params)
-        for g in grads:
-            u, s = opt.update(g, s, p)
-            p = optim.apply_updates(p, u)
-        return p, s
-
-    fast = run()
-    monkeypatch.setattr(flat, "multi_tensor_ok", lambda tensors: False)
-    slow = run()
-    for a, b in zip(optree.tree_leaves(fast), optree.tree_leaves(slow)):
+    fast, slow = flat_and_per_leaf(make, _params(_model()), monkeypatch)
+    for a, b in zip(fast, slow):
         assert torch.equal(a, b)
 
 

@@ -21,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -212,7 +213,8 @@ def main() -> None:
                      count=int(ostate.count))  # fmt: skip
         final = {"params": params, "snapshot": ostate.snapshot}
     fddp.checkpoint.save(os.path.join(a.out, f"final-{a.replica}-{a.incarnation}.pt"), final)
-    emit(event="done", step=replicas.committed_steps)
+    stores = sum(t.name == "fddp-ft-store" for t in threading.enumerate())  # the epoch's only: older ones are closed
+    emit(event="done", step=replicas.committed_steps, stores=stores)
     log.close()
     replicas.close()
     os._exit(0)  # a quorum taken for a step that will not come must not hold the exit

@@ -155,6 +155,26 @@ def test_state_checksum_sees_one_ulp_and_the_step_count():
     assert state_checksum(a) != state_checksum({**a, "count": 4})
 
 
+def test_each_epochs_store_is_closed_and_its_helper_thread_ends():
+    """A quorum's store runs its operations on a helper thread, which holds it alive: every
+    membership change made one that lived (with its connection) until the process ended."""
+    import threading
+
+    import torch.distributed as dist
+
+    from fddp.ft._store import BoundedStore
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    stores = [BoundedStore(f"127.0.0.1:{server.port}/fddp-test", deadline=1.0) for _ in range(3)]
+    for s in stores:
+        s.set("k", "v")
+        s.close()
+    deadline = time.monotonic() + 5
+    while any(t.name == "fddp-ft-store" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name == "fddp-ft-store"]
+
+
 def test_a_failure_that_repeats_is_an_error_not_a_silent_retry_loop():
     """torchft 0.2.0 retries a step whose state transfer fails (numpy missing) every 5 s forever;
     Replicas counts failed steps in a row and raises after max_retries, naming the last failure."""
@@ -355,6 +375,9 @@ def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_th
         assert "diverged" in (run.tmp / "out-1-0.txt").read_text()
     # (a group a step behind is healed by torchft's own recovery, as a late joiner is)
     assert_bitwise_equal(run.final(0), run.final(1))
+    for r in (0, 1):  # several epochs each (the split, the merge), and one quorum store left open: the last
+        (done,) = [e for e in run.log(r) if e["event"] == "done"]
+        assert done["stores"] == 1, done
 
 
 def test_the_example_trains_on_its_replica_groups(tmp_path):

@@ -281,6 +281,7 @@ class Replicas:
         self._received: Any = None
         self._like_state: Any = None
         self._epoch_id: int | None = None
+        self._epoch_store: BoundedStore | None = None
         self._members: tuple[str, ...] = ()
         self._failures = 0
         self._last_error: BaseException | None = None
@@ -359,6 +360,11 @@ class Replicas:
         store = BoundedStore(f"{q.store}/fddp", deadline=_STORE_DEADLINE_S, connect_timeout=self._timeout.total_seconds())
         _dist.begin_epoch(self.group, rank=q.rank, world_size=q.size, store=store, epoch=q.id)
         self._epoch_id = q.id
+        # The old epoch's store: its helper thread holds it alive (it would never be collected),
+        # and nothing reads it any more (the old epoch's waits are over).
+        old, self._epoch_store = self._epoch_store, store
+        if old is not None:
+            old.close()
 
     def _stale(self, q: Quorum) -> bool:
         """Whether the Manager kept a group configured for other members: a restarted Lighthouse
@@ -579,6 +585,8 @@ class Replicas:
     def close(self) -> None:
         """Leave the job: stop the Manager (the others see this group gone at its next heartbeat)."""
         self.manager.shutdown(wait=False)
+        if self._epoch_store is not None:
+            self._epoch_store.close()
 
     def __enter__(self) -> "Replicas":
         return self

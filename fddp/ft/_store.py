@@ -100,11 +100,6 @@ class BoundedStore:
         self._call("wait", keys, *(() if timeout is None else (timeout,)), deadline=limit)
 
     def close(self) -> None:
-        """Stop the helper thread (once it is free)."""
+        """Stop the helper thread (once it is free). The owner must call it: the thread holds the
+        store alive, so it is never collected by itself."""
         self._jobs.put((None, (), None, None))
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass

@@ -163,6 +163,31 @@ def _compiled_worker(steps: int) -> tuple:
     return eager_p, comp_p, len(collectives), buckets, [str(w.message) for w in caught if "lru_cache" in str(w.message)]
 
 
+def _recompiled_worker() -> list:
+    """One compiled step function over models of three sizes in turn (as benchmarks/step.py runs
+    its models): from the third, dynamo traces the parameters' sizes as symbols (automatic dynamic
+    shapes), which the header's digest must not take as they are."""
+
+    def one(p, x):
+        g = func_grad(lambda q: (torch.tanh(x @ q["w"]) * q["b"]).sum())(p)
+        return fddp.ddp_step(p, g)
+
+    step = torch.compile(one, fullgraph=True)
+    out = []
+    for n in (4, 6, 9):
+        p = fddp.broadcast({"w": torch.full((3, n), 0.1), "b": torch.full((n,), 0.5)})
+        x = torch.full((2, 3), 1.0 + fddp.rank())
+        out.append((step(p, x), one(p, x)))
+    return out
+
+
+def test_a_compiled_step_traced_with_symbolic_sizes_still_agrees():
+    for out in run(_recompiled_worker, 2, timeout=240):
+        for compiled, eager in out:
+            for k in eager:
+                torch.testing.assert_close(compiled[k], eager[k])
+
+
 def test_compiled_step_matches_eager():
     results = run(_compiled_worker, 2, 3, timeout=240)
     for eager, compiled, n_collectives, buckets, fddp_warnings in results:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import operator
 from typing import Any, Callable, Hashable, NamedTuple
 
 import optree
@@ -397,7 +398,11 @@ def setup(
 
     key = (spec, specs, order, option_rows, members, options.bucket_cap_mb, options.first_bucket_mb)
     if torch.compiler.is_compiling():  # dynamo traces neither the cache nor hashlib: the digest is taken at trace time
-        record = _Record(_dist.traced_digest((option_rows, tuple((tuple(s[0]), str(s[1]), str(s[2])) for s in specs), order)),
+        # Sizes traced as symbols (automatic dynamic shapes, after recompiles for other models) are
+        # made concrete (operator.index specializes them: the graph is guarded on these sizes), so
+        # that the digest and the bucket plan are of one tree's sizes.
+        specs = [(tuple(operator.index(d) for d in shape), dtype, device) for shape, dtype, device in specs]
+        record = _Record(_dist.traced_digest((option_rows, tuple((s[0], str(s[1]), str(s[2])) for s in specs), order)),
                          _plan(specs, members, order, options))
     else:
         record = _records.get(key)

@@ -288,7 +288,9 @@ class Sync:
         """
         replicas = replicas and _dist.checks().replicas
         ask = replicas and module_aliases(self.leaves)
-        values = _dist.fingerprint(self.leaves) if replicas and drift and _dist._costs.fingerprint else 0
+        # The fingerprint only where a header carries it (not on a one-rank group).
+        send = replicas and drift and _dist._costs.fingerprint and _dist.size(self.options.group) > 1
+        values = _dist.fingerprint(self.leaves) if send else 0
         return PendingAgreement(self, _signature.start(self.digest, self.rows, self.options.group, self.what, ask, values))
 
     def reducer(self, state: Any = None) -> Reducer:

@@ -146,6 +146,18 @@ class Channel:
                 out.append(json.loads(self.store.get(key(r))))
             except Exception:  # noqa: BLE001 - it did not say: the error names what the others said
                 out.append(None)
+        # Each rank says it has read, and waits (within what is left of the timeout) for the others
+        # that posted to say so: the rank that hosts the store must not raise, exit and take the
+        # store down while a peer is still reading its record.
+        done = lambda r: self._key("differ", topic, r, "read")  # noqa: E731
+        try:
+            self.store.set(done(rank), "1")
+            for r, got in enumerate(out):
+                if r != rank and got is not None:
+                    left = max(deadline - time.monotonic(), 0.01)
+                    self.store.wait([done(r)], datetime.timedelta(seconds=left))
+        except Exception:  # noqa: BLE001 - a peer gone or slow: what was read stands
+            pass
         return out
 
     def fatal(self) -> Failure | None:

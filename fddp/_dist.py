@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import hashlib
 import struct
 import threading
@@ -71,6 +72,7 @@ __all__ = [
     "call_count",
     "wait",
     "call",
+    "entry",
     "fail",
     "agree",
     "start_agreement",
@@ -581,6 +583,46 @@ class call:
             fail(self.group, self.what, e)  # the peers wait in collectives this rank will not join
         else:
             _announce(self.group, st, self.what, e)
+
+
+def entry(what: str, group: Callable[..., Any] | None = None, *, headerless: bool = False) -> Callable[[Callable], Callable]:
+    """Make a public function one fddp call: its whole body runs inside :class:`call` on its group.
+
+    The one way in for every function that issues a collective or must agree with its peers: a
+    failure anywhere in the body (a bad argument, an OSError in housekeeping, a failure between
+    two collectives) reaches every rank of the group, announced or fatal as :class:`call` decides,
+    instead of leaving the peers waiting. ``tests/test_entries.py`` walks the public API and fails
+    on a function that issues a collective outside such a scope.
+
+    Args:
+        what: the public name, for messages (``"checkpoint.save"``).
+        group: a function of the call's arguments that returns its process group; default: the
+            ``group=`` keyword argument (``None``: the default group). Where it raises (an
+            argument too broken to name its group), the call runs on the default group.
+        headerless: the function's first collective is not an agreement header (see :class:`call`).
+
+    Example:
+        >>> @entry("zero.gather", lambda shards, **_: shards.layout.group)
+        ... def gather(shards): ...
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            if group is None:
+                g = kwargs.get("group")
+            else:
+                try:
+                    g = group(*args, **kwargs)
+                except Exception:  # noqa: BLE001 - the body raises the error that names the bad argument
+                    g = None
+            with call(g, what, headerless):
+                return fn(*args, **kwargs)
+
+        scoped.__fddp_entry__ = what  # type: ignore[attr-defined]
+        return scoped
+
+    return wrap
 
 
 def _frame(st: _GroupState) -> _Frame | None:

@@ -31,7 +31,6 @@ import torch.distributed as dist
 
 import fddp
 import fddp._dist
-import fddp.sync._signature
 
 
 def rows(alone: dist.ProcessGroup) -> dict[str, object]:
@@ -39,7 +38,7 @@ def rows(alone: dist.ProcessGroup) -> dict[str, object]:
     digest = fddp._dist.digest(header_rows)
     small, mine = torch.zeros(8), torch.zeros(8)
     return {
-        "agreement header": lambda: fddp._dist.agree(None, "benchmark", digest, lambda: header_rows, fddp.sync._signature.name_difference),
+        "agreement header": lambda: fddp._dist.agree(None, "benchmark", header_rows, signature=digest),
         "all_reduce, 8 floats": lambda: dist.all_reduce(small),
         "one-rank all_reduce": lambda: dist.all_reduce(mine, group=alone, async_op=True).wait(),
     }

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fddp import _dist
-from fddp.sync import _differentiable, _signature
+from fddp.sync import _differentiable
 
 __all__ = ["SyncBatchNorm", "sync_batchnorm"]
 
@@ -195,7 +195,7 @@ def _agree(x: Tensor, group: dist.ProcessGroup | None, name: str, what: str = _W
             ("option input", f"dtype={x.dtype} device={x.device.type}", None),
         ]
 
-    _signature.check(_signature.signature_digest(key, rows), rows, group, what)
+    _dist.agree(group, what, rows, key=key)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -157,8 +157,9 @@ def shutdown() -> None:
             # A rank still inside a step (the others stopped early) meets this agreement instead of
             # its peers' step: every rank raises fddp.MismatchError, naming each one's call, within
             # a round trip, instead of waiting for the group's timeout.
-            _dist.agree(None, "shutdown", _SHUTDOWN, _shutdown_rows, _shutdown_difference)
-            dist.barrier()
+            with _dist.call(None, "shutdown"):
+                _dist.agree(None, "shutdown", _shutdown_rows, signature=_SHUTDOWN, names=_shutdown_difference)
+                dist.barrier()
     finally:
         dist.destroy_process_group()
         _shut_down = True

@@ -34,7 +34,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from fddp import _caches
+from fddp import _caches, _dist
 from fddp._layout import Bucket
 from fddp.sync import Cast, PowerSGD, Timeline, grad_and_value, plan_of
 from fddp.sync._setup import as_hook
@@ -303,6 +303,7 @@ def choose_bucket_cap(
     return BucketChoice(best, min(1.0, best), preds)
 
 
+@_dist.entry("scaling.auto_bucket_cap")
 def auto_bucket_cap(
     fn: Callable[..., torch.Tensor],
     params: Any,
@@ -334,6 +335,7 @@ def auto_bucket_cap(
     return verify_bucket_cap(choice, fn, params, *args, steps=verify_steps, compression=compression, group=group, **kwargs)
 
 
+@_dist.entry("scaling.verify_bucket_cap")
 def verify_bucket_cap(
     choice: BucketChoice,
     fn: Callable[..., torch.Tensor],
@@ -360,6 +362,7 @@ def verify_bucket_cap(
     """
     default = (25.0, 1.0)
     chosen = (choice.bucket_cap_mb, choice.first_bucket_mb)
+    _agree_on(group, "verify_bucket_cap", chosen=chosen, steps=steps, rounds=rounds)
     if chosen == default:
         return choice
     runs = [
@@ -370,18 +373,19 @@ def verify_bucket_cap(
         once()  # warm up: the first call checks signatures and plans
     for r in range(rounds):
         for once, times in runs if r % 2 == 0 else runs[::-1]:
-            dist.barrier(group=group)
+            _reduce(None, group, "verify_bucket_cap", "the barrier before a timed block")
             t0 = time.perf_counter()
             for _ in range(steps):
                 once()
             times.append((time.perf_counter() - t0) / steps)
     times = torch.tensor([t for _, ts in runs for t in ts], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's, the same everywhere
+    _reduce(times, group, "verify_bucket_cap", "the times' all-reduce", dist.ReduceOp.MAX)  # the slowest rank's, everywhere
     fast, slow = statistics.median(times[:rounds].tolist()), statistics.median(times[rounds:].tolist())
     keep = chosen if fast < slow else default
     return choice._replace(bucket_cap_mb=keep[0], first_bucket_mb=keep[1], measured={chosen[0]: fast, default[0]: slow})
 
 
+@_dist.entry("scaling.measure_link")
 def measure_link(
     *, group: dist.ProcessGroup | None = None, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22, 2**23), repeats: int = 5
 ) -> Link:
@@ -398,19 +402,20 @@ def measure_link(
     world = dist.get_world_size(group)
     if world < 2:
         raise ValueError("measure_link: a one-rank group has no link to measure")
+    _agree_on(group, "measure_link", sizes=tuple(int(n) for n in sizes), repeats=repeats)
     best = []
     for n in sizes:
         t = torch.zeros(max(1, n // 4), dtype=torch.float32)
-        dist.all_reduce(t, group=group)  # warm up this size
+        _reduce(t, group, "measure_link", "a warm-up all-reduce")
         times = []
         for _ in range(repeats):
-            dist.barrier(group=group)
+            _reduce(None, group, "measure_link", "the barrier before a timed all-reduce")
             t0 = time.perf_counter()
-            dist.all_reduce(t, group=group)
+            dist.all_reduce(t, group=group)  # timed as torch issues it: a plain, blocking all-reduce
             times.append(time.perf_counter() - t0)
         best.append(min(times))
     slowest = torch.tensor(best, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    _reduce(slowest, group, "measure_link", "the times' all-reduce", dist.ReduceOp.MAX)
     intercept, slope = fit_alpha_beta([float(max(1, n // 4) * 4) for n in sizes], slowest.tolist())
     steps = 2 * (world - 1)
     return Link(latency=intercept / steps, bandwidth=steps / world / max(slope, 1e-15))
@@ -442,6 +447,7 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[fl
     return max(0.0, y0 - slope * x0), slope
 
 
+@_dist.entry("scaling.measure_timeline")
 def measure_timeline(
     fn: Callable[..., torch.Tensor],
     params: Any,
@@ -469,11 +475,13 @@ def measure_timeline(
     head = [statistics.median(r.backward for r in runs), statistics.median(r.end for r in runs)]
     if dist.get_world_size(group) > 1:
         t = torch.tensor(head + ready, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        _agree_on(group, "measure_timeline", values=t.numel())
+        _reduce(t, group, "measure_timeline", "the timeline's all-reduce", dist.ReduceOp.MAX)
         head, ready = t[:2].tolist(), t[2:].tolist()
     return Timeline(head[0], tuple(ready), (), (), (), head[1])
 
 
+@_dist.entry("scaling.measure_bucket_cost")
 def measure_bucket_cost(
     fn: Callable[..., torch.Tensor],
     params: Any,
@@ -505,9 +513,22 @@ def measure_bucket_cost(
     extra = len(plan_of(params, tiny, tiny).buckets) - 1
     cost = torch.tensor([max(0.0, (seconds[1] - seconds[0]) / extra) if extra > 0 else 0.0], dtype=torch.float64)
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(cost, group=group)
+        _agree_on(group, "measure_bucket_cost")
+        _reduce(cost, group, "measure_bucket_cost", "the cost's all-reduce")
         cost /= dist.get_world_size(group)
     return float(cost)
+
+
+def _agree_on(group: dist.ProcessGroup | None, what: str, **arguments: Any) -> None:
+    """Agree across ``group`` that every rank measures the same way (the arguments that fix the
+    collectives' number and sizes), before the first timed collective."""
+    _dist.agree(group, f"scaling.{what}", [(f"option {k}", repr(v), None) for k, v in sorted(arguments.items())])
+
+
+def _reduce(t: torch.Tensor | None, group: dist.ProcessGroup | None, what: str, doing: str, op: Any = dist.ReduceOp.SUM) -> None:
+    """All-reduce ``t`` in place (``None``: a barrier), in a wait that watches for a peer's failure."""
+    work = dist.barrier(group=group, async_op=True) if t is None else dist.all_reduce(t, op=op, group=group, async_op=True)
+    _dist.wait(work, group, f"scaling.{what}", doing)
 
 
 def _stepper(

@@ -43,6 +43,9 @@ def _worker(rank: int, world_size: int, store_path: str, conn: Any, timeout_s: f
         "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
     import fddp
+    import scopes
+
+    scopes.install()  # every collective fddp issues in the suite's multi-process tests must be in a call scope
 
     while True:
         msg = conn.recv()
@@ -154,16 +157,16 @@ def count_calls(names: tuple[str, ...], entry: Callable[[str, tuple], Any]):
     """Record the ``torch.distributed`` functions ``names`` called while the block runs.
 
     Yields a list that gets ``entry(name, args)`` per call. fddp's per-call agreement header
-    (``fddp._dist``) is not one of a call's data collectives: it is counted apart, in
+    (``fddp._dist._header``) is not one of a call's data collectives: it is counted apart, in
     ``calls.headers``, and the collectives it issues are not recorded.
     """
     import torch.distributed as tdist
 
-    import fddp._dist
+    import fddp._dist._header
 
     calls = _Calls()
     originals = {name: getattr(tdist, name) for name in names}
-    exchange = fddp._dist._exchange
+    exchange = fddp._dist._header.exchange
     in_header = [False]
 
     def counting(name, fn):
@@ -184,13 +187,13 @@ def count_calls(names: tuple[str, ...], entry: Callable[[str, tuple], Any]):
 
     for name, fn in originals.items():
         setattr(tdist, name, counting(name, fn))
-    fddp._dist._exchange = header
+    fddp._dist._header.exchange = header
     try:
         yield calls
     finally:
         for name, fn in originals.items():
             setattr(tdist, name, fn)
-        fddp._dist._exchange = exchange
+        fddp._dist._header.exchange = exchange
 
 
 def count_all_reduces():

@@ -457,7 +457,7 @@ def test_only_rank_zero_writes(tmp_path, monkeypatch):
     # The faked world has no process group object to number calls on (fddp's timeout message does).
     monkeypatch.setattr(single_file._ranks, "count_call", lambda group, what: None)
     # Nor a group state to agree on (the per-call header, tested with real ranks elsewhere).
-    monkeypatch.setattr(single_file._ranks._signature, "check", lambda digest, rows, group, what: False)
+    monkeypatch.setattr(single_file._ranks._dist, "agree", lambda group, what, rows: None)
     path = ckpt.save_step(tmp_path, 3, {"w": torch.ones(1)})
     assert path.endswith("ckpt-00000003.pt")
     assert os.listdir(tmp_path) == []

@@ -272,7 +272,7 @@ def test_the_remembered_signatures_are_bounded():
     for n in range(1, 2001):
         t = {"w": torch.zeros(n)}
         fddp.ddp_step(t, t)
-    assert len(fddp._dist._state(None).seen) <= 256
+    assert len(fddp._dist._groups.state(None).seen) <= 256
     assert len(fddp.sync._setup._records) <= 1024
     fddp.clear_caches()
     assert len(fddp.sync._setup._records) == 0

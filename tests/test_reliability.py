@@ -381,7 +381,7 @@ import os, sys, time, torch, fddp
 fddp.init(timeout=float(sys.argv[1]))
 p = {"w": torch.zeros(2)}
 fddp.ddp_step(p, p); fddp.ddp_step(p, p)
-if fddp.rank() == 1:
+if fddp.rank() == fddp.world_size() - 1:
     if sys.argv[2] == "die":
         os._exit(0)  # gone without a word
     time.sleep(float(sys.argv[1]) + 5)  # stuck
@@ -400,25 +400,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("fault, parts", [("stuck", ["timed out", "Timed out"]), ("die", ["failed"])])
-def test_init_timeout_bounds_the_wait_for_a_missing_peer(fault, parts):
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+_STUCK = [
+    "fddp.ddp_step: rank 0 of 2 timed out",
+    "during the agreement on this call (call 3 to fddp.ddp_step in this process)",
+    "Timed out",
+]
+# A peer that dies is named, never the rank that reports it (on 3 ranks, from the processes on this host).
+_DIED = [
+    "fddp.ddp_step: rank {last} failed in fddp.ddp_step",
+    "ConnectionError: it died or closed its connection while its peers waited in the agreement",
+]
+
+
+@pytest.mark.parametrize("fault, world, parts", [("stuck", 2, _STUCK), ("die", 2, _DIED), ("die", 3, _DIED)])
+def test_init_timeout_bounds_the_wait_for_a_missing_peer(fault, world, parts):
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(INIT_SCRIPT), "3", fault],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        for r in range(2)
+        for r in range(world)
     ]
     try:
         outs = [p.communicate(timeout=90)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert procs[1].returncode == 0, outs[1]
-    assert procs[0].returncode == 3, outs[0]
-    for part in ["fddp.ddp_step: rank 0 of 2", "during the agreement on this call (call 3 to fddp.ddp_step in this process)", *parts]:
-        assert part in outs[0], (part, outs[0])
+    last = world - 1
+    assert procs[last].returncode == 0, outs[last]
+    for r in range(last):
+        assert procs[r].returncode == 3, outs[r]
+        for part in parts:
+            assert part.format(last=last) in outs[r], (part, outs[r])
+        assert f"rank {r} failed" not in outs[r]
 
 
 def test_init_rejects_a_bad_timeout():

@@ -28,7 +28,6 @@ import fddp._dist
 import fddp._layout
 import fddp._pool
 import fddp.sync._setup
-import fddp.sync._signature
 
 ROOT = Path(fddp.__file__).resolve().parent
 
@@ -38,7 +37,6 @@ LAYERS = {
     "fddp._caches": 0,
     "fddp._tree": 1,
     "fddp._pool": 1,
-    "fddp._channel": 1,
     "fddp._dist": 1,
     "fddp.runtime": 1,
     "fddp._layout": 2,
@@ -187,7 +185,7 @@ CACHES = {
     "fddp._layout._has_split",
     "fddp.sync._reducer._flat_leaves",
     "fddp.sync._reducer._where",
-    "fddp.sync._signature._digests",
+    "fddp._dist._agreement._digests",
     "fddp.sync._setup._options",
     "fddp.sync._setup._records",
     "fddp.zero._layout.layout",
@@ -220,5 +218,5 @@ def test_every_cache_is_registered_and_clear_caches_empties_it():
     fddp.clear_caches()
     memoised = [fddp._tree.paths, fddp._tree._dict_spec, fddp._layout._plan_cached, fddp.sync._reducer._where, fddp.zero._layout.layout]
     assert all(f.cache_info().currsize == 0 for f in memoised)
-    assert not fddp.sync._setup._records and not fddp._layout._laid and not fddp.sync._signature._digests
-    assert not fddp._dist._states and not fddp._pool._host_buffers.free
+    assert not fddp.sync._setup._records and not fddp._layout._laid and not fddp._dist._agreement._digests
+    assert not fddp._dist._groups._states and not fddp._pool._host_buffers.free

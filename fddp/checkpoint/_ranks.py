@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from fddp import _dist
 from fddp._dist import collective_device, count_call, wait
-from fddp.sync import _signature
 
 __all__ = ["agree", "is_distributed", "is_writer", "rank", "world_size"]
 
@@ -73,7 +72,7 @@ def agree(
     count_call(group, what)
     # The rows first: where trees differ, their first difference is named, not the count it implies.
     described = [*rows, ("checkpoint", f"fddp.{what}: {doing} ({len(values)} values, {op})", None)]
-    _signature.check(_dist.digest(described), lambda: described, group, what)
+    _dist.agree(group, what, described)
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, what, doing)

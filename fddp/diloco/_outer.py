@@ -15,9 +15,8 @@ import torch.distributed as dist
 from fddp import _caches, _dist, _layout, _tree, optim, zero
 from fddp.diloco._plan import Fragment, describe, launches, split, split_by, warm
 from fddp.optim import GradientTransformation
-from fddp.sync import Cast, SyncInfo, checksum, hooks
-from fddp.sync._inflight import InFlight, agree, start
-from fddp.sync._signature import signature_digest
+from fddp.sync import Cast, SyncInfo, hooks
+from fddp.sync._inflight import InFlight, start
 
 __all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "diloco", "local_sgd"]
 
@@ -441,14 +440,13 @@ class DiLoCo:
         tree are compared, once, as every fddp call's signature is.
         """
         key = ("diloco.tree", spec, _specs_of(leaves))
-        tree = signature_digest(key, lambda: _tree.structure_rows(snapshot))
+        tree = _dist.signature_digest(key, lambda: _tree.structure_rows(snapshot))
         paths = _tree.paths(spec)
         if not _dist.checks().agreement:
-            agree(_dist.digest((self._digest, tree)), lambda: [*self._rows, *_tree.structure_rows(snapshot)],
-                  self.group, _WHAT, _name_difference)  # fmt: skip
+            self._agree_on(_dist.digest((self._digest, tree)), lambda: [*self._rows, *_tree.structure_rows(snapshot)])
             self._note_started()
             return
-        sums = torch.stack([checksum(leaves[i]).cpu() for i in checked]).tolist() if checked else []
+        sums = _dist.replica_digest([leaves[i] for i in checked], "full")
         state = problem or "match the state's shapes"
 
         def rows() -> list[tuple]:
@@ -460,8 +458,13 @@ class DiLoCo:
                 *[(f"snapshot {paths[i]}", f"checksum {s}", None) for i, s in zip(checked, sums)],
             ]
 
-        agree(_dist.digest((self._digest, tree, t, state, tuple(checked), tuple(sums))), rows, self.group, _WHAT, _name_difference)
+        self._agree_on(_dist.digest((self._digest, tree, t, state, tuple(checked), tuple(sums))), rows)
         self._note_started()  # once the ranks agreed: a first step that failed is a first step again next time
+
+    def _agree_on(self, signature: int, rows: Any) -> None:
+        with _dist.call(self.group, _WHAT):
+            _dist.count_call(self.group, _WHAT)
+            _dist.agree(self.group, _WHAT, rows, signature=signature, names=_name_difference)
 
     def _refuse_split(self, spec: Any, what: str) -> None:
         """Raise unless every rank of the group holds the same slices: ZeRO's shards on the group

@@ -37,7 +37,6 @@ from torchft.process_group import ProcessGroupGloo
 from fddp import _dist
 from fddp.ft._store import BoundedStore
 from fddp.ft._transport import GroupTransport, TransferError
-from fddp.sync._checksum import checksum
 
 __all__ = ["Replicas", "StepInfo", "DivergedError", "Quorum"]
 
@@ -179,11 +178,7 @@ def _transient(e: BaseException) -> bool:
 def state_checksum(tree: Any) -> int:
     """A 62-bit checksum of every leaf of ``tree`` (bits of tensors, ``repr`` of the rest), by position."""
     total = 0
-    for i, leaf in enumerate(optree.tree_leaves(tree, none_is_leaf=True)):
-        if isinstance(leaf, torch.Tensor):
-            c = int(checksum(leaf.detach().cpu() if leaf.device.type != "cpu" else leaf))
-        else:
-            c = _dist.digest((type(leaf).__name__, leaf))
+    for i, c in enumerate(_dist.replica_digest(optree.tree_leaves(tree, none_is_leaf=True), "full")):
         total = (total + c * (2 * i + 1)) & _MASK
     return total
 

@@ -24,7 +24,7 @@ __all__ = ["BoundedStore"]
 class BoundedStore:
     """The store at ``address`` (``host:port/prefix``), connected lazily, each call bounded.
 
-    Only what ``fddp._channel`` uses: ``set``, ``compare_set``, ``check``, ``get``, ``wait``. A read
+    Only what ``fddp._dist._channel`` uses: ``set``, ``compare_set``, ``check``, ``get``, ``wait``. A read
     that does not finish within ``deadline`` raises ``TimeoutError``; while it is still stuck, later
     calls raise at once (the host is unresponsive: asking again would only queue behind it). Writes
     (a failure being posted: rare, and the peers depend on it) may take up to ``connect_timeout``.

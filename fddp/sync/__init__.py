@@ -2,12 +2,13 @@
 
 How a sync flows: a front end (``ddp_step``, ``grad``/``grad_and_value``, ``broadcast``,
 ``sync_buffers``, ``verify_replicas``) turns its keywords into one frozen ``SyncOptions``
-(``_setup``); ``setup`` checks the tree's signature across ranks (``_signature``) and plans its
+(``_setup``); ``setup`` agrees on the tree's signature across ranks (``fddp._dist.agree``) and plans its
 buckets (``fddp._layout``); a ``Reducer`` (``_reducer``) copies values into the buckets and hands
 each full one to the comm hook (``hooks``, ``_powersgd``), which issues its collectives through a
 ``Comm`` (``_comm``); the reduced buffers come back as views shaped like the tree.
 """
 
+from fddp._dist import MismatchError
 from fddp.sync import hooks
 from fddp.sync._collectives import broadcast, checksum, sync_buffers, verify_replicas
 from fddp.sync._grad import grad, grad_and_value
@@ -15,7 +16,6 @@ from fddp.sync._int8 import Int8, Int8State
 from fddp.sync._powersgd import PowerSGD, PowerSGDState
 from fddp.sync._reducer import SyncInfo, Timeline
 from fddp.sync._setup import plan_of
-from fddp.sync._signature import MismatchError
 from fddp.sync._step import ddp_step
 from fddp.sync.hooks import Cast
 

@@ -32,6 +32,7 @@ def _run(tree: Any, options: SyncOptions, what: str) -> Any:
     return sync.tree(flats, reducer.made_views(flats))
 
 
+@_dist.entry("broadcast")
 def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0) -> Any:
     """Return ``tree`` with rank ``src``'s values on every rank, in a few fused broadcasts.
 
@@ -56,14 +57,14 @@ def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = N
         >>> params = fddp.broadcast(params)  # every rank now starts from rank 0's initialisation
     """
     _differentiable.refuse_under_transforms("broadcast")
-    with _dist.call(group, "broadcast"):  # a rank whose arguments fail a check tells its peers
-        options = make_options("broadcast", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-        n = _dist.size(group) if dist.is_initialized() else 1
-        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
-            raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
-        return _run(tree, dataclasses.replace(options, hook=Broadcast(src)), "broadcast")
+    options = make_options("broadcast", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+    n = _dist.size(group) if dist.is_initialized() else 1
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n:
+        raise ValueError(f"fddp.broadcast: src must be a rank of the group, in [0, {n}), got {src!r}")
+    return _run(tree, dataclasses.replace(options, hook=Broadcast(src)), "broadcast")
 
 
+@_dist.entry("sync_buffers")
 def sync_buffers(
     buffers: Any,
     /,
@@ -102,17 +103,17 @@ def sync_buffers(
         >>> out, buffers = apply_fn(params, buffers, torch.randn(8, 3))
         >>> buffers = fddp.sync_buffers(buffers, "mean")
     """
-    with _dist.call(group, "sync_buffers"):
-        if mode not in _MODES:
-            raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
-        not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
-        if mode == "broadcast":
-            return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
-        _differentiable.refuse_under_transforms("sync_buffers")
-        options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
-        return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
+    if mode not in _MODES:
+        raise ValueError(f"fddp.sync_buffers: mode must be 'broadcast' or 'mean', got {mode!r}")
+    not_a_module(buffers, "sync_buffers", "buffers", BUFFERS_FIX)
+    if mode == "broadcast":
+        return broadcast(buffers, src, group=group, bucket_cap_mb=bucket_cap_mb)
+    _differentiable.refuse_under_transforms("sync_buffers")
+    options = make_options("sync_buffers", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=bucket_cap_mb)
+    return _run(buffers, dataclasses.replace(options, hook=BufferMean()), "sync_buffers")
 
 
+@_dist.entry("verify_replicas")
 def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> None:
     """Raise :class:`fddp.MismatchError` on every rank unless all ranks hold bitwise equal leaves.
 
@@ -136,9 +137,8 @@ def verify_replicas(tree: Any, /, *, group: dist.ProcessGroup | None = None) -> 
         >>> fddp.verify_replicas(params)  # passes; raises on every rank if any rank drifted
     """
     _differentiable.refuse_under_transforms("verify_replicas")
-    with _dist.call(group, "verify_replicas"):
-        _refuse_shards(tree)
-        _verify(tree, group)
+    _refuse_shards(tree)
+    _verify(tree, group)
 
 
 def _refuse_shards(tree: Any) -> None:

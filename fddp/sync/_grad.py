@@ -114,6 +114,7 @@ def grad_and_value(
         grads, value, info = transform(args, kwargs, weight, compression_state)
         return (grads, value, info) if return_info else (grads, value)
 
+    grad_and_value_fn.__fddp_entry__ = "grad_and_value"  # type: ignore[attr-defined]  # the transform's call scope
     return grad_and_value_fn
 
 
@@ -140,6 +141,7 @@ def grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool = False, **
         out += (info,) if return_info else ()
         return out if len(out) > 1 else out[0]
 
+    grad_fn.__fddp_entry__ = "grad"  # type: ignore[attr-defined]  # the transform's call scope
     return grad_fn
 
 

@@ -9,18 +9,16 @@ every use of the sync's internals by ``fddp.diloco`` is in one place.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import optree
 import torch
-import torch.distributed as dist
 
 from fddp import _dist
-from fddp.sync import _signature
 from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import as_weight, check_state, make_options, setup
 
-__all__ = ["InFlight", "start", "agree"]
+__all__ = ["InFlight", "start"]
 
 
 class InFlight:
@@ -97,25 +95,3 @@ def start(
         reducer.push([g.detach() for g in optree.tree_leaves(grads, none_is_leaf=True)])
     return InFlight(sync, reducer)
 
-
-def agree(
-    digest: int,
-    rows: Callable[[], list[tuple]],
-    group: dist.ProcessGroup | None,
-    what: str,
-    name_difference: Callable[[Sequence[list[tuple]]], str] = _signature.name_difference,
-) -> None:
-    """Raise :class:`fddp.MismatchError` on every rank unless all ranks describe the same state.
-
-    ``digest`` is :func:`fddp._dist.digest` of what ``rows()`` describes (``(name, value, keys)``
-    rows: a configuration, a step count, checksums, a tree); only on a mismatch are the rows built
-    and gathered, and ``name_difference`` words the first difference. One small all-reduce: the
-    per-call agreement of every fddp collective (``fddp._dist.agree``).
-
-    Example:
-        >>> rows = [("option every", "8", None), ("option step", "16", None)]
-        >>> agree(fddp._dist.digest(rows), lambda: rows, None, "diloco.step")
-    """
-    with _dist.call(group, what):
-        _dist.count_call(group, what)
-        _dist.agree(group, what, digest, rows, name_difference)

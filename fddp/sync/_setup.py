@@ -26,7 +26,6 @@ from fddp import _caches, _dist, _layout
 from fddp._layout import BucketPlan, module_aliases
 from fddp._tree import LeafSpec, definition_order, flatten, paths, specs_of, structure_rows, tensor_leaves
 from fddp.runtime import require_initialized
-from fddp.sync import _signature
 from fddp.sync._checksum import check_replicas
 from fddp.sync._comm import Comm
 from fddp.sync._reducer import Reducer
@@ -289,9 +288,10 @@ class Sync:
         replicas = replicas and _dist.checks().replicas
         ask = replicas and module_aliases(self.leaves)
         # The fingerprint only where a header carries it (not on a one-rank group).
-        send = replicas and drift and _dist._costs.fingerprint and _dist.size(self.options.group) > 1
-        values = _dist.fingerprint(self.leaves) if send else 0
-        return PendingAgreement(self, _signature.start(self.digest, self.rows, self.options.group, self.what, ask, values))
+        send = replicas and drift and _dist.size(self.options.group) > 1
+        values = _dist.replica_digest(self.leaves, "sampled") if send else 0
+        agreement = _dist.start_agreement(self.options.group, self.what, self.rows, signature=self.digest, ask=ask, values=values)
+        return PendingAgreement(self, agreement)
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""

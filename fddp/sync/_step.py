@@ -50,6 +50,7 @@ def _grad_leaves(p_leaves: list[torch.Tensor], p_spec: optree.PyTreeSpec, p_spec
     return g_leaves
 
 
+@_dist.entry("ddp_step")
 def ddp_step(
     params: Any,
     grads: Any,
@@ -123,38 +124,34 @@ def ddp_step(
         >>> loss = lambda p, x: apply_fn(p, x).pow(2).mean()
         >>> grads = fddp.ddp_step(params, torch.func.grad(loss)(params, torch.randn(8, 4)))
     """
-    # The whole call is one fddp call on the group: a rank whose arguments fail a check below
-    # says so to its peers (which raise fddp.PeerError at this call) instead of leaving them
-    # waiting in its header.
-    with _dist.call(group, "ddp_step"):
-        options = make_options(
-            "ddp_step", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
-            compression=compression, check_finite=check_finite, return_info=return_info, weighted=weight is not None,
-        )  # fmt: skip
-        w = None if weight is None else as_weight(weight, "ddp_step")
-        check_state(options, compression_state, "ddp_step", compression)
-        p_leaves, p_spec = tensor_leaves(params, "ddp_step", name="params")
-        p_specs = specs_of(p_leaves)
-        g_leaves = _grad_leaves(p_leaves, p_spec, p_specs, grads)
-        if _differentiable.needed(g_leaves):
-            for d in {s[1] for s in p_specs}:  # leaf by leaf: this path is not the hot one
-                if not (d.is_floating_point or d.is_complex):
-                    raise TypeError(dtype_error(d, p_leaves, p_spec, options.hook, "ddp_step", compression))
-            if options.hook.shards:
-                raise RuntimeError(
-                    f"fddp.ddp_step: compression={options.hook!r} returns this rank's shards, which have no "
-                    "derivative and no batching rule; call it eagerly, outside torch.func transforms, on "
-                    "gradients that do not require grad (detach them)"
-                )
-            out, info = _differentiable.ddp_step(params, grads, options, compression_state, w)
-            return (out, info) if return_info else out
-        sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs, replicas=True)
-        try:
-            check_dtypes(sync, "ddp_step", compression)
-        except TypeError as e:
-            raise _dist.collective(e) from None  # after the agreement on the dtypes: every rank raises alike
-        reducer = sync.reducer(compression_state)
-        reducer.push(g_leaves)
-        flats, info = reducer.finish()
-        out = sync.tree(flats, reducer.made_views(flats))
+    options = make_options(
+        "ddp_step", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb,
+        compression=compression, check_finite=check_finite, return_info=return_info, weighted=weight is not None,
+    )  # fmt: skip
+    w = None if weight is None else as_weight(weight, "ddp_step")
+    check_state(options, compression_state, "ddp_step", compression)
+    p_leaves, p_spec = tensor_leaves(params, "ddp_step", name="params")
+    p_specs = specs_of(p_leaves)
+    g_leaves = _grad_leaves(p_leaves, p_spec, p_specs, grads)
+    if _differentiable.needed(g_leaves):
+        for d in {s[1] for s in p_specs}:  # leaf by leaf: this path is not the hot one
+            if not (d.is_floating_point or d.is_complex):
+                raise TypeError(dtype_error(d, p_leaves, p_spec, options.hook, "ddp_step", compression))
+        if options.hook.shards:
+            raise RuntimeError(
+                f"fddp.ddp_step: compression={options.hook!r} returns this rank's shards, which have no "
+                "derivative and no batching rule; call it eagerly, outside torch.func transforms, on "
+                "gradients that do not require grad (detach them)"
+            )
+        out, info = _differentiable.ddp_step(params, grads, options, compression_state, w)
+        return (out, info) if return_info else out
+    sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs, replicas=True)
+    try:
+        check_dtypes(sync, "ddp_step", compression)
+    except TypeError as e:
+        raise _dist.collective(e) from None  # after the agreement on the dtypes: every rank raises alike
+    reducer = sync.reducer(compression_state)
+    reducer.push(g_leaves)
+    flats, info = reducer.finish()
+    out = sync.tree(flats, reducer.made_views(flats))
     return (out, info) if return_info else out

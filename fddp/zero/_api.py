@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from fddp import _dist, _layout
 from fddp._pool import new_buffer
-from fddp.sync import _differentiable, _signature
+from fddp.sync import _differentiable
 from fddp.sync._comm import Comm
 from fddp.sync._setup import make_options, setup
 from fddp.zero import _layout as shard_layout
@@ -20,6 +20,7 @@ from fddp.zero._layout import Sharded, ShardLayout
 __all__ = ["shard", "gather", "Gathered"]
 
 
+@_dist.entry("zero.shard")
 def shard(
     params: Any,
     /,
@@ -54,11 +55,10 @@ def shard(
         >>> opt_state = opt.init(shards)  # this rank's 1/N of the state
     """
     _differentiable.refuse_under_transforms("zero.shard")
-    with _dist.call(group, "zero.shard"):  # a rank whose arguments fail a check tells its peers
-        options = make_options(
-            "zero.shard", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=ReduceScatter()
-        )
-        sync = setup(params, options, "zero.shard")
+    options = make_options(
+        "zero.shard", group=group, bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, compression=ReduceScatter()
+    )
+    sync = setup(params, options, "zero.shard")
     lay = shard_layout.layout(sync.plan, sync.spec, dist.get_world_size(group), dist.get_rank(group), group)
     out = shard_layout.new_shards(lay)
     for leaf, pieces in zip(sync.leaves, shard_layout.leaf_pieces(lay)):
@@ -101,6 +101,7 @@ class Gathered:
         return self._tree
 
 
+@_dist.entry("zero.gather", lambda shards, /: shards.layout.group)
 def gather(shards: Sharded, /) -> Gathered:
     """Start gathering every rank's shards into the full tree; return at once.
 
@@ -132,23 +133,22 @@ def gather(shards: Sharded, /) -> Gathered:
         )
     _differentiable.refuse_under_transforms("zero.gather")
     lay = shards.layout
-    with _dist.call(lay.group, "zero.gather"):  # a rank whose shards fail a check tells its peers
-        if lay.spec is None:
-            raise ValueError("fddp.zero.gather: these shards have no tree structure to rebuild")
-        lay.check_group("zero.gather")
-        for k, (b, c, t) in enumerate(zip(lay.plan.buckets, lay.cuts, shards.shards)):
-            if not isinstance(t, torch.Tensor) or t.shape != (c.size,) or t.dtype != b.dtype or t.device != b.device:
-                got = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(
-                    f"fddp.zero.gather: shard {k} must be a tensor of shape ({c.size},), dtype {b.dtype}, device "
-                    f"{b.device}; got {got}"
-                )
-        _dist.count_call(lay.group, "zero.gather")
-        _signature.check(_signature.signature_digest(("zero.gather", lay), lay.describe), lay.describe, lay.group, "zero.gather")
-        comm = Comm(lay.group, "zero.gather", lay.plan)
-        bufs, works = [], []
-        for b, c, t in zip(lay.plan.buckets, lay.cuts, shards.shards):
-            buf = new_buffer(lay.world * c.size, b.dtype, b.device)
-            works.append(comm.all_gather_into(buf, t.detach().contiguous()))
-            bufs.append(buf)
+    if lay.spec is None:
+        raise ValueError("fddp.zero.gather: these shards have no tree structure to rebuild")
+    lay.check_group("zero.gather")
+    for k, (b, c, t) in enumerate(zip(lay.plan.buckets, lay.cuts, shards.shards)):
+        if not isinstance(t, torch.Tensor) or t.shape != (c.size,) or t.dtype != b.dtype or t.device != b.device:
+            got = f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"fddp.zero.gather: shard {k} must be a tensor of shape ({c.size},), dtype {b.dtype}, device "
+                f"{b.device}; got {got}"
+            )
+    _dist.count_call(lay.group, "zero.gather")
+    _dist.agree(lay.group, "zero.gather", lay.describe, key=("zero.gather", lay))
+    comm = Comm(lay.group, "zero.gather", lay.plan)
+    bufs, works = [], []
+    for b, c, t in zip(lay.plan.buckets, lay.cuts, shards.shards):
+        buf = new_buffer(lay.world * c.size, b.dtype, b.device)
+        works.append(comm.all_gather_into(buf, t.detach().contiguous()))
+        bufs.append(buf)
     return Gathered(lay, comm, bufs, works)

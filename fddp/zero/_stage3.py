@@ -48,7 +48,6 @@ from torch.autograd import forward_ad
 
 from fddp import _dist, _layout
 from fddp._tree import paths
-from fddp.sync import _signature
 from fddp.sync._differentiable import active_transforms, transform_stack
 from fddp.zero import _gather, _units
 from fddp.zero import _layout as shard_layout
@@ -78,7 +77,7 @@ def _agree(what: str, key: Any, rows: Callable[[], list[tuple]], groups: Sequenc
     """Raise ``fddp.MismatchError`` on every rank of each group unless its ranks hold the same rows;
     return each group's agreed sequence (``fddp._dist.Segment``, with ``sequenced``; else None)."""
     return [
-        _signature.check(_signature.signature_digest((what, key), rows), rows, g, what, sequenced=sequenced).segment
+        _dist.agree(g, what, rows, key=(what, key), sequenced=sequenced).segment
         for g in groups
     ]
 

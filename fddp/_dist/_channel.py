@@ -232,6 +232,20 @@ class Board:
                     out[r] = Waiting(d["group"], d["label"], tuple(d["ranks"]), d["call"], d["what"], d["doing"], d["wait"])
         return out
 
+    def introduce(self, rank: int, host: str, pid: int) -> None:
+        """Say which process global rank ``rank`` is."""
+        self.store.set(f"{self.scope}/who/{rank}", json.dumps({"host": host, "pid": pid}))
+
+    def who(self, ranks: Sequence[int]) -> dict[int, tuple[str, int]]:
+        """The host and pid of those of ``ranks`` that introduced themselves."""
+        out = {}
+        for r in ranks:
+            key = f"{self.scope}/who/{r}"
+            if self.store.check([key]):
+                d = json.loads(self.store.get(key))
+                out[r] = (str(d["host"]), int(d["pid"]))
+        return out
+
     def deadlock(self, me: int, mine: Waiting) -> list[tuple[int, Waiting]] | None:
         """The stuck ranks (with what each waits for) if no collective that ``mine`` depends on can
         complete; ``None`` otherwise (someone is still working, or the collective is just slow)."""

@@ -1,0 +1,77 @@
+"""The core every fddp capability plugs into: a call scope, one agreement, one replica digest.
+
+A capability that communicates uses exactly three things from here (``docs/design.md`` draws the
+picture):
+
+- **the call scope**: its public functions are decorated with :func:`entry`, so a failure on one
+  rank, anywhere in the call, becomes a :class:`PeerError` on every rank of the group within a
+  fraction of a second instead of a hang (``_scope``; the waits that watch for it: ``_waits``);
+- **the agreement**: before its collectives move, it calls :func:`agree` (or
+  :func:`start_agreement`) with rows that describe what the ranks must share; a difference is a
+  :class:`MismatchError` on every rank naming it (``_agreement``, the header's layout in
+  ``_header``, the diagnosis in ``_diagnosis``, collectives its header does not fix in
+  ``_sequences``);
+- **the replica digest**: values that must be equal on every rank are compared through
+  :func:`replica_digest` and nothing else (``_digest``).
+
+Below them: what is remembered per group and membership epoch (``_groups``) and the store records
+through which ranks talk outside collectives (``_channel``). Each is one file; imports point down:
+``_channel, _errors -> _digest, _groups -> _header -> _scope -> _waits -> _diagnosis -> _sequences
+-> _agreement``.
+"""
+
+from fddp._dist._agreement import Agreed, Agreement, agree, signature_digest, start_agreement
+from fddp._dist._channel import Failure
+from fddp._dist._diagnosis import describe_token, name_difference
+from fddp._dist._digest import checksum, digest, replica_digest, traced_digest
+from fddp._dist._errors import MismatchError, PeerError, collective
+from fddp._dist._groups import (
+    Checks,
+    begin_epoch,
+    call_count,
+    checks,
+    collective_device,
+    count_call,
+    epoch,
+    rank,
+    set_checks,
+    size,
+)
+from fddp._dist._scope import call, entry, fail, owe, raise_if_failed_here
+from fddp._dist._sequences import Segment
+from fddp._dist._waits import wait
+
+__all__ = [
+    "Agreed",
+    "Agreement",
+    "Checks",
+    "Failure",
+    "MismatchError",
+    "PeerError",
+    "Segment",
+    "agree",
+    "begin_epoch",
+    "call",
+    "call_count",
+    "checks",
+    "checksum",
+    "collective",
+    "collective_device",
+    "count_call",
+    "describe_token",
+    "digest",
+    "entry",
+    "epoch",
+    "fail",
+    "name_difference",
+    "owe",
+    "raise_if_failed_here",
+    "rank",
+    "replica_digest",
+    "set_checks",
+    "signature_digest",
+    "size",
+    "start_agreement",
+    "traced_digest",
+    "wait",
+]

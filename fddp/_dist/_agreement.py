@@ -1,0 +1,250 @@
+"""The agreement: the one way the ranks of a group agree that they are about to run the same call.
+
+:func:`agree` (or :func:`start_agreement`, finished later) is the only entry. Every capability
+describes what its ranks must share as rows (``(name, value, keys)``: a tree's paths, shapes and
+dtypes, options, a step count, checksums); the rows' digest travels in the call's header
+(``_header``) with the call's number, the function, and a sampled digest of values that must be
+equal (``_digest.replica_digest``). Only on a difference are the rows themselves exchanged, to
+name the first that differs (``_diagnosis``). A call that issues collectives its header does not
+fix asks for a sequence (``_sequences``).
+
+With the agreement switched off (:func:`fddp.set_checks`), known signatures send no header; a
+new one still does, and so does the first call after the switch, saying so.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from fddp import _caches
+from fddp._dist import _header
+from fddp._dist._diagnosis import disagree, name_difference
+from fddp._dist._digest import digest, name_digest, traced_digest
+from fddp._dist._groups import REMEMBERED, GroupState, checks, size, state
+from fddp._dist._scope import frame, raise_announced, raise_if_failed
+from fddp._dist._sequences import Segment
+from fddp._dist._waits import wait
+
+__all__ = ["agree", "start_agreement", "Agreement", "Agreed", "signature_digest"]
+
+Rows = Callable[[], list[tuple]]
+
+_KEYS = 1024  # distinct call signatures whose digests are kept (a training loop needs a handful)
+_digests: "collections.OrderedDict[Hashable, int]" = collections.OrderedDict()
+_caches.register("fddp._dist._agreement._digests", _digests.clear)
+
+
+def signature_digest(key: Hashable, rows: Rows) -> int:
+    """The digest of the rows that ``key`` stands for (``rows()`` is built only for a new key):
+    building rows walks a tree, so a hot call computes a cheap local key instead."""
+    d = _digests.get(key)
+    if d is None:
+        d = digest(rows())
+        _digests[key] = d
+        if len(_digests) > _KEYS:
+            _digests.popitem(last=False)
+    return d
+
+
+class Agreed(NamedTuple):
+    """What every rank learned from one agreement (the same on every rank).
+
+    Attributes:
+        new: some rank meets this call's signature on this group for the first time.
+        asked: some rank asked for the checks a new tree gets (``ask=True``), and the tree is new.
+        drifted: the ranks run the same call, but the digests of their values differ (the caller
+            compares the values leaf by leaf, to name the first that differs).
+        segment: with ``sequenced=True``, the :class:`Segment` the call's further collectives follow.
+    """
+
+    new: bool
+    asked: bool
+    drifted: bool = False
+    segment: Segment | None = None
+
+
+def agree(
+    group: dist.ProcessGroup | None,
+    what: str,
+    rows: Rows | list[tuple],
+    *,
+    key: Hashable = None,
+    signature: int | None = None,
+    names: Callable[[Sequence[list[tuple]]], str] = name_difference,
+    ask: bool = False,
+    values: int | None = 0,
+    sequenced: bool = False,
+) -> Agreed:
+    """Make every rank agree that it is about to run the same call.
+
+    Args:
+        group: the process group.
+        what: the public function's name, for messages.
+        rows: what the ranks must share, as rows (or a function that builds them: it runs only
+            where the digest is not known yet, or to name a difference).
+        key: a cheap local stand-in for the rows, under which their digest is kept.
+        signature: the rows' digest, where the caller keeps it itself (the hot path's plan cache).
+        names: words for the first difference between per-rank rows.
+        ask: this rank would like the tree checked further if it is new (a tree fresh from
+            ``fddp.functionalize``: the replicas' values); the answer is every rank's.
+        values: a sampled :func:`replica_digest` of values that must be equal on every rank (0
+            or ``None``: none to compare).
+        sequenced: the call issues a sequence of collectives that its signature does not fix (a
+            fully sharded forward and its backward): the ranks learn it, then check it before
+            each collective (:class:`Segment`, in the result).
+
+    Returns:
+        :class:`Agreed`, the same on every rank, so the caller's further collectives match.
+
+    Raises:
+        MismatchError: on every rank, when the ranks' headers differ.
+        PeerError: on every rank but the failing one, when a rank announced a failure instead.
+
+    Example:
+        >>> rows = [("option every", "8", None)]
+        >>> agree(group, "diloco.step", rows)
+    """
+    return start_agreement(
+        group, what, rows, key=key, signature=signature, names=names, ask=ask, values=values, sequenced=sequenced
+    ).finish()
+
+
+def start_agreement(
+    group: dist.ProcessGroup | None,
+    what: str,
+    rows: Rows | list[tuple],
+    *,
+    key: Hashable = None,
+    signature: int | None = None,
+    names: Callable[[Sequence[list[tuple]]], str] = name_difference,
+    ask: bool = False,
+    values: int | None = 0,
+    sequenced: bool = False,
+) -> Agreement:
+    """Send this call's header and return at once (the arguments are :func:`agree`'s).
+
+    The call is numbered now; the caller must :meth:`Agreement.finish` it before this call's
+    other collectives on ``group``.
+    """
+    build = rows if callable(rows) else (lambda: rows)
+    if signature is None:
+        signature = signature_digest(key, build) if key is not None else digest(build())
+    if torch.compiler.is_compiling():
+        # A compiled call's header is in its graph: the signature's digest (taken at trace time)
+        # and the function, compared at every call. The call numbers and the state live outside
+        # the graph, so a compiled step checks less than an eager one: what it runs, not when.
+        if checks().agreement:
+            _traced_agreement(group, what, signature)
+        return Agreement(None, None, Agreed(False, False))
+    st = state(group)
+    raise_if_failed(st, what)
+    new = signature not in st.seen
+    replicas = st.seen.get(signature)
+    asked = ask and new
+    call_ = st.agreed
+    st.agreed += 1  # the call happens, if only to fail: the ranks stay numbered alike
+    on = checks().agreement
+    # With the agreement off, known trees send no header; the first call after turning it off
+    # still sends one (saying so), so that a rank that turned it off alone is named, not met by
+    # its peers' headers with its buckets.
+    if size(group) > 1 and (on or new or st.last_mode is not False):
+        name = name_digest(what)
+        key_ = (signature, name)
+        segment = Segment(group, key_, what, call_) if sequenced and on else None
+        f = frame(st)
+        if f is not None:
+            f.sent = True
+        st.last_mode = on
+        printed = (values or 0) if checks().replicas and replicas is not False else 0
+        learn = int(sequenced and on and key_ not in st.recordings)
+        t = _header.build(group, [signature, call_, name, printed, int(on)], int(new), int(asked), learn)
+        context = (group, what, st, signature, call_, build, names, replicas, bool(printed), segment)
+        return Agreement(t, _header.exchange(t, group, what), None, context)
+    _remember(st, signature, replicas)
+    return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
+
+
+def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int) -> None:
+    """The header of a compiled call: a functional all-reduce in the graph, and an assertion that
+    fails, on every rank alike, where the ranks' signatures or functions differ."""
+    name = traced_digest(what)
+    # The eager header's size and layout (call number -1: a graph keeps no count), so that a
+    # compiled call that meets an eager one on another rank pairs with its header, not its
+    # buckets: the eager rank raises too, instead of an abort in the backend.
+    t = _header.build(group, [signature, -1, name, 0, 1])
+    out = funcol.wait_tensor(funcol.all_reduce(t, "max", group if group is not None else dist.group.WORLD))
+    both = _header.BOTH
+    torch._assert_async(
+        (out[:both] == -out[both : 2 * both]).all() & (out[_header.FAILED] == 0),
+        f"fddp.{what} (compiled): the ranks disagree on what they synchronise: the tree's structure, shapes or dtypes, "
+        "an option (bucket caps, compression), or the fddp function (every rank must run the same compiled step, "
+        "the same number of times). Run the step once without torch.compile: the eager agreement names the difference.",
+    )
+
+
+def _remember(st: GroupState, signature: int, replicas: bool | None) -> None:
+    """Note that the ranks agreed on ``signature``, and what their fingerprints said (the most
+    recent ``REMEMBERED`` are kept)."""
+    st.seen[signature] = replicas
+    st.seen.move_to_end(signature)
+    if len(st.seen) > REMEMBERED:
+        st.seen.popitem(last=False)
+    st.last = signature
+
+
+class Agreement:
+    """A call's agreement under way: its header is on the wire (made by :func:`start_agreement`).
+
+    ``fddp.grad_and_value`` starts it once the forward pass has run and finishes it when backward
+    has its first bucket ready, so that the header's round trip overlaps the backward that fills
+    that bucket.
+
+    Example:
+        >>> agreement = start_agreement(group, "grad_and_value", rows, signature=sig)
+        >>> ...  # work that issues no collective on group
+        >>> agreement.finish()  # before this call's first bucket
+    """
+
+    __slots__ = ("header", "work", "result", "context")
+
+    def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = ()) -> None:
+        self.header, self.work, self.result, self.context = header, work, result, context
+
+    def finish(self) -> Agreed:
+        """Wait for the header; return what every rank learned.
+
+        Raises:
+            MismatchError: on every rank, when the ranks' headers differ.
+            PeerError: on every rank that did not fail, when a rank announced a failure.
+        """
+        if self.result is not None:
+            return self.result
+        group, what, st, signature, call_, rows, names, replicas, printed, segment = self.context
+        wait(self.work, group, what, "the agreement on this call")
+        h = self.header.tolist()
+        if h[_header.FAILED]:
+            raise_announced(group, st, what, call_, h[_header.FAILED])
+        if not _header.agrees(h):
+            disagree(group, what, call_, rows, names, seen=h)
+        # Fingerprints compare only values that were equal once (replicas, after fddp.broadcast):
+        # a tree whose values differ at its first comparison differs by design and is left alone;
+        # a rank that sent none (0: its values live on a GPU) leaves this call uncompared.
+        high, low = h[_header.PRINT], -h[_header.BOTH + _header.PRINT]
+        compared = low != 0
+        equal = high == low
+        drifted = compared and not equal and replicas is True
+        if compared:
+            replicas = True if equal and replicas is not False else (replicas is True)
+        _remember(st, signature, replicas)
+        if segment is not None:
+            segment.learning = bool(h[_header.LEARN])  # every rank's answer: one without the recording makes all learn
+            if not segment.learning:
+                segment.expected = st.recordings[segment.key]
+                st.recordings.move_to_end(segment.key)
+        self.result = Agreed(bool(h[_header.NEW]), bool(h[_header.ASKED]), drifted, segment)
+        return self.result

@@ -1,0 +1,61 @@
+"""The header: the one fixed-size message through which the ranks of a group agree on a call.
+
+Fourteen int64. The first five fields travel as ``(x, -x)``, so that one MAX all-reduce gives
+every field's maximum and minimum at once (equal on every rank exactly when they are equal):
+
+    SIG    the digest of the call's signature (tree, shapes, dtypes, options)
+    CALL   the call's number on the group
+    WHAT   the digest of the fddp function's name (or of "one collective", for a token)
+    PRINT  a sampled digest of values that must be equal (0: none)
+    MODE   whether the sender runs with the agreement on
+
+then fields that travel as their maximum: NEW (some rank meets the signature for the first
+time), ASKED (some rank asked for a new tree's checks), FAILED (rank + 1 of a rank that
+announces its failure in place of the call's agreement) and LEARN (some rank must learn the
+call's sequence). Every kind of header (a call's, a token's, a compiled call's, an announcement)
+has this size and layout, so two ranks at different kinds of call still pair their headers
+instead of pairing a header with a bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fddp._dist._digest import digest
+from fddp._dist._groups import collective_device
+
+__all__ = ["SIG", "CALL", "WHAT", "PRINT", "MODE", "BOTH", "NEW", "ASKED", "FAILED", "LEARN", "SIZE", "TOKEN", "build", "exchange"]
+
+SIG, CALL, WHAT, PRINT, MODE = range(5)
+BOTH = 5
+NEW, ASKED, FAILED, LEARN = 2 * BOTH, 2 * BOTH + 1, 2 * BOTH + 2, 2 * BOTH + 3
+SIZE = 2 * BOTH + 4
+TOKEN = digest("fddp: one collective of a call")  # the function field of a token's agreement
+
+
+def build(group: dist.ProcessGroup | None, both: Sequence[int], new: int = 0, asked: int = 0, learn: int = 0) -> torch.Tensor:
+    """A header in the one layout: ``both`` (the ``BOTH`` fields) as (x, -x), then the fields
+    that travel as their maximum.
+
+    Example:
+        >>> t = build(None, [sig, call, what, 0, 1], new=1)
+    """
+    return torch.tensor([*both, *[-x for x in both], new, asked, 0, learn], dtype=torch.int64, device=collective_device(group))
+
+
+def exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Any:
+    """Start the all-reduce of ``header`` (the maximum of every field and of its negation: min
+    and max at once); return its work."""
+    return dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+
+def agrees(h: Sequence[int], skip_print: bool = True) -> bool:
+    """Whether an all-reduced header ``h`` says every rank sent the same ``BOTH`` fields (the
+    values' fingerprint left out with ``skip_print``: the caller weighs it on its own)."""
+    low = [-x for x in h[BOTH : 2 * BOTH]]
+    if skip_print:
+        return h[:PRINT] == low[:PRINT] and h[PRINT + 1 : BOTH] == low[PRINT + 1 :]
+    return list(h[:BOTH]) == low

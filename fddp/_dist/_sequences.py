@@ -1,0 +1,135 @@
+"""Sequences: the collectives of a call that its header does not fix, learnt once and then checked.
+
+A fully sharded forward issues gathers unit by unit, and its backward more gathers and
+reductions, whenever autograd runs them: the header agrees on the call, not on each of these.
+The first time a kind of call runs (its signature and function), each of its collectives is
+agreed across the ranks as a *token* before it is issued (a header-sized all-reduce each, that
+first time only); later calls of that kind check each token locally against the recording. A
+rank that would issue another collective, or ends the call short, fails (fatal) instead of
+pairing its collective with a different one on its peers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from fddp._dist import _header
+from fddp._dist._diagnosis import describe_token, disagree, ordinal
+from fddp._dist._digest import digest
+from fddp._dist._errors import MismatchError
+from fddp._dist._groups import REMEMBERED, GroupState, checks, state
+from fddp._dist._scope import fail, raise_announced
+from fddp._dist._waits import wait
+
+__all__ = ["Segment"]
+
+
+class Segment:
+    """The collectives of one call that its header does not fix, as tokens (a fully sharded
+    forward's gathers, and its backward's gathers and reductions, whenever they run).
+
+    The tokens of each kind of call (the header's signature and function) are *learnt* the first
+    time it runs, every token agreed across the ranks before its collective is issued (a small
+    all-reduce each, that first time only), and later calls of that kind *check* each token
+    locally, before the collective, against the recording: a rank that would issue another
+    collective, or ends the call short, fails (fatal: its peers wait in collectives it will not
+    join) instead of pairing its collective with a different one on its peers. A call's segment
+    travels with the call (the stage-3 pipeline holds it), so calls that interleave (several
+    forwards before their backwards: micro-batches) each follow their own recording.
+    """
+
+    __slots__ = ("group", "state", "key", "what", "call", "learning", "tokens", "expected", "pos", "closed")
+
+    def __init__(self, group: dist.ProcessGroup | None, key: tuple, what: str, call: int) -> None:
+        self.group, self.key, self.what, self.call = group, key, what, call
+        self.state = state(group)  # this epoch's: a call that outlives it (fddp.clear_caches) follows nothing
+        self.learning: bool | None = None  # known once the header is agreed
+        self.tokens: list[tuple] = []
+        self.expected: tuple = ()
+        self.pos = 0
+        self.closed = False
+
+    def issue(self, op: str, t: torch.Tensor, tag: str | None = None, numel: int | None = None) -> None:
+        """Say that this rank is about to issue collective ``op`` of ``t`` for this call (``tag``
+        names what it carries: a bucket of a unit; ``numel``, where ``t``'s size differs between
+        ranks, a size that does not). Learning, agree on it with the other ranks first; checking,
+        compare it with the recording and, where it differs, fail (every rank learns it) and raise.
+        """
+        if self.learning is None or self.closed or torch.compiler.is_compiling():
+            return  # the agreement off (nothing to follow), or a call whose sequence is over
+        st = state(self.group)
+        if st is not self.state:
+            return
+        token = (op, tag, int(t.numel() if numel is None else numel), str(t.dtype).replace("torch.", ""))
+        if self.learning:
+            _agree_token(self.group, st, self, token)
+            self.tokens.append(token)
+            return
+        expected = self.expected[self.pos] if self.pos < len(self.expected) else None
+        if token != expected:
+            _deviate(self, f"is about to issue {describe_token(token)}", expected)
+        self.pos += 1
+
+    def close(self, doing: str = "ends the call") -> None:
+        """The call's collectives are over (its backward ran, or it has none): keep what was
+        learnt, or check that nothing agreed is missing."""
+        if self.closed or self.learning is None:
+            return
+        self.closed = True
+        st = state(self.group)
+        if st is not self.state:
+            return  # the group's state was cleared (fddp.clear_caches) or a new epoch began since
+        if self.learning:
+            st.recordings[self.key] = tuple(self.tokens)
+            st.recordings.move_to_end(self.key)
+            if len(st.recordings) > REMEMBERED:
+                st.recordings.popitem(last=False)
+        elif self.pos < len(self.expected):
+            _deviate(self, doing, self.expected[self.pos])
+
+    def drop(self) -> None:
+        """The call will never issue the rest (its graph was freed without its backward): where
+        the recording still expects collectives, the peers are, or will be, waiting in them: fail
+        (posted: the peers raise it, and this rank's next fddp call on the group does)."""
+        if torch.compiler.is_compiling() or not dist.is_initialized() or self.state.failed is not None:
+            return
+        try:
+            self.close("dropped a forward's graph without running its backward")
+        except MismatchError:
+            pass
+
+
+def _deviate(seg: Segment, doing: str, expected: tuple | None) -> None:
+    n = seg.pos + 1
+    agreed = f"{describe_token(expected)}" if expected is not None else "no further collective (the call's sequence is over)"
+    e = MismatchError(
+        f"fddp.{seg.what}: this rank {doing} as the {ordinal(n)} collective of its call {seg.call + 1}, where the sequence "
+        f"the ranks agreed on for this kind of call has {agreed}. The ranks must issue the same collectives in the same "
+        "order: a forward that depends on this rank's data (a unit skipped or run in another order, an output left out "
+        "of one rank's loss) pairs them with different ones on the other ranks. (fddp.set_checks(agreement=False) turns "
+        "this check off, with the rest of the agreement.)"
+    )
+    fail(seg.group, seg.what, e)
+    raise e
+
+
+
+def _agree_token(group: dist.ProcessGroup | None, st: GroupState, seg: Segment, token: tuple) -> None:
+    """Agree on one collective of a call being learnt: the same header, its fields the token's."""
+    position = len(seg.tokens)
+    h = [digest((seg.key, token)), position, _header.TOKEN, 0, int(checks().agreement)]
+    t = _header.build(group, h)
+    wait(_header.exchange(t, group, seg.what), group, seg.what, f"the agreement on its {ordinal(position + 1)} collective")
+    out = t.tolist()
+    if out[_header.FAILED]:
+        raise_announced(group, st, seg.what, seg.call, out[_header.FAILED])
+    if out[:_header.BOTH] != [-x for x in out[_header.BOTH : 2 * _header.BOTH]]:
+        disagree(group, seg.what, seg.call, lambda: [("collective", describe_token(token), None)], _no_rows, (position, token), out)
+
+
+
+def _no_rows(per_rank: Sequence[list[tuple]]) -> str:
+    return ""  # pragma: no cover - a token's mismatch is named from the tokens

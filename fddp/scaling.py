@@ -402,6 +402,10 @@ def measure_link(
     world = dist.get_world_size(group)
     if world < 2:
         raise ValueError("measure_link: a one-rank group has no link to measure")
+    if len(sizes) < 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 4 for n in sizes):
+        raise ValueError(f"measure_link: sizes must be at least 2 sizes in bytes (ints >= 4), got {tuple(sizes)!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"measure_link: repeats must be an int >= 1, got {repeats!r}")
     _agree_on(group, "measure_link", sizes=tuple(int(n) for n in sizes), repeats=repeats)
     best = []
     for n in sizes:

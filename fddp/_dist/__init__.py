@@ -5,7 +5,8 @@ picture):
 
 - **the call scope**: its public functions are decorated with :func:`entry`, so a failure on one
   rank, anywhere in the call, becomes a :class:`PeerError` on every rank of the group within a
-  fraction of a second instead of a hang (``_scope``; the waits that watch for it: ``_waits``);
+  fraction of a second instead of a hang (``_scope``; failures posted in ``_failures``, and the
+  waits that watch for them in ``_waits``);
 - **the agreement**: before its collectives move, it calls :func:`agree` (or
   :func:`start_agreement`) with rows that describe what the ranks must share; a difference is a
   :class:`MismatchError` on every rank naming it (``_agreement``, the header's layout in
@@ -16,15 +17,16 @@ picture):
 
 Below them: what is remembered per group and membership epoch (``_groups``) and the store records
 through which ranks talk outside collectives (``_channel``). Each is one file; imports point down:
-``_channel, _errors -> _digest, _groups -> _header -> _scope -> _waits -> _diagnosis -> _sequences
--> _agreement``.
+``_channel, _errors -> _digest, _groups -> _header -> _failures -> _waits -> _diagnosis ->
+_sequences -> _agreement -> _scope``.
 """
 
-from fddp._dist._agreement import Agreed, Agreement, agree, signature_digest, start_agreement
+from fddp._dist._agreement import Agreed, Agreement, agree, completed, goes_early, signature_digest, start_agreement
 from fddp._dist._channel import Failure
 from fddp._dist._diagnosis import describe_token, name_difference
 from fddp._dist._digest import checksum, digest, replica_digest, traced_digest
 from fddp._dist._errors import MismatchError, PeerError, collective
+from fddp._dist._failures import fail, raise_if_failed_here
 from fddp._dist._groups import (
     Checks,
     begin_epoch,
@@ -37,7 +39,7 @@ from fddp._dist._groups import (
     set_checks,
     size,
 )
-from fddp._dist._scope import call, entry, fail, owe, raise_if_failed_here
+from fddp._dist._scope import call, entry, owe
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
@@ -57,12 +59,14 @@ __all__ = [
     "checksum",
     "collective",
     "collective_device",
+    "completed",
     "count_call",
     "describe_token",
     "digest",
     "entry",
     "epoch",
     "fail",
+    "goes_early",
     "name_difference",
     "owe",
     "raise_if_failed_here",

@@ -10,6 +10,18 @@ fix asks for a sequence (``_sequences``).
 
 With the agreement switched off (:func:`fddp.set_checks`), known signatures send no header; a
 new one still does, and so does the first call after the switch, saying so.
+
+**Early buckets.** A call that repeats the last call the ranks agreed on and completed on the group
+(the same signature and function: a training loop's every step) need not wait for its header
+before its buckets go out: its bucket plan is the one every rank already agreed on, so the sizes
+its collectives pair with are known to match. Such a rank sends its header and its buckets back to
+back (:func:`goes_early`, ``early=True``) and checks the header before it returns anything: one
+round trip a call instead of two. Every rank makes the same decision from the same agreed history,
+so they all go early or none does; a rank whose call is another (its plan may differ) waits for
+the header first, and, where a peer went early, sends zeros in place of the peer's buckets
+(:func:`drain`: the last call's collectives, which it knows) before it raises: mismatched sizes
+are never issued, every rank raises, and no mixed mean is returned. A failure announced in place
+of the header drains the same way, so the group stays in step.
 """
 
 from __future__ import annotations
@@ -25,12 +37,13 @@ from fddp import _caches
 from fddp._dist import _header
 from fddp._dist._diagnosis import disagree, name_difference
 from fddp._dist._digest import digest, name_digest, traced_digest
-from fddp._dist._groups import REMEMBERED, GroupState, checks, size, state
-from fddp._dist._scope import frame, raise_announced, raise_if_failed
+from fddp._dist._errors import MismatchError
+from fddp._dist._failures import fail, raise_announced, raise_if_failed
+from fddp._dist._groups import REMEMBERED, GroupState, checks, frame, size, state
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
-__all__ = ["agree", "start_agreement", "Agreement", "Agreed", "signature_digest"]
+__all__ = ["agree", "start_agreement", "Agreement", "Agreed", "signature_digest", "goes_early", "completed", "drain"]
 
 Rows = Callable[[], list[tuple]]
 
@@ -125,11 +138,13 @@ def start_agreement(
     ask: bool = False,
     values: int | None = 0,
     sequenced: bool = False,
+    early: bool = False,
 ) -> Agreement:
     """Send this call's header and return at once (the arguments are :func:`agree`'s).
 
     The call is numbered now; the caller must :meth:`Agreement.finish` it before this call's
-    other collectives on ``group``.
+    other collectives on ``group``, unless ``early`` (where :func:`goes_early` said so): then its
+    buckets may go out first, and the caller finishes the agreement before it returns anything.
     """
     build = rows if callable(rows) else (lambda: rows)
     if signature is None:
@@ -162,8 +177,8 @@ def start_agreement(
         st.last_mode = on
         printed = (values or 0) if checks().replicas and replicas is not False else 0
         learn = int(sequenced and on and key_ not in st.recordings)
-        t = _header.build(group, [signature, call_, name, printed, int(on)], int(new), int(asked), learn)
-        context = (group, what, st, signature, call_, build, names, replicas, bool(printed), segment)
+        t = _header.build(group, [signature, call_, name, printed, int(on), int(early)], int(new), int(asked), learn)
+        context = (group, what, st, signature, call_, build, names, replicas, early, segment)
         return Agreement(t, _header.exchange(t, group, what), None, context)
     _remember(st, signature, replicas)
     return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
@@ -176,7 +191,7 @@ def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int
     # The eager header's size and layout (call number -1: a graph keeps no count), so that a
     # compiled call that meets an eager one on another rank pairs with its header, not its
     # buckets: the eager rank raises too, instead of an abort in the backend.
-    t = _header.build(group, [signature, -1, name, 0, 1])
+    t = _header.build(group, [signature, -1, name, 0, 1, 0])
     out = funcol.wait_tensor(funcol.all_reduce(t, "max", group if group is not None else dist.group.WORLD))
     both = _header.BOTH
     torch._assert_async(
@@ -194,7 +209,45 @@ def _remember(st: GroupState, signature: int, replicas: bool | None) -> None:
     st.seen.move_to_end(signature)
     if len(st.seen) > REMEMBERED:
         st.seen.popitem(last=False)
-    st.last = signature
+    st.last = None  # until the call completes (completed): a call that fails leaves no plan to go early on
+
+
+def goes_early(group: dist.ProcessGroup | None, what: str, signature: int) -> bool:
+    """Whether this call may send its buckets without waiting for its header: it repeats the last
+    call the ranks agreed on and completed on ``group`` (the same decision on every rank that is
+    at the same call)."""
+    if torch.compiler.is_compiling() or not checks().agreement:
+        return False
+    st = state(group)
+    last = st.last
+    return last is not None and last[0] == signature and last[1] == name_digest(what) and st.failed is None and size(group) > 1
+
+
+def completed(group: dist.ProcessGroup | None, what: str, signature: int, collectives: Sequence[tuple] | None) -> None:
+    """Note that the call agreed as ``signature`` completed, having issued ``collectives`` (each an
+    all-reduce, as ``(numel, dtype, device)``; ``None``: other kinds, which cannot go early)."""
+    if torch.compiler.is_compiling():
+        return
+    st = state(group)
+    st.last = None if collectives is None or not checks().agreement else (signature, name_digest(what), tuple(collectives))
+
+
+def drain(group: dist.ProcessGroup | None, st: GroupState, what: str) -> None:
+    """A peer went early with the last completed call's buckets while this rank did not: send zeros
+    in their place (the same all-reduces: their sizes are the ones every rank agreed on), so that
+    the group stays in step while every rank raises. Where this rank does not know that call's
+    collectives (its history is not its peers'), nothing can pair with them: fail the group."""
+    last = st.last
+    if last is None:
+        e = MismatchError(
+            f"fddp.{what}: a peer sent its buckets before this call's header (its call repeats the last one the ranks "
+            "completed), but this rank holds no such call: the ranks' histories on this group differ."
+        )
+        fail(group, what, e)
+        raise e
+    works = [dist.all_reduce(torch.zeros(n, dtype=dtype, device=device), group=group, async_op=True) for n, dtype, device in last[2]]
+    for w in works:
+        wait(w, group, what, "the zeros sent in place of a peer's early buckets")
 
 
 class Agreement:
@@ -224,9 +277,11 @@ class Agreement:
         """
         if self.result is not None:
             return self.result
-        group, what, st, signature, call_, rows, names, replicas, printed, segment = self.context
+        group, what, st, signature, call_, rows, names, replicas, early, segment = self.context
         wait(self.work, group, what, "the agreement on this call")
         h = self.header.tolist()
+        if h[_header.EARLY] and not early:
+            drain(group, st, what)
         if h[_header.FAILED]:
             raise_announced(group, st, what, call_, h[_header.FAILED])
         if not _header.agrees(h):

@@ -18,8 +18,8 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from fddp._dist._digest import digest
 from fddp._dist._errors import MismatchError
+from fddp._dist._failures import fail
 from fddp._dist._groups import channel_of, checks, rank, size, state
-from fddp._dist._scope import fail
 from fddp._tree import first_difference
 
 __all__ = ["disagree", "name_difference", "describe_token", "ordinal"]

@@ -44,6 +44,7 @@ __all__ = [
     "call_count",
     "REMEMBERED",
     "lock",
+    "frame",
 ]
 
 REMEMBERED = 256  # agreed signatures kept per group: a loop uses a handful, a sweep must not grow without bound
@@ -68,7 +69,9 @@ class GroupState:
         # (they were equal once: these are replicas), False (they differed at the first
         # comparison: values that differ by design, no longer fingerprinted).
         self.seen: collections.OrderedDict[int, bool | None] = collections.OrderedDict()
-        self.last: int | None = None  # the signature of the last call every rank agreed on (for an early first bucket)
+        # The last call every rank agreed on and completed, where its buckets may go out early next
+        # time: (signature, function, its collectives as (numel, dtype, device)); see _agreement.
+        self.last: tuple[int, int, tuple] | None = None
         self.owner: int | None = None  # the thread inside an fddp call on this group
         self.owner_name = ""
         self.owner_what = ""
@@ -346,3 +349,8 @@ def count_call(group: dist.ProcessGroup | None, what: str) -> None:
 def call_count(group: dist.ProcessGroup | None, what: str) -> int:
     """The number of calls to ``fddp.<what>`` on ``group`` so far in this process."""
     return state(group).calls.get(what, 0)
+
+
+def frame(st: GroupState) -> Frame | None:
+    """The innermost call in progress on the group, if any."""
+    return st.frames[-1] if st.frames else None

@@ -1,6 +1,6 @@
 """The header: the one fixed-size message through which the ranks of a group agree on a call.
 
-Fourteen int64. The first five fields travel as ``(x, -x)``, so that one MAX all-reduce gives
+Sixteen int64 (128 bytes). The first six fields travel as ``(x, -x)``, so that one MAX all-reduce gives
 every field's maximum and minimum at once (equal on every rank exactly when they are equal):
 
     SIG    the digest of the call's signature (tree, shapes, dtypes, options)
@@ -8,6 +8,8 @@ every field's maximum and minimum at once (equal on every rank exactly when they
     WHAT   the digest of the fddp function's name (or of "one collective", for a token)
     PRINT  a sampled digest of values that must be equal (0: none)
     MODE   whether the sender runs with the agreement on
+    EARLY  whether the sender sent its buckets without waiting for this header (its call repeats
+           the last one the ranks agreed on and completed, see ``_agreement``)
 
 then fields that travel as their maximum: NEW (some rank meets the signature for the first
 time), ASKED (some rank asked for a new tree's checks), FAILED (rank + 1 of a rank that
@@ -27,10 +29,10 @@ import torch.distributed as dist
 from fddp._dist._digest import digest
 from fddp._dist._groups import collective_device
 
-__all__ = ["SIG", "CALL", "WHAT", "PRINT", "MODE", "BOTH", "NEW", "ASKED", "FAILED", "LEARN", "SIZE", "TOKEN", "build", "exchange"]
+__all__ = ["SIG", "CALL", "WHAT", "PRINT", "MODE", "BOTH", "NEW", "ASKED", "FAILED", "LEARN", "EARLY", "SIZE", "TOKEN", "build", "exchange"]
 
-SIG, CALL, WHAT, PRINT, MODE = range(5)
-BOTH = 5
+SIG, CALL, WHAT, PRINT, MODE, EARLY = range(6)
+BOTH = 6
 NEW, ASKED, FAILED, LEARN = 2 * BOTH, 2 * BOTH + 1, 2 * BOTH + 2, 2 * BOTH + 3
 SIZE = 2 * BOTH + 4
 TOKEN = digest("fddp: one collective of a call")  # the function field of a token's agreement
@@ -41,7 +43,7 @@ def build(group: dist.ProcessGroup | None, both: Sequence[int], new: int = 0, as
     that travel as their maximum.
 
     Example:
-        >>> t = build(None, [sig, call, what, 0, 1], new=1)
+        >>> t = build(None, [sig, call, what, 0, 1, 0], new=1)
     """
     return torch.tensor([*both, *[-x for x in both], new, asked, 0, learn], dtype=torch.int64, device=collective_device(group))
 

@@ -27,115 +27,52 @@ import torch
 import torch.distributed as dist
 
 from fddp._dist import _header
+from fddp._dist._agreement import drain
 from fddp._dist._channel import Failure
-from fddp._dist._errors import PeerError, collective, is_collective
-from fddp._dist._groups import Frame, GroupState, channel_of, checks, collective_device, lock, rank, size, state, states
+from fddp._dist._errors import collective, is_collective
+from fddp._dist._failures import fail, first_line, raise_if_failed
+from fddp._dist._groups import Frame, GroupState, channel_of, checks, collective_device, lock, rank, size, state
+from fddp._dist._waits import wait
 
-__all__ = ["call", "entry", "fail", "peer_error", "raise_if_failed", "raise_if_failed_here", "raise_announced", "owe", "frame"]
-
-
-def peer_error(what: str, failure: Failure) -> PeerError:
-    """The :class:`PeerError` a peer raises for ``failure``, with what it means for the group."""
-    if failure.fatal:
-        tail = (
-            " The failure left collectives unmatched, so this process group carries no more fddp calls: end the run "
-            "on every rank and restart it from the last checkpoint (torchrun --max-restarts does), or, under fault "
-            "tolerance, begin a new epoch."
-        )
-    else:
-        tail = " It failed before sending anything, so the ranks are still in step: a retry of the same call may go on."
-    return PeerError(f"fddp.{what}: {failure.describe()}.{tail}", failure)
-
-
-def raise_if_failed(st: GroupState, what: str) -> None:
-    """Raise :class:`PeerError` if a fatal failure ended the group (this rank's or a peer's)."""
-    if st.failed is not None:
-        if st.mine:
-            raise PeerError(
-                f"fddp.{what}: this process group carries no more fddp calls: this rank failed in fddp.{st.failed.what} "
-                f"(its call {st.failed.call}) with {st.failed.kind}: {st.failed.message}, leaving collectives its peers "
-                "wait in unmatched. End the run on every rank and restart it from the last checkpoint.",
-                st.failed,
-            )
-        raise peer_error(what, st.failed)
-
-
-def raise_if_failed_here() -> None:
-    """Raise :class:`PeerError` if this rank has failed some group (its own failure, posted while
-    no fddp call was there to raise it: a graph freed without its backward)."""
-    mine = [st for _, st in states() if st.failed is not None and st.mine]
-    if mine:
-        raise_if_failed(mine[0], mine[0].failed.what)
-
-
-def raise_announced(group: dist.ProcessGroup | None, st: GroupState, what: str, call_: int, failed: int) -> None:
-    """A peer announced its failure (``failed`` is its rank + 1) in place of this call's header: raise it here."""
-    channel = channel_of(st, group)
-    unread = Failure(failed - 1, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
-    raise peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)
-
-
-def fail(group: dist.ProcessGroup | None, what: str, e: BaseException) -> None:
-    """Post ``e`` as this rank's fatal failure on the groups of the failing call, and refuse every
-    later fddp call on them.
-
-    The groups of the failing call are ``group`` and every group on which this rank's peers may be
-    waiting for it: one with an fddp call in progress in this process (calls nest: a stage-3
-    forward on the shard group inside a replica group's call), or a backward still owed (a
-    forward that left its gradients' collectives to come). Other groups go on: a failure inside
-    a two-rank subgroup does not end the job's default group.
-
-    For a rank that finds, before issuing a collective, that it must not issue it (it left the
-    agreed sequence): its peers are waiting for that collective and raise :class:`PeerError`.
-    :class:`call` does the same for any exception that escapes after the call sent something.
-    """
-    if torch.compiler.is_compiling() or not dist.is_initialized():
-        return
-    st = state(group)
-    if st.failed is not None:
-        return
-    pg = group if group is not None else dist.group.WORLD
-    groups = [(pg, st)]
-    if st.rank is None:
-        # (A group across fault-tolerant replica groups fails alone: this rank's own replica
-        # group's peers are not waiting for it; they meet at the step's vote.)
-        groups += [(g, s) for g, s in states() if s is not st and s.failed is None and s.rank is None and s.busy()]
-    for g, s in groups:
-        mine = Failure(s.rank if s.rank is not None else dist.get_rank(g), what, s.agreed, type(e).__name__, _first_line(e), True)
-        channel = channel_of(s, g)
-        try:
-            s.failed = channel.post(mine) if channel is not None else mine
-        except Exception:  # noqa: BLE001 - the store is gone too: the peers' own timeouts remain
-            s.failed = mine
-        s.mine = s.failed == mine
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).split("\n")[0] or repr(e))[:2000]
+__all__ = ["call", "entry", "owe"]
 
 
 def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: BaseException) -> None:
     """This rank failed before sending anything for its call: post why, then send a header that
-    says so in place of the call's agreement, so the peers raise at the same call."""
+    says so in place of the call's agreement, so the peers raise at the same call.
+
+    Where the peers may have sent their buckets early (the last call completed, and this one may
+    repeat it: see ``_agreement``), wait for the header and send zeros in their place, so that the
+    group stays in step; otherwise the header completes on its own while this rank raises."""
     if st.owed > 0:  # a backward of an earlier call still owes its collectives: the peers will wait in them
         fail(group, what, e)
         return
     call_ = st.agreed
     st.agreed += 1
     me = rank(group)
-    failure = Failure(me, what, call_ + 1, type(e).__name__, _first_line(e), False)
+    failure = Failure(me, what, call_ + 1, type(e).__name__, first_line(e), False)
     channel = channel_of(st, group)
     try:
         if channel is not None:
             channel.post(failure)
         t = torch.zeros(_header.SIZE, dtype=torch.int64, device=collective_device(group))
         t[_header.FAILED] = me + 1
-        st.held = [w for w in st.held if not w.is_completed()][-8:]
-        st.held.append(_header.exchange(t, group, what))
+        work = _header.exchange(t, group, what)
     except Exception:  # noqa: BLE001 - cannot announce: make it fatal, which needs nothing of the peers
         st.agreed -= 1
         fail(group, what, e)
         return
+    if st.last is None:
+        st.held = [w for w in st.held if not w.is_completed()][-8:]
+        st.held.append(work)
+    else:
+        try:
+            wait(work, group, what, "the announcement of this rank's failure")
+            if t[_header.EARLY]:
+                drain(group, st, what)
+        except Exception:  # noqa: BLE001 - the peers' buckets cannot be matched: fatal
+            fail(group, what, e)
+            return
     collective(e)  # outer calls on this group see an exception every rank raises at this point
 
 
@@ -204,18 +141,22 @@ class call:
         st, frame = self.st, self.frame
         if st is None:
             return
-        with lock:
-            st.depth -= 1
-            if st.depth == 0:
-                st.owner = None
-        if st.frames and st.frames[-1] is frame:
-            st.frames.pop()
-        if e is None or is_collective(e) or st.failed is not None or size(self.group) == 1:
-            return
-        if frame.sent or frame.headerless or not checks().agreement:
-            fail(self.group, self.what, e)  # the peers wait in collectives this rank will not join
-        else:
-            _announce(self.group, st, self.what, e)
+        try:
+            # Still inside the call while its failure is reported: an announcement may send
+            # zeros in place of the peers' early buckets, which are this call's collectives.
+            if e is None or is_collective(e) or st.failed is not None or size(self.group) == 1:
+                return
+            if frame.sent or frame.headerless or not checks().agreement:
+                fail(self.group, self.what, e)  # the peers wait in collectives this rank will not join
+            else:
+                _announce(self.group, st, self.what, e)
+        finally:
+            with lock:
+                st.depth -= 1
+                if st.depth == 0:
+                    st.owner = None
+            if st.frames and st.frames[-1] is frame:
+                st.frames.pop()
 
 
 def entry(what: str, group: Callable[..., Any] | None = None, *, headerless: bool = False) -> Callable[[Callable], Callable]:
@@ -263,8 +204,3 @@ def owe(group: dist.ProcessGroup | None, n: int) -> None:
     forward leaves a backward to run, ``-1`` when it has run): a failure meanwhile is fatal."""
     if not torch.compiler.is_compiling() and dist.is_initialized():
         state(group).owed += n
-
-
-def frame(st: GroupState) -> Frame | None:
-    """The innermost call in progress on the group, if any."""
-    return st.frames[-1] if st.frames else None

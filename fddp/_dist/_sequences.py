@@ -20,8 +20,8 @@ from fddp._dist import _header
 from fddp._dist._diagnosis import describe_token, disagree, ordinal
 from fddp._dist._digest import digest
 from fddp._dist._errors import MismatchError
+from fddp._dist._failures import fail, raise_announced
 from fddp._dist._groups import REMEMBERED, GroupState, checks, state
-from fddp._dist._scope import fail, raise_announced
 from fddp._dist._waits import wait
 
 __all__ = ["Segment"]
@@ -120,7 +120,7 @@ def _deviate(seg: Segment, doing: str, expected: tuple | None) -> None:
 def _agree_token(group: dist.ProcessGroup | None, st: GroupState, seg: Segment, token: tuple) -> None:
     """Agree on one collective of a call being learnt: the same header, its fields the token's."""
     position = len(seg.tokens)
-    h = [digest((seg.key, token)), position, _header.TOKEN, 0, int(checks().agreement)]
+    h = [digest((seg.key, token)), position, _header.TOKEN, 0, int(checks().agreement), 0]
     t = _header.build(group, h)
     wait(_header.exchange(t, group, seg.what), group, seg.what, f"the agreement on its {ordinal(position + 1)} collective")
     out = t.tolist()

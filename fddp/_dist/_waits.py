@@ -24,8 +24,8 @@ import torch.distributed as dist
 from fddp._dist import _channel
 from fddp._dist._channel import Failure
 from fddp._dist._errors import MismatchError, PeerError
+from fddp._dist._failures import fail, peer_error
 from fddp._dist._groups import GroupState, board, call_count, channel_of, global_ranks, label, state
-from fddp._dist._scope import fail, peer_error
 
 __all__ = ["wait", "sliced"]
 

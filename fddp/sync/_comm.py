@@ -34,6 +34,9 @@ class Comm:
             (``SyncInfo.weight``).
         bytes_sent: payload bytes handed to collectives so far.
         collectives: collectives issued so far.
+        issued: the collectives issued so far as ``(numel, dtype, device)``, while all are
+            all-reduces (``None`` once another kind is issued): what a peer sends zeros in place
+            of, where this call's buckets go out before its header (``fddp._dist.goes_early``).
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class Comm:
         self.weight_sum: torch.Tensor | None = None
         self.bytes_sent = 0
         self.collectives = 0
+        self.issued: list[tuple] | None = []
         # The call's sequence of collectives, where its header does not fix them (a fully sharded
         # forward's): each collective is checked against it before it is issued.
         self.segment: Segment | None = None
@@ -54,9 +58,16 @@ class Comm:
         """Where small tensors for this group's collectives must live."""
         return collective_device(self.group)
 
-    def _issue(self, op: str, t: torch.Tensor, tag: str | None, numel: int | None = None) -> None:
+    def _issue(self, op: str, t: torch.Tensor, tag: str | None, numel: int | None = None, summed: bool = False) -> None:
+        """Check the collective against the call's sequence, and note it (``summed``: it is an
+        all-reduce (sum) of ``t``, which zeros can stand in for)."""
         if self.segment is not None:
             self.segment.issue(op, t, tag, numel)
+        if self.issued is not None:
+            if summed:
+                self.issued.append((t.numel(), t.dtype, t.device))
+            else:
+                self.issued = None
 
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_sent += t.numel() * t.element_size()
@@ -75,7 +86,7 @@ class Comm:
         self._count(t)
         if torch.compiler.is_compiling():
             return _TracedAllReduce(t, op, self.group)
-        self._issue(f"all-reduce ({op})", t, tag)
+        self._issue(f"all-reduce ({op})", t, tag, summed=op == "sum")
         return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
 
     def all_gather(self, t: torch.Tensor, tag: str | None = None) -> tuple[torch.Tensor, Any]:
@@ -108,7 +119,7 @@ class Comm:
         if dist.get_backend(self.group) == "gloo":
             self._check_parts("a reduce-scatter", t, out)
             self._count(t)
-            self._issue("reduce-scatter", t, tag)
+            self._issue("reduce-scatter", t, tag, summed=True)  # an all-reduce of t on gloo
             return _SlicedReduce(out, t.clone(), self.rank, self.group)
         return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out, tag=tag)
 

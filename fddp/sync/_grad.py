@@ -239,13 +239,20 @@ class _Transform:
             reducer.mark_backward()
             # Sent now and finished when backward has a bucket to send (or at the flush): a
             # rank whose peer is still in its forward pass goes on with its backward meanwhile.
-            reducer.gate = sync.start_agreement(replicas=True, drift=True)
+            # A step that repeats the last one the ranks completed does not wait even then: its
+            # buckets go out as backward fills them, and the header is checked at the end.
+            pending = sync.start_agreement(replicas=True, drift=True, early=True)
+            if not pending.early:
+                reducer.gate = pending
             if loss.requires_grad:
                 raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                 if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
                     self.held = raw
         reducer.flush()
+        if pending.early:
+            pending.finish()  # before anything is returned: a mismatch raises here, on every rank
         flats, info = reducer.finish()
+        sync.completed()
         return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
 
     def with_inputs(self, args: tuple, views: Any) -> list:

@@ -275,8 +275,11 @@ class Sync:
         """
         return self.start_agreement(replicas=replicas, drift=drift).finish()
 
-    def start_agreement(self, *, replicas: bool = False, drift: bool = False) -> PendingAgreement:
-        """:meth:`agree`, started: the header is sent; finish it before this call's other collectives.
+    def start_agreement(self, *, replicas: bool = False, drift: bool = False, early: bool = False) -> PendingAgreement:
+        """:meth:`agree`, started: the header is sent; finish it before this call's other collectives,
+        unless the result's ``early`` says the buckets may go first (with ``early``, where the call
+        repeats the last one the ranks completed: ``fddp._dist.goes_early``); then finish it before
+        returning anything, and call :meth:`completed` once the buckets are back.
 
         With ``drift`` (the leaves are the replicas' parameters: ``grad_and_value``'s arguments,
         ``ddp_step``'s ``params``), the header also carries a fingerprint of the leaves, and replicas
@@ -290,8 +293,15 @@ class Sync:
         # The fingerprint only where a header carries it (not on a one-rank group).
         send = replicas and drift and _dist.size(self.options.group) > 1
         values = _dist.replica_digest(self.leaves, "sampled") if send else 0
-        agreement = _dist.start_agreement(self.options.group, self.what, self.rows, signature=self.digest, ask=ask, values=values)
-        return PendingAgreement(self, agreement)
+        group = self.options.group
+        early = early and _dist.goes_early(group, self.what, self.digest)
+        agreement = _dist.start_agreement(group, self.what, self.rows, signature=self.digest, ask=ask, values=values, early=early)
+        return PendingAgreement(self, agreement, early)
+
+    def completed(self) -> None:
+        """Say that this call's collectives completed: the next call that repeats it may send its
+        buckets before its header (``fddp._dist.completed``)."""
+        _dist.completed(self.options.group, self.what, self.digest, self.comm.issued)
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
@@ -312,10 +322,10 @@ class PendingAgreement:
         >>> pending.finish()  # before the call's first bucket
     """
 
-    __slots__ = ("sync", "agreement")
+    __slots__ = ("sync", "agreement", "early")
 
-    def __init__(self, sync: Sync, agreement: _dist.Agreement) -> None:
-        self.sync, self.agreement = sync, agreement
+    def __init__(self, sync: Sync, agreement: _dist.Agreement, early: bool = False) -> None:
+        self.sync, self.agreement, self.early = sync, agreement, early
 
     def finish(self) -> bool:
         """Wait for the agreement (and, on a tree fresh from ``fddp.functionalize``, compare the

@@ -563,6 +563,7 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
 # --------------------------------------------------------------------------------- the public calls
 
 
+@_dist.entry("zero.fully_shard")
 def fully_shard(
     model: nn.Module,
     /,
@@ -764,6 +765,7 @@ def _broadcast_replicas(lay: UnitLayout, shards: list[torch.Tensor]) -> None:
 _UNSHARD = Counters()
 
 
+@_dist.entry("zero.unshard", lambda shards, /, **_: shards.layout.group)
 def unshard(shards: shard_layout.Sharded, /, *, invariant: bool = False) -> Any:
     """The full tree of ``shards``, as a differentiable function of them (one all-gather per bucket).
 

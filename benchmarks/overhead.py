@@ -2,6 +2,19 @@
 
     python benchmarks/overhead.py --leaves 34 100                 # wall time
     python benchmarks/overhead.py --leaves 34 100 --instructions  # also instructions, under callgrind
+    torchrun --standalone --nproc-per-node=2 benchmarks/overhead.py --leaves 34 100  # with the round trips
+
+Under torchrun (2 or more gloo ranks) the rows are what a training step pays beyond torch's own
+collective, each against its reference in the same repeat (after a barrier, rank 0's time):
+
+    all_reduce                      one raw all-reduce of the gradients' values (DDP's one bucket)
+    ddp_step                        fddp.ddp_step on the same gradients
+    autograd.grad + hooks + all_reduce   the hooked backward, then the raw all-reduce
+    fddp.grad_and_value             the same step through fddp
+    torch.optim.SGD.step() / fddp.optim.apply_gradients
+
+and ``per-call sum`` is the three overheads (ddp_step's, grad_and_value's, the optimizer's) added
+up: what the agreement, the bookkeeping and the error channel cost a call.
 
 One process, one thread, a tree of ``--leaves`` tensors of 4 values each (34 and 100 are the
 benchmark MLP's and transformer's tensor counts), so what is timed is per-leaf and per-call
@@ -90,6 +103,59 @@ def calls(n: int) -> dict[str, Callable[[], object]]:
         "torch.optim.SGD.step()": torch_opt.step,
         "fddp.optim.apply_gradients": apply,
     }
+
+
+def ranked_calls(n: int) -> dict[str, Callable[[], object]]:
+    """The rows of a run over several ranks (see the module's docstring)."""
+    import torch.distributed as dist
+
+    fns = calls(n)
+    params = {f"layers.{i}.weight": torch.randn(4) for i in range(n)}
+    params = fddp.broadcast(params)
+    x = torch.randn(4)
+
+    def loss(p, x):
+        return sum((v * x).sum() for v in p.values())
+
+    raw = torch.func.grad(loss)(params, x)
+    flat = torch.cat([g.reshape(-1) for g in raw.values()])
+    step = fddp.grad_and_value(loss)
+
+    def hooked_and_reduced():
+        fns["autograd.grad + no-op hooks"]()
+        dist.all_reduce(flat.clone())
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(flat.clone()),
+        "ddp_step": lambda: fddp.ddp_step(params, raw),
+        "autograd.grad + hooks + all_reduce": hooked_and_reduced,
+        "fddp.grad_and_value": lambda: step(params, x),
+        "torch.optim.SGD.step()": fns["torch.optim.SGD.step()"],
+        "fddp.optim.apply_gradients": fns["fddp.optim.apply_gradients"],
+    }
+
+
+def measure_ranked(n: int, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each row over the ranks, rank 0's clock, with the overheads."""
+    import torch.distributed as dist
+
+    fns = ranked_calls(n)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    rows = {k: 1e6 * statistics.median(v) for k, v in times.items()}
+    rows["ddp_step overhead"] = rows["ddp_step"] - rows["all_reduce"]
+    rows["grad_and_value overhead"] = rows["fddp.grad_and_value"] - rows["autograd.grad + hooks + all_reduce"]
+    rows["optimizer overhead"] = rows["fddp.optim.apply_gradients"] - rows["torch.optim.SGD.step()"]
+    rows["per-call sum"] = rows["ddp_step overhead"] + rows["grad_and_value overhead"] + rows["optimizer overhead"]
+    return rows
 
 
 def with_overheads(rows: dict[str, float]) -> dict[str, float]:
@@ -209,6 +275,16 @@ def main() -> None:
     if args.child:
         count_instructions(args.child, args.instruction_calls)
         fddp.shutdown()
+        return
+    if fddp.world_size() > 1:
+        ranked = {n: measure_ranked(n, args.repeats) for n in args.leaves}
+        rank, world = fddp.rank(), fddp.world_size()
+        fddp.shutdown()
+        if rank == 0:
+            args.out = args.out.replace("overhead.json", f"overhead_{world}ranks.json")
+            report(ranked, "median us, rank 0, after a barrier", {n: f"{n} leaves" for n in ranked}, ".0f", args, "results_us")
+            total = sum(r["per-call sum"] for r in ranked.values())
+            print(f"per-call sum over {', '.join(map(str, ranked))} leaves: {total / 1e3:.2f} ms")
         return
     results = {n: measure(n, args.repeats) for n in args.leaves}
     large = measure_large(args.large) if args.large else None

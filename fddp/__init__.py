@@ -18,17 +18,18 @@ from fddp._dist import Checks, PeerError, checks, set_checks
 from fddp.batchnorm import SyncBatchNorm, sync_batchnorm
 from fddp.join import Join
 from fddp.module import functionalize, functionalize_with_buffers, load_into
-from fddp.no_sync import GradAccumulator, accumulate_grads
 from fddp.nonfinite import DynamicLossScale, LossScaleState, apply_if_finite
 from fddp.runtime import clear_caches, device, init, is_initialized, is_main, local_rank, rank, shutdown, world_size
 from fddp.sync import (
     Cast,
+    GradAccumulator,
     Int8,
     Int8State,
     MismatchError,
     PowerSGD,
     PowerSGDState,
     SyncInfo,
+    accumulate_grads,
     broadcast,
     ddp_step,
     grad,

@@ -106,6 +106,38 @@ def test_accumulation_equals_large_batch_and_skips_sync():
             assert torch.equal(weighted[k], other[0][0][0][k])
 
 
+def _overlapped_worker():
+    """The window's last micro-batch through grad_and_value(accumulated=): its buckets go out in
+    its backward, and the result is the sum-then-ddp_step result, to the bit."""
+    from dist import count_all_reduces
+
+    rank = fddp.rank()
+    apply_fn, params = fddp.functionalize(make_model("mlp").double())
+    params = fddp.broadcast(params)
+    step = fddp.grad_and_value(lambda p, x, y: mean_loss(apply_fn, p, x, y), **CAP)
+    out = []
+    for window, weighted in enumerate([True, False]):
+        mbs = micro_batches(rank, window) if weighted else [batch(50 + rank + 2 * i, 4) for i in range(4)]
+        acc = fddp.GradAccumulator()
+        for x, y in mbs[:-1]:
+            acc = fddp.accumulate_grads(acc, grad(lambda p: mean_loss(apply_fn, p, x, y))(params), weight=len(x) if weighted else None)
+        (x, y) = mbs[-1]
+        whole = fddp.accumulate_grads(acc, grad(lambda p: mean_loss(apply_fn, p, x, y))(params), weight=len(x) if weighted else None)
+        reference = fddp.ddp_step(params, whole.mean(), weight=whole.weight if weighted else None, **CAP)
+        with count_all_reduces() as calls:
+            overlapped, _ = step(params, x, y, weight=len(x) if weighted else None, accumulated=acc)
+        out.append((reference, overlapped, list(calls)))
+    return out, num_buckets(params)
+
+
+def test_the_last_micro_batch_reduces_the_window_in_its_backward():
+    for results, buckets in run(_overlapped_worker, 2):
+        for reference, overlapped, calls in results:
+            assert len(calls) == buckets and all(in_backward for _, in_backward in calls), calls
+            for k in reference:
+                assert torch.equal(overlapped[k], reference[k]), k
+
+
 def test_accumulator_unit():
     ones, nan = torch.ones(2, dtype=torch.float64), torch.full((2,), float("nan"), dtype=torch.float64)
     g1 = {"w": ones, "u": None}

@@ -7,7 +7,7 @@ cannot pass: function-level imports of fddp are refused outright. The layers, bo
     _caches -> _tree, _pool, _dist, runtime -> _layout -> sync -> optim -> zero -> checkpoint
 
 with ``optim`` below ``sync`` in what it may use (layout and pool only: it never imports sync),
-and the modules at the top (``fddp.module``, ``batchnorm``, ``join``, ``no_sync``, ``nonfinite``, ``scaling``)
+and the modules at the top (``fddp.module``, ``batchnorm``, ``join``, ``nonfinite``, ``scaling``)
 importing whatever they need below them.
 """
 
@@ -47,7 +47,6 @@ LAYERS = {
     "fddp.module": 6,
     "fddp.batchnorm": 6,
     "fddp.join": 6,
-    "fddp.no_sync": 6,
     "fddp.nonfinite": 6,
     "fddp.scaling": 6,
     "fddp.diloco": 6,

@@ -1,6 +1,6 @@
 """An optimizer that steps once every k calls, on the mean of their gradients (optax's ``MultiSteps``).
 
-Not to be confused with ``fddp.no_sync`` (``fddp.GradAccumulator``): the local sum of a window's
+Not to be confused with ``fddp.GradAccumulator`` (``fddp.sync._accumulate``): the local sum of a window's
 gradients before one synchronisation. This wraps an optimizer; that one feeds ``ddp_step``.
 """
 

@@ -10,6 +10,7 @@ each full one to the comm hook (``hooks``, ``_powersgd``), which issues its coll
 
 from fddp._dist import MismatchError
 from fddp.sync import hooks
+from fddp.sync._accumulate import GradAccumulator, accumulate_grads
 from fddp.sync._collectives import broadcast, checksum, sync_buffers, verify_replicas
 from fddp.sync._grad import grad, grad_and_value
 from fddp.sync._int8 import Int8, Int8State
@@ -21,6 +22,7 @@ from fddp.sync.hooks import Cast
 
 __all__ = [
     "Cast",
+    "GradAccumulator",
     "Int8",
     "Int8State",
     "MismatchError",
@@ -28,6 +30,7 @@ __all__ = [
     "PowerSGDState",
     "SyncInfo",
     "Timeline",
+    "accumulate_grads",
     "broadcast",
     "checksum",
     "ddp_step",

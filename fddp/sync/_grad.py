@@ -26,13 +26,14 @@ import torch.utils._pytree as torch_pytree
 from fddp import _dist, _layout
 from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
+from fddp.sync._accumulate import Window, window, window_value
 from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import KEYWORDS, SyncOptions, as_weight, check_dtypes, check_state, make_options, setup
 
 __all__ = ["grad", "grad_and_value"]
 
 ArgNums = int | tuple[int, ...]
-_CALL_TIME = ("weight", "compression_state")  # per-step values, given to the transformed function
+_CALL_TIME = ("weight", "compression_state", "accumulated")  # per-step values, given to the transformed function
 _BUILD_TIME = tuple(KEYWORDS)
 
 
@@ -61,7 +62,14 @@ def grad_and_value(
     - ``weight=``: this rank's weight (its sample count); the gradients are then the weighted
       mean, as with :func:`fddp.ddp_step`'s ``weight=``;
     - ``compression_state=``: a stateful comm hook's state (PowerSGD's), the previous call's
-      ``info.compression_state``.
+      ``info.compression_state``;
+    - ``accumulated=``: a :class:`fddp.GradAccumulator` holding the earlier micro-batches of a
+      gradient-accumulation window (summed locally with :func:`fddp.accumulate_grads`): this call
+      is the window's last micro-batch, and the result is the window's mean gradient averaged over
+      the ranks, reduced while this backward runs, as torch DDP's last backward after
+      ``no_sync()`` reduces. It equals ``fddp.ddp_step(params, acc.mean())`` (with ``weight=``:
+      ``fddp.ddp_step(params, acc.mean(), weight=acc.weight)``), ``acc`` the window with this
+      micro-batch added, to the bit.
 
     Every rank must call the returned function with trees of the same signature (checked once per
     signature; a difference raises :class:`fddp.MismatchError` on every rank). A differentiated
@@ -110,8 +118,8 @@ def grad_and_value(
     )  # fmt: skip
 
     @functools.wraps(fn)
-    def grad_and_value_fn(*args: Any, weight: Any = None, compression_state: Any = None, **kwargs: Any) -> Any:
-        grads, value, info = transform(args, kwargs, weight, compression_state)
+    def grad_and_value_fn(*args: Any, weight: Any = None, compression_state: Any = None, accumulated: Any = None, **kwargs: Any) -> Any:
+        grads, value, info = transform(args, kwargs, weight, compression_state, accumulated)
         return (grads, value, info) if return_info else (grads, value)
 
     grad_and_value_fn.__fddp_entry__ = "grad_and_value"  # type: ignore[attr-defined]  # the transform's call scope
@@ -135,8 +143,8 @@ def grad(fn: Callable[..., Any], argnums: ArgNums = 0, has_aux: bool = False, **
     return_info = transform.return_info
 
     @functools.wraps(fn)
-    def grad_fn(*args: Any, weight: Any = None, compression_state: Any = None, **kwargs: Any) -> Any:
-        grads, value, info = transform(args, kwargs, weight, compression_state)
+    def grad_fn(*args: Any, weight: Any = None, compression_state: Any = None, accumulated: Any = None, **kwargs: Any) -> Any:
+        grads, value, info = transform(args, kwargs, weight, compression_state, accumulated)
         out = (grads, value[1]) if has_aux else (grads,)
         out += (info,) if return_info else ()
         return out if len(out) > 1 else out[0]
@@ -183,14 +191,16 @@ class _Transform:
             )  # fmt: skip
         return self.weighted
 
-    def __call__(self, args: tuple, kwargs: dict, weight: Any, state: Any) -> tuple[Any, Any, SyncInfo]:
+    def __call__(self, args: tuple, kwargs: dict, weight: Any, state: Any, accumulated: Any = None) -> tuple[Any, Any, SyncInfo]:
         # One fddp call on the group from the first check on: a rank whose arguments fail a check,
         # or whose fn raises, tells its peers (they raise fddp.PeerError at this call) instead of
         # leaving them waiting in its header.
         with _dist.call(self.options.group, self.what) as scope:
-            return self._call(scope, args, kwargs, weight, state)
+            return self._call(scope, args, kwargs, weight, state, accumulated)
 
-    def _call(self, scope: _dist.call, args: tuple, kwargs: dict, weight: Any, state: Any) -> tuple[Any, Any, SyncInfo]:
+    def _call(
+        self, scope: _dist.call, args: tuple, kwargs: dict, weight: Any, state: Any, accumulated: Any
+    ) -> tuple[Any, Any, SyncInfo]:
         what = self.what
         _differentiable.refuse_under_transforms(what, "use torch.func.grad inside the transform and fddp.ddp_step, which composes with it")
         options = self.call_options(weight)
@@ -205,7 +215,16 @@ class _Transform:
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what, name=self.tree_name)
         if _fully_sharded(flat[1], what):
+            if accumulated is not None:
+                raise TypeError(
+                    f"fddp.{what}: accumulated= is for replicated parameters; fully sharded ones accumulate in "
+                    "fddp.zero's own window (see docs/zero.md, Gradient accumulation)"
+                )
             return self._fully_sharded(scope, args, kwargs, flat, options, state, weight)
+        win = None
+        if accumulated is not None:
+            win = window(accumulated, flat[1], weight, what)
+            w = None if weight is None else as_weight(win.weight, what)  # the whole window's weight
         leaves = flat[0]
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*leaves):
             for i, t in enumerate(leaves):
@@ -230,8 +249,9 @@ class _Transform:
         inputs = [t.detach().requires_grad_() for t in leaves]
         reducer = sync.reducer(state)
         # A leaf's hook sees its whole gradient: autograd sums every use of a tensor before the
-        # tensor's hooks run.
-        _hook_all(inputs, reducer.arrive)
+        # tensor's hooks run. With a window, the hook adds the earlier micro-batches first.
+        arrive = reducer.arrive if win is None else functools.partial(_arrive_in_window, reducer, win)
+        _hook_all(inputs, arrive)
         call_args = self.with_inputs(args, optree.tree_unflatten(sync.spec, inputs))
         with torch.enable_grad():
             out = self.fn(*call_args, **kwargs)
@@ -248,6 +268,10 @@ class _Transform:
                 raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                 if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
                     self.held = raw
+        if win is not None:
+            for i in reducer.unarrived():  # unused in this micro-batch: the earlier ones' mean
+                if win.sums[i] is not None:
+                    arrive(i, None)
         reducer.flush()
         if pending.early:
             pending.finish()  # before anything is returned: a mismatch raises here, on every rank
@@ -289,6 +313,11 @@ class _Transform:
         _dist.raise_if_failed_here()
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
         return optree.tree_unflatten(spec, grads), _detached(out), SyncInfo(None, None, 0, 0)
+
+
+def _arrive_in_window(reducer: Any, win: Window, i: int, g: torch.Tensor | None) -> None:
+    """Hand leaf ``i``'s mean over the window (its last gradient ``g`` added) to the reducer."""
+    reducer.arrive(i, window_value(win, i, g))
 
 
 def _hook_all(inputs: list[torch.Tensor], arrive: Callable[[int, torch.Tensor], None]) -> None:

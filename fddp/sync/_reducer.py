@@ -194,6 +194,10 @@ class Reducer:
         if not missing and b == self.next:
             self._launch_ready()
 
+    def unarrived(self) -> list[int]:
+        """The leaves whose values have not arrived yet (in buckets not yet launched)."""
+        return [leaf for s in self.slots[self.next :] for leaf in s.missing]
+
     def flush(self) -> None:
         """Complete with zeros the leaves that never arrived (unused this step), then launch
         (finishing the agreement first if it is still under way: it may raise)."""

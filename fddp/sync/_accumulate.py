@@ -1,4 +1,4 @@
-"""Local gradient accumulation for the no-sync window: sum k micro-batches, then one ``ddp_step``.
+"""Local gradient accumulation for the no-sync window: sum k micro-batches, then one synchronisation.
 
 torch DDP needs a ``no_sync()`` context to stop its hooks from all-reducing every micro-batch. In
 fddp nothing communicates unless ``ddp_step`` is called, so skipping synchronisation is just
@@ -18,6 +18,17 @@ With each micro-batch weighted by its sample count (and ``loss_fn`` a mean over 
 ``grads`` is the gradient of the mean loss over every sample of the window on every rank: one
 large-batch step, exactly, whatever the micro-batch sizes.
 
+The last micro-batch need not be summed first: ``fddp.grad_and_value``'s function takes the window
+so far as ``accumulated=`` and reduces the window's mean while the last backward runs, as torch
+DDP's last backward after ``no_sync()`` does (:func:`window` and :func:`window_value` give each
+leaf's mean with the very arithmetic of ``accumulate_grads`` then :meth:`GradAccumulator.mean`)::
+
+    step = fddp.grad_and_value(loss_fn)
+    acc = fddp.GradAccumulator()
+    for x, y in micro_batches[:-1]:
+        acc = fddp.accumulate_grads(acc, torch.func.grad(loss_fn)(params, x, y))
+    grads, loss = step(params, *micro_batches[-1], accumulated=acc)  # the window's mean, averaged
+
 ``fddp.optim.accumulate`` is the other half of the picture: an optimizer wrapper that steps once
 every k calls. Use this module when the window must end in a synchronisation, or when micro-batches
 differ in size or miss gradients (``None`` leaves).
@@ -33,7 +44,7 @@ import torch
 
 from fddp._tree import path_str
 
-__all__ = ["GradAccumulator", "accumulate_grads"]
+__all__ = ["GradAccumulator", "accumulate_grads", "Window", "window", "window_value"]
 
 _ZERO = torch.zeros((), dtype=torch.float64)  # the empty window's weight; never written to
 
@@ -133,17 +144,70 @@ def accumulate_grads(
                 f"fddp.accumulate_grads: grad {path_str(path)!r} has shape {tuple(g.shape)}, but the window's "
                 f"earlier grads have shape {tuple(s.shape)}"
             )
-        if g is None or w_number == 0:  # a weight-0 micro-batch's NaN must not leak into the sum
-            out.append(s)
-            continue
-        g = g.detach()
-        if w_number is None:
-            # A tensor weight is never read back to Python (that would force a device sync).
-            g = torch.where(w > 0, g * w.to(g.device), torch.zeros((), dtype=g.dtype, device=g.device))
-        elif w_number != 1:
-            g = g * w_number
-        out.append(g if s is None else s + g)
+        out.append(_add(s, g, w, w_number))
     return GradAccumulator(optree.tree_unflatten(s_spec, out), acc.weight + w, acc.count + 1)
+
+
+def _add(s: torch.Tensor | None, g: torch.Tensor | None, w: torch.Tensor, w_number: float | None) -> torch.Tensor | None:
+    """``s + w * g`` for one leaf (``None`` for a missing one)."""
+    if g is None or w_number == 0:  # a weight-0 micro-batch's NaN must not leak into the sum
+        return s
+    g = g.detach()
+    if w_number is None:
+        # A tensor weight is never read back to Python (that would force a device sync).
+        g = torch.where(w > 0, g * w.to(g.device), torch.zeros((), dtype=g.dtype, device=g.device))
+    elif w_number != 1:
+        g = g * w_number
+    return g if s is None else s + g
+
+
+class Window(NamedTuple):
+    """A window's earlier micro-batches and its last one's weight, ready to take the last gradients
+    leaf by leaf (:func:`window`).
+
+    Attributes:
+        sums: per leaf (flatten order), the earlier micro-batches' weighted sum, or ``None``.
+        w: the last micro-batch's weight, a float64 scalar tensor.
+        w_number: the same as a Python float, where it was a number.
+        weight: the window's whole weight (every micro-batch's).
+        denom: what the sums are divided by (the weight, kept off zero).
+    """
+
+    sums: list
+    w: torch.Tensor
+    w_number: float | None
+    weight: torch.Tensor
+    denom: torch.Tensor
+
+
+def window(acc: GradAccumulator, spec: Any, weight: float | torch.Tensor | None, what: str) -> Window:
+    """The window ``acc`` closed by one more micro-batch of ``weight``, for a tree of structure ``spec``.
+
+    Raises:
+        TypeError: ``acc`` is not a :class:`GradAccumulator`.
+        ValueError: its sums have another structure than ``spec``, or ``weight`` is negative.
+    """
+    if not isinstance(acc, GradAccumulator):
+        raise TypeError(f"fddp.{what}: accumulated must be a fddp.GradAccumulator, got {type(acc).__name__}")
+    w, w_number = _check_weight(weight)
+    if acc.count == 0:
+        sums: list = [None] * spec.num_leaves
+    else:
+        sums, s_spec = optree.tree_flatten(acc.grad_sum, none_is_leaf=True)
+        if s_spec != spec:
+            raise ValueError(
+                f"fddp.{what}: accumulated holds gradients of another structure than the differentiated argument.\n"
+                f"  expected: {spec}\n  got:      {s_spec}"
+            )
+    total = acc.weight + w
+    return Window(sums, w, w_number, total, total.clamp_min(torch.finfo(torch.float64).tiny))
+
+
+def window_value(win: Window, i: int, g: torch.Tensor | None) -> torch.Tensor | None:
+    """Leaf ``i``'s mean over the window, its last gradient ``g`` added: the arithmetic of
+    :func:`accumulate_grads` then :meth:`GradAccumulator.mean`, to the bit."""
+    total = _add(win.sums[i], g, win.w, win.w_number)
+    return None if total is None else _div(total, win.denom)
 
 
 def _check_weight(weight: float | torch.Tensor | None) -> tuple[torch.Tensor, float | None]:

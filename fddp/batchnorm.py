@@ -222,11 +222,12 @@ class _SyncBatchNorm(torch.autograd.Function):
         rows = _all_gather(local, group, name)
         counts = rows[:, 2 * c]
         total = counts.sum()
-        if total.item() < 2:  # every rank sees the same total: all raise
-            raise ValueError(
-                f"fddp.SyncBatchNorm ({_label(name)}): expected more than 1 value per channel over all ranks when "
-                f"training, got {int(total.item())}"
-            )
+        few = f"fddp.SyncBatchNorm ({_label(name)}): expected more than 1 value per channel over all ranks when training"
+        if total.device.type == "cpu":
+            if total.item() < 2:  # every rank sees the same total: all raise
+                raise ValueError(f"{few}, got {int(total.item())}")
+        else:  # no host sync per layer on a GPU: the check runs on the device, after the gather
+            torch._assert_async(total >= 2, few)
         # Chan et al.'s combination, in rank order on every rank: the same float64 numbers everywhere.
         means, vars_ = rows[:, :c], rows[:, c : 2 * c]
         g_mean = (counts[:, None] * means).sum(0) / total

@@ -407,3 +407,37 @@ def _batchnorm_worker():
 def test_stage3_a_forward_that_writes_batchnorm_statistics_is_refused_on_every_rank():
     for out in run(_batchnorm_worker, 2, timeout=60):
         assert out[0] == "RuntimeError" and "'1.running_mean'" in out[1] and "each would keep its own" in out[1], out
+
+
+def _watcher_worker() -> tuple:
+    """The NCCL path's watcher, on a gloo group with a stand-in abort: a peer's fatal failure
+    posted while this rank is inside a call is read by the thread, which aborts the group."""
+    import threading
+
+    import torch.distributed as dist
+
+    from fddp._dist import _watcher
+
+    group = dist.new_group([0, 1])
+    aborted = threading.Event()
+    _watcher.watch(group, abort=aborted.set)
+    fddp.broadcast({"w": torch.zeros(1)}, group=group)  # in step, and the channel exists
+    fddp.broadcast({"sync": torch.zeros(1)})
+    if fddp.rank() == 1:
+        fddp._dist.fail(group, "test", RuntimeError("this rank's stream is gone"))
+        return None
+    t0 = time.monotonic()
+    with fddp._dist.call(group, "a call in flight"):
+        aborted.wait(10)  # the host is not in any wait: only the watcher can see the failure
+    took = time.monotonic() - t0
+    try:
+        fddp.broadcast({"w": torch.zeros(1)}, group=group)
+    except fddp.PeerError as e:
+        return aborted.is_set(), took, str(e)
+    return aborted.is_set(), took, "no error"
+
+
+def test_the_watcher_aborts_a_group_whose_waits_cannot_read_the_channel():
+    (aborted, took, message), _ = run(_watcher_worker, 2)
+    assert aborted and took < 5.0, (aborted, took)
+    assert "rank 1 failed in fddp.test" in message and "this rank's stream is gone" in message, message

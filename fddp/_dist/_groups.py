@@ -88,6 +88,7 @@ class GroupState:
         self.waits = 0  # numbers this rank's waits, for the board
         self.recordings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # agreed sequences, LRU
         self.owed = 0  # collectives of an earlier call still to come on this group (a backward)
+        self.watched: bool | None = None  # whether the watcher reads this group's channel (None: not decided yet)
 
     def busy(self) -> bool:
         """Whether this rank's peers may be waiting for it on this group: a call is in progress

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fddp._dist import _header
+from fddp._dist import _header, _watcher
 from fddp._dist._agreement import drain
 from fddp._dist._channel import Failure
 from fddp._dist._errors import collective, is_collective
@@ -112,6 +112,8 @@ class call:
         self.group = group
         st = state(group)
         raise_if_failed(st, self.what)
+        if st.watched is None:
+            st.watched = _watcher.watch_if_needed(group)  # NCCL: a thread reads the channel for the waits
         me = threading.get_ident()
         with lock:
             if st.owner is not None and st.owner != me:

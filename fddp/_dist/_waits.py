@@ -53,6 +53,9 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
     except (PeerError, MismatchError):
         raise
     except Exception as e:  # gloo/NCCL raise RuntimeError (or DistBackendError) on timeout or a lost peer
+        st = state(group)
+        if st.failed is not None and not st.mine:  # the watcher aborted the group for a peer's failure
+            raise peer_error(what, st.failed) from e
         text = str(e)
         if "timed out" not in text.lower() and any(w in text.lower() for w in _LOST):
             raise _lost(group, what, doing, e) from e

@@ -1,0 +1,81 @@
+"""The watcher: where waits cannot read the error channel, a thread reads it and aborts the group.
+
+A gloo wait blocks the host, so ``_waits`` takes it in slices and reads the channel between them.
+An NCCL collective is queued on a CUDA stream: the host is not waiting when the peer fails, and
+the stream would hang until NCCL's watchdog timeout. So, as torchft does, a daemon thread reads the
+channel of every watched group while a call is in flight on it (every tenth of a second, one store
+read a group) and, when a peer's fatal failure is posted, marks the group failed and aborts its
+communicator: the kernels waiting for the dead peer end with an error, and the next fddp wait
+raises the peer's :class:`PeerError` instead of the backend's words (``_waits``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from fddp._dist._groups import channel_of, state
+
+__all__ = ["watch", "watch_if_needed", "POLL_S"]
+
+POLL_S = 0.1
+
+_lock = threading.Lock()
+_watched: "weakref.WeakKeyDictionary[Any, Callable[[], None]]" = weakref.WeakKeyDictionary()
+_thread: list[threading.Thread | None] = [None]
+
+
+def watch(group: dist.ProcessGroup | None, abort: Callable[[], None] | None = None) -> None:
+    """Watch ``group``'s channel from now on; on a peer's fatal failure, call ``abort`` (default:
+    the group's own ``abort()``, which ends its NCCL communicators). Idempotent."""
+    pg = group if group is not None else dist.group.WORLD
+    with _lock:
+        if pg in _watched:
+            return
+        _watched[pg] = abort if abort is not None else pg.abort
+        if _thread[0] is None or not _thread[0].is_alive():
+            _thread[0] = threading.Thread(target=_run, name="fddp-watcher", daemon=True)
+            _thread[0].start()
+
+
+def watch_if_needed(group: dist.ProcessGroup | None) -> bool:
+    """Watch ``group`` if its waits cannot read the channel themselves (NCCL); return whether it is watched."""
+    try:
+        needed = dist.get_backend(group) == "nccl"
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not register (fault tolerance watches its own)
+        return False
+    if needed:
+        watch(group)
+    return needed
+
+
+def _run() -> None:
+    while True:
+        time.sleep(POLL_S)
+        with _lock:
+            items = list(_watched.items())
+        for pg, abort in items:
+            try:
+                _look(pg, abort)
+            except Exception:  # noqa: BLE001 - a destroyed group or a gone store: nothing left to watch
+                with _lock:
+                    _watched.pop(pg, None)
+
+
+def _look(pg: Any, abort: Callable[[], None]) -> None:
+    group = None if pg is dist.group.WORLD else pg
+    st = state(group)
+    if st.failed is not None or not st.busy():
+        return  # already ended, or nothing in flight that a failure could hold
+    channel = channel_of(st, group)
+    failure = channel.fatal() if channel is not None else None
+    if failure is None:
+        return
+    st.failed, st.mine = failure, False
+    with _lock:
+        _watched.pop(pg, None)
+    abort()

@@ -139,18 +139,7 @@ def measure_ranked(n: int, repeats: int) -> dict[str, float]:
     """Median microseconds per call of each row over the ranks, rank 0's clock, with the overheads."""
     import torch.distributed as dist
 
-    fns = ranked_calls(n)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    rows = {k: 1e6 * statistics.median(v) for k, v in times.items()}
+    rows = interleaved(ranked_calls(n), repeats, before=dist.barrier)
     rows["ddp_step overhead"] = rows["ddp_step"] - rows["all_reduce"]
     rows["grad_and_value overhead"] = rows["fddp.grad_and_value"] - rows["autograd.grad + hooks + all_reduce"]
     rows["optimizer overhead"] = rows["fddp.optim.apply_gradients"] - rows["torch.optim.SGD.step()"]
@@ -164,18 +153,25 @@ def with_overheads(rows: dict[str, float]) -> dict[str, float]:
     return rows
 
 
-def measure(n: int, repeats: int) -> dict[str, float]:
-    fns = calls(n)
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None) -> dict[str, float]:
+    """Median microseconds per call of each row, the rows interleaved in every repeat (every row
+    sees the same machine), after 20 warm-up calls each; ``before`` runs untimed before each call."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         for _ in range(20):
             fn()
-    for _ in range(repeats):  # interleaved: every row sees the same machine
+    for _ in range(repeats):
         for k, fn in fns.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
-    return with_overheads({k: 1e6 * statistics.median(v) for k, v in times.items()})
+    return {k: 1e6 * statistics.median(v) for k, v in times.items()}
+
+
+def measure(n: int, repeats: int) -> dict[str, float]:
+    return with_overheads(interleaved(calls(n), repeats))
 
 
 def measure_large(n: int, repeats: int = 5) -> dict[str, float]:

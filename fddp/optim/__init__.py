@@ -34,7 +34,7 @@ from ._base import (
     chain,
     fast_path,
 )
-from ._clip import clip_by_global_norm
+from ._clip import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from ._groups import MaskedNode, MaskedState, MultiTransformState, by_path, masked, multi_transform, set_to_zero
 from ._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from ._multi_steps import AccumulateState, accumulate
@@ -57,6 +57,8 @@ __all__ = [
     "adamw",
     "AdamState",
     "clip_by_global_norm",
+    "ClipByGlobalNormState",
+    "global_norm",
     "multi_transform",
     "MultiTransformState",
     "masked",

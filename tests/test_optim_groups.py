@@ -241,15 +241,6 @@ def test_labels_as_a_prefix_tree_and_the_paths_errors_name():
     assert isinstance(masked_state, optim.AdamState) and masked_state.exp_avg["body"]["b"].shape == (3,)
 
 
-def test_groups_refuse_zero_shards():
-    fddp.init()
-    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
-    shards = fddp.zero.shard(params)
-    opt = optim.adamw(mask=DECAY)
-    with pytest.raises(TypeError, match="groups are not supported on sharded trees"):
-        opt.update(optree.tree_map(torch.zeros_like, shards), opt.init(shards), shards)
-
-
 def test_grouped_flat_and_per_leaf_paths_identical(monkeypatch):
     def make():
         return optim.chain(optim.masked(optim.clip_by_global_norm(0.5), DECAY), GROUPED["adamw_mask"][0]())

@@ -287,7 +287,10 @@ def test_groups_on_shards_equal_the_replicated_groups_at_one_rank():
                 gs = fddp.zero.shard(g, **CAPS)
                 if fused:
                     p, s = fddp.optim.apply_gradients(opt, g, s, p)
-                    sh, ss = fddp.optim.apply_gradients(opt, gs, ss, sh)
+                    before = [t.clone() for t in optree.tree_leaves((sh, ss))]
+                    new_sh, new_ss = fddp.optim.apply_gradients(opt, gs, ss, sh)
+                    assert all(torch.equal(a, b) for a, b in zip(before, optree.tree_leaves((sh, ss))))  # pure
+                    sh, ss = new_sh, new_ss
                 else:
                     u, s = opt.update(g, s, p)
                     p = fddp.optim.apply_updates(p, u)
@@ -298,6 +301,19 @@ def test_groups_on_shards_equal_the_replicated_groups_at_one_rank():
             assert all(torch.equal(t[c.held :], torch.zeros_like(t[c.held :])) for t, c in zip(sh.shards, sh.layout.cuts))
             if name == "multi_transform":
                 assert torch.equal(full["tok.weight"], params["tok.weight"])  # frozen
+    # Donated: the groups step the shards and the state in place, and equal torch's fused kernel.
+    opt = makers["adamw_mask"]()
+    p = {k: v.clone() for k, v in params.items()}
+    s, sh = opt.init(p), fddp.zero.shard(params, **CAPS)
+    ss = opt.init(sh)
+    for _ in range(3):
+        g = {k: torch.randn_like(v) for k, v in params.items()}
+        p, s = fddp.optim.apply_gradients(opt, g, s, p, donate=True)
+        held = [t.data_ptr() for t in optree.tree_leaves((sh, ss.exp_avg))]
+        sh, ss = fddp.optim.apply_gradients(opt, fddp.zero.shard(g, **CAPS), ss, sh, donate=True)
+        assert [t.data_ptr() for t in optree.tree_leaves((sh, ss.exp_avg))] == held
+    full = fddp.zero.gather(sh).wait()
+    assert all(torch.equal(full[k], p[k]) for k in p)
 
 
 def test_groups_on_shards_errors_name_the_whole_leaf():

@@ -252,6 +252,25 @@ def _run_group(
     return out, s
 
 
+def _grouped_in_place(
+    part: SplitPartition, transforms: Mapping, gs: list, state: OptState, params: Params, extra: dict
+) -> tuple[Applied, OptState]:
+    """``grouped``'s fused step on shards: every group steps its slices of one copy of the
+    parameters and state in place (of the donated ones themselves, when donated), so the groups'
+    results need no copy back; a group that cannot step in place is copied into its slices."""
+    request: Apply = extra["apply"]
+    if not request.donate:
+        params, state = part.fresh(params), part.fresh(state)
+    ps = flatten(params)[0]
+    sub = {**extra, "apply": request._replace(donate=True)}
+    outs, states = {}, {}
+    for label in part.groups:
+        sub_p = part.tree(ps, label)
+        out, states[label] = _run_group(transforms[label], label, part.tree(gs, label), part.cut(state, label), sub_p, sub)
+        outs[label] = _applied_params(out, sub_p)
+    return Applied(part.merge(outs, ps, ps)), part.join(states, state, in_place=True)
+
+
 def _cut(part: _Partition | SplitPartition, state: OptState, label: Hashable) -> OptState:
     """A group's state as its transformation sees it: on shards, its slices of the whole-shard state."""
     return part.cut(state, label) if isinstance(part, SplitPartition) else state
@@ -421,13 +440,20 @@ def set_to_zero() -> GradientTransformationExtraArgs:
     return GradientTransformationExtraArgs(init, update)
 
 
-def grouped(transforms: Mapping[Hashable, GradientTransformation], labels: Labels, where: str) -> GradientTransformationExtraArgs:
+def grouped(
+    transforms: Mapping[Hashable, GradientTransformation], labels: Labels, where: str, *, donated_alike: bool = False
+) -> GradientTransformationExtraArgs:
     """Like :func:`multi_transform`, for transformations of one kind (``adamw`` with and without
     weight decay), whose state stays one state of that kind over the whole tree.
 
     The transformations' states must be NamedTuples whose fields are trees shaped like the
     parameters (cut into groups) or values every group holds alike (a step count, ``()``); the
     state is the first transformation's ``init`` of the whole tree. How ``mask=`` is made.
+
+    ``donated_alike``: the transformations' fused step gives the same numbers donated or not
+    (``adam``/``adamw``: torch's fused kernel either way; not ``sgd``, whose own step rounds once
+    where torch's kernel, its donated step, rounds twice). Then on shards every group steps its
+    slices of one copy of the parameters and state in place, and nothing is copied back.
     """
     transforms = dict(transforms)
     first = next(iter(transforms.values()))
@@ -442,9 +468,11 @@ def grouped(transforms: Mapping[Hashable, GradientTransformation], labels: Label
         if not (isinstance(state, tuple) and hasattr(type(state), "_fields")):
             raise TypeError(f"{where}.update: expected this optimizer's state (from its init), got {describe(state)}")
         split = isinstance(part, SplitPartition)
+        apply = extra.get("apply") is not None and ps is not None
+        if split and apply and (donated_alike or extra["apply"].donate):
+            return _grouped_in_place(part, transforms, gs, state, params, extra)
         fields = [flatten(f) for f in state] if not split else []
         shaped = [spec == treedef for _, spec in fields]
-        apply = extra.get("apply") is not None and ps is not None
         outs, states = {}, {}
         for label in part.groups:
             if split:

@@ -177,20 +177,30 @@ class SplitPartition:
         runs = self.runs.get(label, ())
         return GroupSlices([leaves[r.tensor][r.at : r.at + r.length] for r in runs], self.metas.get(label, _empty_meta(self, label)))
 
-    def merge(self, parts: Mapping[Any, Any], like: Sequence[Tensor]) -> Any:
-        """One split tree from each label's slices (a :class:`GroupSlices` or its leaves), laid out
-        for ``fddp.optim`` and shaped and typed like ``like`` (the split tree's tensors): every
-        element no part covers (padding, or the labels missing from ``parts``) is zero."""
-        plan = optim_plan(specs_of(like))
-        bufs = [new_flat(b).zero_() for b in plan.buckets]
-        out = lay_out(plan, bufs)
+    def merge(self, parts: Mapping[Any, Any], like: Sequence[Tensor], into: Sequence[Tensor] | None = None) -> Any:
+        """One split tree from each label's slices (a :class:`GroupSlices` or its leaves).
+
+        Without ``into``: new tensors laid out for ``fddp.optim``, shaped and typed like ``like``
+        (the split tree's tensors), every element no part covers (padding, or the labels missing
+        from ``parts``) zero. With ``into``: written into those tensors, skipping the slices that
+        already lie there (a group stepped in place on its views of them).
+        """
+        if into is None:
+            plan = optim_plan(specs_of(like))
+            out = lay_out(plan, [new_flat(b).zero_() for b in plan.buckets])
+        else:
+            out = list(into)
         dst, src = [], []
         for label, part in parts.items():
             xs = part.runs if isinstance(part, GroupSlices) else optree.tree_leaves(part, none_is_leaf=True)
             for r, x in zip(self.runs[label], xs):
-                if r.length:
-                    dst.append(out[r.tensor][r.at : r.at + r.length])
-                    src.append(x)
+                if not r.length:
+                    continue
+                d = out[r.tensor][r.at : r.at + r.length]
+                if into is not None and x.data_ptr() == d.data_ptr() and x.dtype == d.dtype:
+                    continue  # stepped in place
+                dst.append(d)
+                src.append(x)
         if dst:
             torch._foreach_copy_(dst, src)
         return optree.tree_unflatten(self.treedef, out)
@@ -199,9 +209,10 @@ class SplitPartition:
         """``state`` with every subtree shaped like the split tree replaced by the label's slices of it."""
         return _map_shaped(state, self.treedef, lambda node: self.tree(optree.tree_leaves(node), label))
 
-    def join(self, states: Mapping[Any, Any], old: Any) -> Any:
+    def join(self, states: Mapping[Any, Any], old: Any, *, in_place: bool = False) -> Any:
         """One state from the labels' states (:meth:`cut` shapes, each label's step): their slices
-        merged into split trees laid out like ``old``'s, their other values taken from the first label's."""
+        merged into split trees laid out like ``old``'s (``in_place``: written into ``old``'s), their
+        other values taken from the first label's."""
         first = next(iter(states.values()))
         old_nodes = _shaped_nodes(old, self.treedef)
         if not old_nodes:
@@ -213,10 +224,24 @@ class SplitPartition:
         for j, x in enumerate(leaves):
             if isinstance(x, GroupSlices):
                 like = optree.tree_leaves(next(at))
-                out.append(self.merge({label: f[j] for label, f in flat.items()}, like))
+                out.append(self.merge({label: f[j] for label, f in flat.items()}, like, like if in_place else None))
             else:
                 out.append(x)
         return optree.tree_unflatten(spec, out)
+
+    def fresh(self, tree: Any) -> Any:
+        """``tree`` with every subtree shaped like the split tree copied into new buffers laid out
+        for ``fddp.optim`` (one copy per buffer), for the groups to step in place."""
+
+        def copy(node: Any) -> Any:
+            leaves = optree.tree_leaves(node)
+            plan = optim_plan(specs_of(leaves))
+            bufs = [new_flat(b) for b in plan.buckets]
+            out = lay_out(plan, bufs)
+            torch._foreach_copy_(out, leaves)
+            return optree.tree_unflatten(self.treedef, out)
+
+        return _map_shaped(tree, self.treedef, copy)
 
 
 def _empty_meta(part: SplitPartition, label: Any) -> _Meta:

@@ -316,6 +316,30 @@ def test_groups_on_shards_equal_the_replicated_groups_at_one_rank():
     assert all(torch.equal(full[k], p[k]) for k in p)
 
 
+def test_group_states_on_shards_checkpoint_and_reshard_like_any_sharded_tree(tmp_path):
+    fddp.init()
+    _, params = fddp.functionalize(_model())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    decay = fddp.optim.by_path(lambda path, p: p.ndim >= 2)
+    opt = fddp.optim.chain(
+        fddp.optim.clip_by_global_norm(1.0),
+        fddp.optim.multi_transform({True: fddp.optim.adamw(1e-2, weight_decay=0.1, mask=decay), False: fddp.optim.sgd(0.1)}, decay),
+    )
+    sh = fddp.zero.shard(params, **CAPS)
+    state = opt.init(sh)
+    g = fddp.zero.shard({k: torch.randn_like(v) for k, v in params.items()}, **CAPS)
+    sh, state = fddp.optim.apply_gradients(opt, g, state, sh)
+    fddp.checkpoint.save_sharded(str(tmp_path / "ck"), {"params": sh, "opt": state})
+    like = {"params": fddp.zero.shard(params), "opt": opt.init(fddp.zero.shard(params))}  # another bucket layout
+    back = fddp.checkpoint.load_sharded(str(tmp_path / "ck"), like)
+    a, b = opt.update(g, state, sh)[0], None
+    g2 = fddp.zero.shard(fddp.zero.gather(g).wait())
+    b = opt.update(g2, back["opt"], back["params"])[0]
+    full_a, full_b = fddp.zero.gather(a).wait(), fddp.zero.gather(b).wait()
+    assert all(torch.equal(full_a[k], full_b[k]) for k in full_a)
+    assert float(back["opt"][0].norm) == float(state[0].norm) > 0
+
+
 def test_groups_on_shards_errors_name_the_whole_leaf():
     fddp.init()
     _, params = fddp.functionalize(_model())

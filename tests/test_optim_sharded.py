@@ -121,6 +121,7 @@ def _fddp(mode: str, max_norm: float) -> tuple[dict, list[float]]:
             grads = acc.mean()
         shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
         norms.append(float(state.inner_state[0].norm))  # the norm before clipping, as torch returns it
+        assert float(fddp.optim.global_norm(grads)) == norms[-1]  # the same norm, asked for (one all-reduce on shards)
         assert float(state.hyperparams["lr"]) == _lr(step)
         if mode in ("zero1", "zero2"):
             params = fddp.zero.gather(shards).wait()

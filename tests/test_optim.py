@@ -233,6 +233,22 @@ def test_clip_state_logs_the_norm_through_chain_and_apply_gradients():
             assert torch.equal(params[k], p.detach()), (i, k)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_clip_and_global_norm_equal_torch_foreach_on_cuda():
+    # torch's CUDA _foreach_norm and its stacking order, as on the CPU; bf16 leaves included.
+    model = _deep(dtype=torch.bfloat16).cuda()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    clip = optim.clip_by_global_norm(1.0)
+    for seed in range(4):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        grads = {k: (torch.randn(v.shape, generator=g, device="cuda") * 0.3).to(v.dtype) for k, v in params.items()}
+        total, ref = _torch_clip(model, grads, 1.0)
+        assert torch.equal(optim.global_norm(grads), total)
+        out, state = clip.update(grads, clip.init(params))
+        assert torch.equal(state.norm, total) and all(torch.equal(out[k], ref[k]) for k in params)
+
+
 def test_global_norm_of_an_empty_tree_and_the_errors():
     assert torch.equal(optim.global_norm({}), torch.tensor(0.0))
     with pytest.raises(TypeError, match="grad 'b' must be a tensor"):

@@ -150,14 +150,19 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformationExtraArgs:
         new_state = ClipByGlobalNormState(total.detach().to(device=state.norm.device, dtype=state.norm.dtype))
         if not gs:
             return grads, new_state
-        # torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to 1, then _foreach_mul_ by it
-        # in the norm's dtype (a bf16 gradient times a float32 scale rounds once, in the kernel).
+        # torch: clip_coef = max_norm / (total_norm + 1e-6), clamped to 1, then _foreach_mul_ by it,
+        # which multiplies a bf16 gradient by the float32 scale in float32 and rounds once. On the
+        # CPU torch.mul does the same with a 0-dim scale (read as a scalar), into a pooled buffer;
+        # on CUDA a 0-dim CUDA tensor would be cast to bf16 first, so the foreach op itself runs.
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         scales: dict = {}
+        foreach = flat.multi_tensor_ok(gs)
 
         def unit(g, new):
             if g.device not in scales:
                 scales[g.device] = scale.to(g.device)
+            if foreach and g.device.type != "cpu":
+                return (torch._foreach_mul([g], scales[g.device])[0],)
             return (torch.mul(g, scales[g.device], out=new()),)
 
         (out,) = flat.run(unit, flat.step_plan(gs), [gs], gs, 1)

@@ -8,9 +8,10 @@ only the three answer characters, the part that can be learned. Each optimizer s
 gradients of ``--accum`` micro-batches locally and averages over the ranks once, so the global
 batch is ``micro_batch * accum * world_size`` sequences. The learning rate warms up linearly and
 then follows a cosine (``fddp.optim.warmup_cosine_decay``), held in the optimizer's state
-(``fddp.optim.inject_hyperparams``) so the log reads it back; weight decay spares biases and norms
-(``adamw(mask=...)``, torch's two param groups). Exact-match accuracy on held-out problems is
-measured by greedy decoding.
+(``fddp.optim.inject_hyperparams``) so the log reads it back; gradients are clipped at a global
+norm of 1, the norm logged (``clip_by_global_norm`` keeps it in its state); weight decay spares
+biases and norms in every mode (``adamw(mask=...)``, torch's two param groups). Exact-match
+accuracy on held-out problems is measured by greedy decoding.
 
 With ``--fully-shard`` the parameters are sharded too (ZeRO stage 3, ``fddp.zero.fully_shard``):
 each rank holds 1/N of the parameters, gradients and AdamW state, and gathers one unit at a time
@@ -185,14 +186,15 @@ def main() -> None:
         apply_fn, params = fddp.functionalize(model)
         params = fddp.broadcast(params)
     lr = fddp.optim.warmup_cosine_decay(0.0, args.lr, warmup_steps=args.warmup, decay_steps=max(args.steps, args.warmup + 1))
-    # Weight decay on the matrices only, not on biases and norms (torch's two param groups). The
-    # mask labels whole leaves, which ZeRO-3's flat shards do not hold: sharded, every leaf decays.
-    decay = None if args.fully_shard else fddp.optim.by_path(lambda path, p: p.ndim >= 2)
+    # Weight decay on the matrices only, not on biases and norms (torch's two param groups), in
+    # every mode: on ZeRO-3's shards the mask labels the whole leaves each slice belongs to.
+    decay = fddp.optim.by_path(lambda path, p: p.ndim >= 2)
 
     def make_opt(lr):
         return fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(lr=lr, weight_decay=0.1, mask=decay))
 
-    # The learning rate lives in the optimizer's state, where the loop reads it back for the log.
+    # The learning rate lives in the optimizer's state, where the loop reads it back for the log,
+    # and so does the gradients' norm before clipping (what torch's clip_grad_norm_ returns).
     opt = fddp.optim.inject_hyperparams(make_opt)(lr=lr)
     opt_state = opt.init(params)  # for shards: 1/N of the state
 
@@ -218,7 +220,7 @@ def main() -> None:
               f"{args.micro_batch * args.accum * world} sequences", flush=True)  # fmt: skip
     # Sharded, the gradients come out of the gathers' backward already averaged over the ranks.
     grad_fn = fddp.grad_and_value(loss_fn) if args.fully_shard else torch.func.grad_and_value(loss_fn)
-    history: dict[str, list] = {"step": [], "loss": [], "lr": [], "eval_step": [], "test_acc": []}
+    history: dict[str, list] = {"step": [], "loss": [], "lr": [], "grad_norm": [], "eval_step": [], "test_acc": []}
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         acc, loss_sum = fddp.GradAccumulator(), 0.0
@@ -238,6 +240,7 @@ def main() -> None:
         history["step"].append(step)
         history["loss"].append(loss_sum / args.accum)
         history["lr"].append(float(opt_state.hyperparams["lr"]))  # the step just taken's
+        history["grad_norm"].append(float(opt_state.inner_state[0].norm))  # chain's first state: the clip's
         if step % args.eval_every == 0 or step == args.steps:
             acc = accuracy(params, test)  # identical params on every rank: each checks the same set
             history["eval_step"].append(step)
@@ -246,7 +249,8 @@ def main() -> None:
                 recent = history["loss"][-args.eval_every :]
                 seqs_per_s = step * args.micro_batch * args.accum * world / (time.perf_counter() - t0)
                 print(f"step {step:5d}  loss {sum(recent) / len(recent):.4f}  lr {history['lr'][-1]:.2e}  "
-                      f"test exact-match {acc:.3f}  {seqs_per_s:,.0f} sequences/s", flush=True)  # fmt: skip
+                      f"grad norm {history['grad_norm'][-1]:.3f}  test exact-match {acc:.3f}  "
+                      f"{seqs_per_s:,.0f} sequences/s", flush=True)  # fmt: skip
 
     samples = ["".join(VOCAB[i] for i in row) for row in complete(params, test[:4])]  # every rank: sharded, it gathers
     if fddp.is_main():

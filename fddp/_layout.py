@@ -475,12 +475,15 @@ class Piece(NamedTuple):
         start: where it starts in the whole leaf (flattened).
         stop: one past where it ends in the whole leaf.
         numel: the whole leaf's number of elements.
+        leaf: the whole leaf's index (tree-flatten order of the whole tree), which tells a per-leaf
+            choice (a mask, a label, a param group) which leaf each element belongs to; -1 unknown.
     """
 
     at: int
     start: int
     stop: int
     numel: int
+    leaf: int = -1
 
 
 class Split(NamedTuple):
@@ -492,12 +495,17 @@ class Split(NamedTuple):
         rank: this rank, within ``group``.
         pieces: per tensor of the split tree (flatten order), the :class:`Piece` s of whole leaves
             it holds, in order; elements outside every piece are padding (zero).
+        spec: the whole tree's structure (``None``: unknown), whose leaves the pieces' ``leaf``
+            indices count; with ``leaves``, what a labels function sees of the whole tree.
+        leaves: the whole tree's :class:`~fddp._tree.LeafSpec` s, in flatten order (``()``: unknown).
     """
 
     group: Any
     world: int
     rank: int
     pieces: tuple[tuple[Piece, ...], ...]
+    spec: Any = None
+    leaves: tuple[LeafSpec, ...] = ()
 
 
 class SplitTree:

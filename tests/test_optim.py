@@ -170,6 +170,91 @@ def test_clip_by_global_norm_matches_torch():
         torch.testing.assert_close(out[k], small[k], rtol=0, atol=0)
 
 
+def _deep(seed: int = 0, dtype=None) -> torch.nn.Module:
+    # Twelve layers: optree sorts "10.weight" before "2.weight", torch keeps definition order.
+    torch.manual_seed(seed)
+    layers = [m for _ in range(6) for m in (torch.nn.Linear(9, 9), torch.nn.LayerNorm(9))]
+    model = torch.nn.Sequential(*layers)
+    if dtype is not None:
+        model[3].to(dtype)  # a second dtype: torch groups norms by device and dtype
+    return model
+
+
+def _torch_clip(model, grads, max_norm):
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p, (k, _) in zip(ref, model.named_parameters()):
+        p.grad = grads[k].clone()
+    total = torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=True)
+    return total, {k: p.grad for p, (k, _) in zip(ref, model.named_parameters())}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["float32", "with_bf16"])
+def test_clip_and_global_norm_equal_torch_foreach_to_the_bit(dtype):
+    # Issue 41: the norms were stacked in optree's sorted order, not torch's, 7.45e-9 off at one step.
+    model = _deep(dtype=dtype)
+    params = _params(model)
+    assert list(params) != sorted(params)
+    clip = optim.clip_by_global_norm(1.0)
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        grads = {k: (torch.randn(v.shape, generator=g) * 0.3).to(v.dtype) for k, v in params.items()}
+        total, ref = _torch_clip(model, grads, 1.0)
+        norm = optim.global_norm(grads)
+        assert norm.dtype == total.dtype and torch.equal(norm, total), (seed, norm, total)
+        assert torch.equal(norm, torch.nn.utils.get_total_norm(list(grads.values()), foreach=True))
+        out, state = clip.update(grads, clip.init(params))
+        assert torch.equal(state.norm, total)
+        for k in params:
+            assert torch.equal(out[k], ref[k]), (seed, k)
+    # Under the norm: scaled by exactly 1, as torch.
+    small = {k: v * 1e-3 for k, v in grads.items()}
+    out, state = clip.update(small, clip.init(params))
+    assert all(torch.equal(out[k], small[k]) for k in params) and float(state.norm) < 1
+
+
+def test_clip_state_logs_the_norm_through_chain_and_apply_gradients():
+    model = _deep()
+    params = _params(model)
+    opt = optim.chain(optim.clip_by_global_norm(0.5), optim.adamw(1e-2))
+    state = opt.init(params)
+    assert isinstance(state[0], optim.ClipByGlobalNormState) and float(state[0].norm) == 0.0
+    tmodel = copy.deepcopy(model)
+    topt = torch.optim.AdamW(tmodel.parameters(), lr=1e-2, fused=True)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        params, state = optim.apply_gradients(opt, grads, state, params)
+        for k, p in tmodel.named_parameters():
+            p.grad = grads[k].clone()
+        total = torch.nn.utils.clip_grad_norm_(tmodel.parameters(), 0.5, foreach=True)
+        topt.step()
+        assert torch.equal(state[0].norm, total)
+        for k, p in tmodel.named_parameters():
+            assert torch.equal(params[k], p.detach()), (i, k)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_clip_and_global_norm_equal_torch_foreach_on_cuda():
+    # torch's CUDA _foreach_norm and its stacking order, as on the CPU; bf16 leaves included.
+    model = _deep(dtype=torch.bfloat16).cuda()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    clip = optim.clip_by_global_norm(1.0)
+    for seed in range(4):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        grads = {k: (torch.randn(v.shape, generator=g, device="cuda") * 0.3).to(v.dtype) for k, v in params.items()}
+        total, ref = _torch_clip(model, grads, 1.0)
+        assert torch.equal(optim.global_norm(grads), total)
+        out, state = clip.update(grads, clip.init(params))
+        assert torch.equal(state.norm, total) and all(torch.equal(out[k], ref[k]) for k in params)
+
+
+def test_global_norm_of_an_empty_tree_and_the_errors():
+    assert torch.equal(optim.global_norm({}), torch.tensor(0.0))
+    with pytest.raises(TypeError, match="grad 'b' must be a tensor"):
+        optim.global_norm({"a": torch.ones(2), "b": 3})
+
+
 def test_chain_clip_then_sgd_matches_torch():
     model = _model()
     loss = _loss_fn(model)

@@ -372,7 +372,7 @@ def test_a_wrapper_that_forwards_extra_args_keeps_the_fused_step():
     assert "plain GradientTransformation" in optim.fast_path(_logged(opt, [], False), g, state, params)
     # chain keeps it too, for its last transformation.
     chained = optim.chain(optim.clip_by_global_norm(1e9), opt)
-    c, _ = optim.apply_gradients(chained, g, (optim.EmptyState(), state), params)
+    c, _ = optim.apply_gradients(chained, g, (chained.init(params)[0], state), params)
     assert all(torch.equal(c[k], fused[k]) for k in params)
 
 

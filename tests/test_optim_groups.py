@@ -241,15 +241,6 @@ def test_labels_as_a_prefix_tree_and_the_paths_errors_name():
     assert isinstance(masked_state, optim.AdamState) and masked_state.exp_avg["body"]["b"].shape == (3,)
 
 
-def test_groups_refuse_zero_shards():
-    fddp.init()
-    params = {"w": torch.randn(4, 3), "b": torch.randn(3)}
-    shards = fddp.zero.shard(params)
-    opt = optim.adamw(mask=DECAY)
-    with pytest.raises(TypeError, match="groups are not supported on sharded trees"):
-        opt.update(optree.tree_map(torch.zeros_like, shards), opt.init(shards), shards)
-
-
 def test_grouped_flat_and_per_leaf_paths_identical(monkeypatch):
     def make():
         return optim.chain(optim.masked(optim.clip_by_global_norm(0.5), DECAY), GROUPED["adamw_mask"][0]())
@@ -399,3 +390,51 @@ def test_injected_hyperparameters_errors():
     # A set value is a CPU scalar of the kind it replaces, whatever it arrived as.
     new = optim.set_hyperparams(state, lr=torch.tensor(5e-4, dtype=torch.float32))
     assert new.hyperparams["lr"].dtype == torch.float64 and state.hyperparams["lr"].item() == 1e-3
+
+
+def test_an_integer_hyperparameter_does_not_truncate_later_values():
+    # Issue 38 item 6: lr=1, momentum=0 as ints, then set to 0.5 and 0.9, held 0 and 0 (int64).
+    opt = optim.inject_hyperparams(optim.sgd)(lr=1, momentum=0)
+    params = {"w": torch.ones(3)}
+    state = optim.set_hyperparams(opt.init(params), lr=0.5, momentum=0.9)
+    assert float(state.hyperparams["lr"]) == 0.5 and float(state.hyperparams["momentum"]) == 0.9
+    assert state.hyperparams["lr"].dtype == torch.float64
+    g = {"w": torch.full((3,), 2.0)}
+    ref = torch.nn.Parameter(torch.ones(3))
+    topt = torch.optim.SGD([ref], lr=0.5, momentum=0.9)
+    for _ in range(3):
+        params, state = optim.apply_gradients(opt, g, state, params)
+        ref.grad = g["w"].clone()
+        topt.step()
+    assert torch.equal(params["w"], ref.detach())
+    # Momentum switched on mid-run, then off, as torch's param_groups allow (its buffer is made at
+    # the first step that uses momentum, and kept while momentum is 0).
+    for fused in (False, True):
+        opt = optim.inject_hyperparams(optim.sgd)(lr=1, momentum=0, dampening=0.5 if not fused else 0)
+        params, state = {"w": torch.ones(3)}, None
+        ref = torch.nn.Parameter(torch.ones(3))
+        topt = torch.optim.SGD([ref], lr=1, momentum=0, dampening=0.5 if not fused else 0)
+        state = opt.init(params)
+        for i, (lr, mom) in enumerate([(1, 0), (0.5, 0.9), (0.5, 0.9), (0.25, 0), (0.25, 0.8)]):
+            state = optim.set_hyperparams(state, lr=lr, momentum=mom)
+            topt.param_groups[0].update(lr=lr, momentum=mom)
+            gi = {"w": torch.tensor([0.5, -1.0, 2.0]) * (i + 1)}
+            if fused:
+                params, state = optim.apply_gradients(opt, gi, state, params)
+            else:
+                u, state = opt.update(gi, state, params)
+                params = optim.apply_updates(params, u)
+            ref.grad = gi["w"].clone()
+            topt.step()
+            assert torch.equal(params["w"], ref.detach()), (fused, i, params["w"], ref)
+    # A factory argument that must stay an int gets an int while its value is whole.
+    seen = []
+
+    def make(lr, every):
+        seen.append(type(every))
+        return optim.sgd(lr)
+
+    opt = optim.inject_hyperparams(make)(lr=0.1, every=4)
+    state = opt.init(params)
+    opt.update(g, optim.set_hyperparams(state, every=2), params)
+    assert seen and all(t is int for t in seen)

@@ -18,8 +18,11 @@ Gradients must be tensors of their parameter's dtype, as torch requires of ``par
 dtypes, a float64 gradient for a float32 parameter.
 
 Parameter groups (torch's ``param_groups``) are ``mask=`` on an optimizer (where weight decay
-applies) or :func:`multi_transform` (a transformation per label); hyperparameters that change
-mid-run live in the state with :func:`inject_hyperparams` and :func:`set_hyperparams`.
+applies) or :func:`multi_transform` (a transformation per label), on replicated parameters and on
+``fddp.zero``'s shards alike; hyperparameters that change mid-run live in the state with
+:func:`inject_hyperparams` and :func:`set_hyperparams`. :func:`global_norm` is the gradients'
+global norm (``torch.nn.utils.get_total_norm``), and :func:`clip_by_global_norm` keeps the norm it
+clipped by in its state, for the log.
 """
 
 from ._adam import AdamState, adam, adamw
@@ -34,7 +37,7 @@ from ._base import (
     chain,
     fast_path,
 )
-from ._clip import clip_by_global_norm
+from ._clip import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from ._groups import MaskedNode, MaskedState, MultiTransformState, by_path, masked, multi_transform, set_to_zero
 from ._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from ._multi_steps import AccumulateState, accumulate
@@ -57,6 +60,8 @@ __all__ = [
     "adamw",
     "AdamState",
     "clip_by_global_norm",
+    "ClipByGlobalNormState",
+    "global_norm",
     "multi_transform",
     "MultiTransformState",
     "masked",

@@ -137,7 +137,7 @@ def _masked(
     if mask is None:
         return decayed
     plain = _make(name, lr, betas, eps, 0.0, amsgrad, decoupled=decoupled)
-    return grouped({True: decayed, False: plain}, mask, name)
+    return grouped({True: decayed, False: plain}, mask, name, donated_alike=True)
 
 
 def _make(

@@ -8,6 +8,10 @@ tree shaped like the parameters (or a prefix of it) or as a function of the para
 own leaves only: the others are replaced by an empty node (:class:`MaskedNode`), so its paths stay
 the parameters' paths, and its fused step (``apply_gradients``) runs once per group, one kernel
 call per dtype and device, as ``torch.optim.*(fused=True)`` runs once per param group.
+
+On ``fddp.zero``'s shards (stages 1 to 3) the labels are those of the whole parameters, and a
+group is the slices of the shards that hold its leaves (``_slices``): a per-leaf choice made per
+slice, with the numbers of the replicated step.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import optree
 import torch
 from torch import Tensor
 
-from fddp._layout import has_split
+from fddp._layout import SplitTree, has_split
 from fddp._tree import specs_of
 
 from . import _flat as flat
 from ._base import Applied, Apply, EmptyState, GradientTransformation, GradientTransformationExtraArgs, apply_updates
 from ._checks import OptState, Params, PyTree, Updates, check_grads, check_state, describe, flatten, leaves_like, paths_of
+from ._slices import SplitPartition, labels_of
 
 __all__ = [
     "MaskedNode",
@@ -136,13 +141,12 @@ class _Partition:
         self.labels = labels
         self.keys = keys  # a flat dict's keys in flatten order, else None
         self.groups: dict[Any, list[int]] = {}
+        _check_hashable(labels, lambda i: paths_of(treedef)[i], where)
         for i, label in enumerate(labels):
-            if not _hashable(label):
-                raise TypeError(
-                    f"{where}: leaf {paths_of(treedef)[i]!r} has the label {label!r}; a label is a plain hashable "
-                    "value such as a str or a bool (for a mask, a Python bool: p.ndim >= 2, not a tensor)"
-                )
             self.groups.setdefault(label, []).append(i)
+
+    def name(self, i: int) -> str:
+        return paths_of(self.treedef)[i]
 
     def tree(self, leaves: list, label: Hashable) -> PyTree:
         """The tree of this label's leaves."""
@@ -152,7 +156,7 @@ class _Partition:
         labels = self.labels
         return optree.tree_unflatten(self.treedef, [x if labels[i] == label else _MASKED for i, x in enumerate(leaves)])
 
-    def merge(self, parts: Mapping[Any, PyTree]) -> PyTree:
+    def merge(self, parts: Mapping[Any, PyTree], like: Any = None) -> PyTree:
         """One tree from each label's tree of its leaves (every label's, or the leaves are None)."""
         out = [None] * len(self.labels)
         for label, tree in parts.items():
@@ -161,12 +165,18 @@ class _Partition:
         return optree.tree_unflatten(self.treedef, out)
 
 
-def _partition(labels: Labels, tree: PyTree, leaves: list, treedef: optree.PyTreeSpec, where: str) -> _Partition:
+def _partition(labels: Labels, tree: PyTree, leaves: list, treedef: optree.PyTreeSpec, where: str) -> _Partition | SplitPartition:
+    if isinstance(tree, SplitTree):
+        # fddp.zero's shards: the whole parameters' labels, made per slice of the shards.
+        whole = labels_of(labels, labels.labels if isinstance(labels, _ByPath) else None, tree, where)
+        part = SplitPartition(tree, treedef, whole, where)
+        _check_hashable(whole, part.name, where)
+        return part
     if has_split(treedef):
         raise TypeError(
             f"{where}: labels and masks choose leaves of the parameters, but this tree holds fddp.zero's shards "
-            "(slices of flat buckets, not leaves); groups are not supported on sharded trees: run the grouped "
-            "optimizer on replicated parameters, or shard without groups"
+            "below its root; give the optimizer the sharded tree itself (the fddp.zero.Sharded), whose labels are "
+            "those of the whole parameters"
         )
     flat_dict = type(tree) is dict and all(map(isinstance, tree.values(), itertools.repeat(Tensor)))
     keys = tuple(treedef.entries()) if flat_dict else None
@@ -183,10 +193,19 @@ def _partition(labels: Labels, tree: PyTree, leaves: list, treedef: optree.PyTre
     return _Partition(treedef, flatten(full)[0], keys, where)
 
 
-def _check_labels(part: _Partition, known: Mapping, where: str, what: str = "transforms") -> None:
+def _check_hashable(labels: list, name: Callable[[int], str], where: str) -> None:
+    for i, label in enumerate(labels):
+        if not _hashable(label):
+            raise TypeError(
+                f"{where}: leaf {name(i)!r} has the label {label!r}; a label is a plain hashable "
+                "value such as a str or a bool (for a mask, a Python bool: p.ndim >= 2, not a tensor)"
+            )
+
+
+def _check_labels(part: _Partition | SplitPartition, known: Mapping, where: str, what: str = "transforms") -> None:
     for label, idx in part.groups.items():
         if label not in known:
-            name = paths_of(part.treedef)[idx[0]]
+            name = part.name(idx[0])
             raise ValueError(
                 f"{where}: leaf {name!r} has the label {label!r}, which is not one of the {what} "
                 f"({', '.join(map(repr, known))}); label every leaf with one of them"
@@ -233,6 +252,35 @@ def _run_group(
     return out, s
 
 
+def _grouped_in_place(
+    part: SplitPartition, transforms: Mapping, gs: list, state: OptState, params: Params, extra: dict
+) -> tuple[Applied, OptState]:
+    """``grouped``'s fused step on shards: every group steps its slices of one copy of the
+    parameters and state in place (of the donated ones themselves, when donated), so the groups'
+    results need no copy back; a group that cannot step in place is copied into its slices."""
+    request: Apply = extra["apply"]
+    if not request.donate:
+        params, state = part.fresh(params), part.fresh(state)
+    ps = flatten(params)[0]
+    sub = {**extra, "apply": request._replace(donate=True)}
+    outs, states = {}, {}
+    for label in part.groups:
+        sub_p = part.tree(ps, label)
+        out, states[label] = _run_group(transforms[label], label, part.tree(gs, label), part.cut(state, label), sub_p, sub)
+        outs[label] = _applied_params(out, sub_p)
+    return Applied(part.merge(outs, ps, ps)), part.join(states, state, in_place=True)
+
+
+def _cut(part: _Partition | SplitPartition, state: OptState, label: Hashable) -> OptState:
+    """A group's state as its transformation sees it: on shards, its slices of the whole-shard state."""
+    return part.cut(state, label) if isinstance(part, SplitPartition) else state
+
+
+def _join(part: _Partition | SplitPartition, states: Mapping[Any, OptState], old: OptState) -> OptState:
+    """The state to keep from a group's step: on shards, its slices written back into whole shards."""
+    return part.join(states, old) if isinstance(part, SplitPartition) else next(iter(states.values()))
+
+
 def _applied_params(out: Any, params: Params) -> Params:
     return out.params if isinstance(out, Applied) else apply_updates(params, out)
 
@@ -276,6 +324,10 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
         leaves, treedef = flatten(params)
         part = _partition(labels, params, leaves, treedef, "multi_transform.init")
         _check_labels(part, transforms, "multi_transform.init")
+        if isinstance(part, SplitPartition):
+            # On shards each group's state spans the whole shards (its slices cut at each step),
+            # so that it is a sharded tree like any other: checkpoints save and reshard it.
+            return MultiTransformState({label: t.init(params) for label, t in transforms.items()})
         return MultiTransformState({label: t.init(part.tree(leaves, label)) for label, t in transforms.items()})
 
     def update(grads: Updates, state: MultiTransformState, params: Params | None = None, **extra: Any) -> tuple[Any, MultiTransformState]:
@@ -293,9 +345,11 @@ def multi_transform(transforms: Mapping[Hashable, GradientTransformation], label
         outs = {}
         for label in part.groups:
             sub_p = part.tree(ps, label) if ps is not None else None
-            out, states[label] = _run_group(transforms[label], label, part.tree(gs, label), states[label], sub_p, extra)
+            sub_s = _cut(part, states[label], label)
+            out, new_s = _run_group(transforms[label], label, part.tree(gs, label), sub_s, sub_p, extra)
+            states[label] = _join(part, {label: new_s}, states[label])
             outs[label] = _applied_params(out, sub_p) if apply else out
-        merged = part.merge(outs)
+        merged = part.merge(outs, ps if apply else gs)
         return (Applied(merged) if apply else merged), MultiTransformState(states)
 
     return GradientTransformationExtraArgs(init, update)
@@ -332,6 +386,8 @@ def masked(inner: GradientTransformation, mask: Labels, /) -> GradientTransforma
         leaves, treedef = flatten(params)
         part = _partition(mask, params, leaves, treedef, "masked.init")
         _check_labels(part, bools, "masked.init", "mask values")
+        if isinstance(part, SplitPartition):
+            return MaskedState(inner.init(params))  # spans the whole shards, as multi_transform's
         return MaskedState(inner.init(part.tree(leaves, True)))
 
     def update(grads: Updates, state: MaskedState, params: Params | None = None, **extra: Any) -> tuple[Any, MaskedState]:
@@ -344,12 +400,13 @@ def masked(inner: GradientTransformation, mask: Labels, /) -> GradientTransforma
             rest = apply_updates(params, grads) if apply else grads
             return (Applied(rest) if apply else rest), state
         sub_p = part.tree(ps, True) if ps is not None else None
-        out, inner_state = _run_group(inner, True, part.tree(gs, True), state.inner_state, sub_p, extra)
+        out, inner_state = _run_group(inner, True, part.tree(gs, True), _cut(part, state.inner_state, True), sub_p, extra)
+        inner_state = _join(part, {True: inner_state}, state.inner_state)
         outs = {True: _applied_params(out, sub_p) if apply else out}
         if False in part.groups:
             passed = part.tree(gs, False)
             outs[False] = apply_updates(part.tree(ps, False), passed) if apply else passed
-        merged = part.merge(outs)
+        merged = part.merge(outs, ps if apply else gs)
         return (Applied(merged) if apply else merged), MaskedState(inner_state)
 
     return GradientTransformationExtraArgs(init, update)
@@ -383,13 +440,20 @@ def set_to_zero() -> GradientTransformationExtraArgs:
     return GradientTransformationExtraArgs(init, update)
 
 
-def grouped(transforms: Mapping[Hashable, GradientTransformation], labels: Labels, where: str) -> GradientTransformationExtraArgs:
+def grouped(
+    transforms: Mapping[Hashable, GradientTransformation], labels: Labels, where: str, *, donated_alike: bool = False
+) -> GradientTransformationExtraArgs:
     """Like :func:`multi_transform`, for transformations of one kind (``adamw`` with and without
     weight decay), whose state stays one state of that kind over the whole tree.
 
     The transformations' states must be NamedTuples whose fields are trees shaped like the
     parameters (cut into groups) or values every group holds alike (a step count, ``()``); the
     state is the first transformation's ``init`` of the whole tree. How ``mask=`` is made.
+
+    ``donated_alike``: the transformations' fused step gives the same numbers donated or not
+    (``adam``/``adamw``: torch's fused kernel either way; not ``sgd``, whose own step rounds once
+    where torch's kernel, its donated step, rounds twice). Then on shards every group steps its
+    slices of one copy of the parameters and state in place, and nothing is copied back.
     """
     transforms = dict(transforms)
     first = next(iter(transforms.values()))
@@ -403,16 +467,24 @@ def grouped(transforms: Mapping[Hashable, GradientTransformation], labels: Label
             return _run_group(transforms[label], label, grads, state, params, extra)
         if not (isinstance(state, tuple) and hasattr(type(state), "_fields")):
             raise TypeError(f"{where}.update: expected this optimizer's state (from its init), got {describe(state)}")
-        fields = [flatten(f) for f in state]
-        shaped = [spec == treedef for _, spec in fields]
+        split = isinstance(part, SplitPartition)
         apply = extra.get("apply") is not None and ps is not None
+        if split and apply and (donated_alike or extra["apply"].donate):
+            return _grouped_in_place(part, transforms, gs, state, params, extra)
+        fields = [flatten(f) for f in state] if not split else []
+        shaped = [spec == treedef for _, spec in fields]
         outs, states = {}, {}
         for label in part.groups:
-            sub_state = type(state)(*(part.tree(leaves, label) if s else f for (leaves, _), s, f in zip(fields, shaped, state)))
+            if split:
+                sub_state = part.cut(state, label)
+            else:
+                sub_state = type(state)(*(part.tree(leaves, label) if s else f for (leaves, _), s, f in zip(fields, shaped, state)))
             sub_p = part.tree(ps, label) if ps is not None else None
             out, states[label] = _run_group(transforms[label], label, part.tree(gs, label), sub_state, sub_p, extra)
             outs[label] = _applied_params(out, sub_p) if apply else out
-        merged = part.merge(outs)
+        merged = part.merge(outs, ps if apply else gs)
+        if split:
+            return (Applied(merged) if apply else merged), part.join(states, state)
         lead = states[next(iter(part.groups))]
         new_fields = []
         for k, (s, f) in enumerate(zip(shaped, lead)):

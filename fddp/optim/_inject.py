@@ -32,8 +32,8 @@ class InjectHyperparamsState(NamedTuple):
     Attributes:
         count: the number of updates so far (an int64 CPU scalar tensor).
         hyperparams: each injected hyperparameter's value at the latest update (before the first,
-            the value the first will use), by name: a CPU scalar tensor (float64, or int64 for an
-            integer), or a tuple of them (``betas``). Read it for logging:
+            the value the first will use), by name: a float64 CPU scalar tensor, or a tuple of them
+            (``betas``), whatever number it was given as (as optax stores them). Read it for logging:
             ``float(state.hyperparams["lr"])``; change it with :func:`set_hyperparams`.
         inner_state: the optimizer's own state.
     """
@@ -55,6 +55,11 @@ def inject_hyperparams(
     that is a function is a schedule of the step count (``fddp.optim.cosine_decay(...)``,
     evaluated at every step, its value recorded in the state); anything else (booleans such as
     ``amsgrad``, ``mask=``, the names in ``static_args``) is passed to ``make`` unchanged.
+
+    Values are stored as float64 whatever they were given as: ``lr=1`` followed by
+    ``set_hyperparams(state, lr=0.5)`` holds 0.5. An argument first given as an ``int`` reaches
+    ``make`` as an ``int`` while its value is whole (a factory's ``every=4`` stays a count), as a
+    ``float`` otherwise.
 
     Each step calls ``make`` with the state's values as Python numbers and runs that optimizer's
     ``update`` with the extra arguments it was given: the results are those of the optimizer
@@ -98,6 +103,8 @@ def inject_hyperparams(
             else:
                 static[key] = value
         names = set(numbers) | set(schedules)
+        # Which arguments arrived as ints: make gets them back as ints while their value is whole.
+        ints = {k: _is_int(v) for k, v in numbers.items()}
         where = f"inject_hyperparams({name}).update"
 
         def values_at(count: Tensor, stored: dict) -> dict:
@@ -109,7 +116,7 @@ def inject_hyperparams(
         last: list = [None, None]  # the latest values and the optimizer made from them: most steps change nothing
 
         def inner(values: dict) -> GradientTransformation:
-            numbers = {k: _as_number(v) for k, v in values.items()}
+            numbers = {k: _as_number(v, ints.get(k, False)) for k, v in values.items()}
             if numbers == last[0]:
                 return last[1]
             t = make(**static, **numbers)
@@ -211,31 +218,47 @@ def _numeric(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _is_int(value: Any) -> Any:
+    """Whether ``value`` was given as an integer (a tuple of answers for a tuple)."""
+    if isinstance(value, (tuple, list)):
+        return tuple(map(_is_int, value))
+    if isinstance(value, Tensor):
+        return not value.is_floating_point()
+    return isinstance(value, int)
+
+
 def _as_state(value: Any, key: str) -> Any:
-    """A hyperparameter's value as the state holds it: a CPU scalar tensor (float64 or int64), or a tuple of them."""
+    """A hyperparameter's value as the state holds it: a float64 CPU scalar tensor, or a tuple of them.
+
+    Always float64: a state that kept an integer's int64 would truncate every later value set into
+    it (``lr=1`` then ``set_hyperparams(lr=0.5)`` would hold 0).
+    """
     if isinstance(value, (tuple, list)):
         return tuple(_as_state(v, key) for v in value)
     if isinstance(value, Tensor):
         if value.dim() != 0:
             raise ValueError(f"inject_hyperparams: {key} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        dtype = torch.float64 if value.is_floating_point() else torch.int64
-        return value.detach().to("cpu", dtype)
+        return value.detach().to("cpu", torch.float64)
     if not _numeric(value) or (isinstance(value, float) and not math.isfinite(value)):
         raise ValueError(f"inject_hyperparams: {key} must be a finite number, got {value!r}")
-    return torch.tensor(value, dtype=torch.float64 if isinstance(value, float) else torch.int64)
+    return torch.tensor(value, dtype=torch.float64)
 
 
-def _as_number(value: Any) -> Any:
+def _as_number(value: Any, was_int: Any = False) -> Any:
+    """The Python number ``make`` gets: an int where the argument arrived as one and is whole, else a float."""
     if isinstance(value, tuple):
-        return tuple(map(_as_number, value))
-    return float(value) if value.is_floating_point() else int(value)
+        flags = was_int if isinstance(was_int, tuple) and len(was_int) == len(value) else (False,) * len(value)
+        return tuple(map(_as_number, value, flags))
+    if not value.is_floating_point():  # a state saved before values were stored as floats
+        return int(value)
+    x = float(value)
+    return int(x) if was_int and x.is_integer() else x
 
 
 def _like(value: Any, old: Any, key: str) -> Any:
-    """``value`` in the form of the value it replaces (a float64 or int64 scalar, or a tuple of them)."""
+    """``value`` in the form of the value it replaces: a float64 scalar, or a tuple of them."""
     if isinstance(old, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(old):
             raise ValueError(f"set_hyperparams: {key} holds {len(old)} values, got {value!r}")
         return tuple(_like(v, o, key) for v, o in zip(value, old))
-    new = _as_state(value, key)
-    return new.to(old.dtype) if isinstance(old, Tensor) else new
+    return _as_state(value, key)

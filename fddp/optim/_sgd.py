@@ -102,28 +102,38 @@ def _init(cfg: _SGD, params: Params) -> SGDState:
 
 
 def _leaves(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None, need_params: bool):
-    """The inputs' leaves, checked: (treedef, grads, momentum buffers or None, params or None)."""
+    """The inputs' leaves, checked: (treedef, grads, momentum buffers or None, params or None, fresh).
+
+    ``fresh``: momentum is on but the state holds no buffer (it was off until now:
+    ``inject_hyperparams`` changed it). As in torch, whose buffer is made at the first step that
+    uses momentum, the buffer starts as this step's gradient: zeros here, with the first step's
+    factors.
+    """
     checks.check_state(state, SGDState, _WHERE, grads=grads, params=params)
-    if bool(cfg.momentum) != (not _is_empty(state.momentum_buffer)):
-        raise TypeError(f"{_WHERE}: the state has no momentum buffer matching momentum={cfg.momentum!r}")
-    if cfg.momentum:
+    fresh = bool(cfg.momentum) and _is_empty(state.momentum_buffer)
+    if cfg.momentum and not fresh:
         bufs, treedef = checks.flatten(state.momentum_buffer)
         gs, _ = checks.check_grads(grads, treedef, _WHERE)
     else:
-        bufs = None
         gs, treedef = checks.check_grads(grads, None, _WHERE)
+        bufs = [torch.zeros_like(g) for g in gs] if fresh else None
     ps = checks.params_leaves(params, treedef, _WHERE, "weight_decay != 0") if need_params else None
-    if cfg.momentum:
+    if cfg.momentum and not fresh:
         checks.check_dtypes(gs, bufs, treedef, _WHERE, "state.momentum_buffer")
     elif params is not None:
         checks.check_dtypes(gs, ps if ps is not None else checks.params_leaves(params, treedef, _WHERE, ""), treedef, _WHERE, "params")
     # Plain SGD called without params has nothing to compare with: its updates have the
     # gradients' dtype, and apply_updates casts them to the parameters'.
-    return treedef, gs, bufs, ps
+    return treedef, gs, bufs, ps, fresh
+
+
+def _kept(cfg: _SGD, state: SGDState) -> Any:
+    """The buffer a step without momentum hands on: torch keeps a buffer it no longer uses."""
+    return () if cfg.momentum else state.momentum_buffer
 
 
 def _update(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None = None) -> tuple[Updates, SGDState]:
-    treedef, gs, bufs, ps = _leaves(cfg, grads, state, params, bool(cfg.weight_decay))
+    treedef, gs, bufs, ps, fresh = _leaves(cfg, grads, state, params, bool(cfg.weight_decay))
     momentum, dampening = cfg.momentum, cfg.dampening
     count = state.count
     neg_lr = -checks.lr_at(cfg.lr, count)
@@ -131,7 +141,7 @@ def _update(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None = 
         neg_lr = torch.tensor(neg_lr, dtype=torch.float64, device=count.device)
     # torch's first-step buffer is the raw gradient: with a zero buffer, ``0 * m + 1 * g == g``
     # exactly, so we only need per-step factors when dampening would scale the first gradient.
-    first = count == 0
+    first = torch.ones((), dtype=torch.bool) if fresh else count == 0
     keep = torch.where(first, 0.0, momentum).to(torch.float64) if dampening else momentum
     mix = torch.where(first, 1.0, 1.0 - dampening).to(torch.float64) if dampening else 1.0
     ref = bufs if momentum else gs
@@ -142,7 +152,7 @@ def _update(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None = 
     scalars = _Scalars(neg_lr, keep, mix)
     unit = functools.partial(_unit, momentum=momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, scalars=scalars)
     new_bufs, u = flat.run(unit, step, [gs, bufs, ps], ref, 2)
-    new_buf = optree.tree_unflatten(treedef, new_bufs) if momentum else ()
+    new_buf = optree.tree_unflatten(treedef, new_bufs) if momentum else _kept(cfg, state)
     return optree.tree_unflatten(treedef, u), SGDState(count + 1, new_buf)
 
 
@@ -161,7 +171,7 @@ def _applied(cfg: _SGD, grads: Updates, state: SGDState, params: Params, request
     why = request.why
     if cfg.momentum and cfg.dampening:
         return flat.note(why, "sgd: update + apply_updates (dampened momentum has no fused step)")
-    treedef, gs, bufs, ps = _leaves(cfg, grads, state, params, True)
+    treedef, gs, bufs, ps, _ = _leaves(cfg, grads, state, params, True)
     momentum = cfg.momentum
     step = flat.step_plan(
         ps, gs, *([bufs] if momentum else []), names=lambda: checks.paths_of(treedef),
@@ -189,7 +199,8 @@ def _applied(cfg: _SGD, grads: Updates, state: SGDState, params: Params, request
                     nesterov=cfg.nesterov, maximize=False, is_first_step=False,
                 )  # fmt: skip
             after()
-        return Applied(optree.tree_unflatten(treedef, ps)), SGDState(state.count + 1, state.momentum_buffer)
+        new_buf = optree.tree_unflatten(treedef, bufs) if momentum else _kept(cfg, state)
+        return Applied(optree.tree_unflatten(treedef, ps)), SGDState(state.count + 1, new_buf)
     flat.note(why, "sgd: the step written straight into new flat buffers")
     new_p, new_b = [], []
     for k, group in enumerate(step.groups):
@@ -197,7 +208,8 @@ def _applied(cfg: _SGD, grads: Updates, state: SGDState, params: Params, request
         new_p.append(p)
         new_b.append(b)
     new_params = optree.tree_unflatten(treedef, step.out(new_p))
-    return Applied(new_params), SGDState(state.count + 1, optree.tree_unflatten(treedef, step.out(new_b)) if momentum else ())
+    new_buf = optree.tree_unflatten(treedef, step.out(new_b)) if momentum else _kept(cfg, state)
+    return Applied(new_params), SGDState(state.count + 1, new_buf)
 
 
 def _group_step(cfg: _SGD, step: flat.Step, k: int, group: flat.Group, gs, bufs, ps, lr_t) -> tuple[Tensor, Tensor | None]:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from fddp import _caches, _layout
 from fddp._layout import BucketPlan, Piece, Split, SplitTree
 from fddp._pool import new_buffer
+from fddp._tree import LeafSpec
 
 __all__ = ["ALIGN", "Cut", "ShardLayout", "Sharded", "cut", "layout", "new_shards", "leaf_pieces"]
 
@@ -134,14 +135,18 @@ class ShardLayout:
             groups.append(_layout.Bucket(tuple(ks), tuple((n,) for n in sizes), sizes, tuple(cuts[k].offset for k in ks), d, dev))
         set_(self, "shard_plan", BucketPlan(tuple(groups), len(cuts)))
         pieces = []
+        leaves: list[Any] = [None] * self.plan.num_leaves
         for b, c in zip(self.plan.buckets, cuts):
             held = []
-            for off, n in zip(b.offsets, b.numels):
+            for i, shape, off, n in zip(b.indices, b.shapes, b.offsets, b.numels):
+                leaves[i] = LeafSpec(shape, b.dtype, b.device)
                 lo, hi = max(c.lo, off), min(c.hi, off + n)
                 if lo < hi:
-                    held.append(Piece(lo - c.lo, lo - off, hi - off, n))
+                    held.append(Piece(lo - c.lo, lo - off, hi - off, n, i))
             pieces.append(tuple(held))
-        set_(self, "split", Split(self.group, self.world, self.rank, tuple(pieces)))
+        # The whole tree's structure and leaf specs, for per-leaf optimizer choices (masks, labels).
+        whole = tuple(leaves) if None not in leaves else ()
+        set_(self, "split", Split(self.group, self.world, self.rank, tuple(pieces), self.spec, whole))
 
     def __repr__(self) -> str:
         return (

@@ -66,6 +66,9 @@ SCOPED_ELSEWHERE = {
     "fddp.diloco.diloco": "builds the outer step; DiLoCo.step communicates inside its scope",
     "fddp.diloco.local_sgd": "builds the outer step; DiLoCo.step communicates inside its scope",
     "fddp.init": "torch.distributed's own init_process_group: there is no group to scope before it",
+    "fddp.optim.global_norm": "on shards, its one all-reduce is an entry (optim.global_norm); a replicated tree is local",
+    "fddp.optim.clip_by_global_norm": "builds a transformation; its update on shards reaches global_norm's entry",
+    "fddp.optim.apply_gradients": "local, but for a clip on shards: global_norm's entry",
 }
 # Public callables that never communicate.
 LOCAL = {
@@ -74,10 +77,12 @@ LOCAL = {
     "fddp.local_rank", "fddp.rank", "fddp.set_checks", "fddp.world_size",
     "fddp.checkpoint.latest", "fddp.checkpoint.steps", "fddp.checkpoint.step_path",
     "fddp.scaling.predict_step", "fddp.scaling.choose_bucket_cap", "fddp.scaling.wire_rounds", "fddp.scaling.fit_alpha_beta",
+    "fddp.optim.fast_path", "fddp.optim.apply_updates", "fddp.optim.chain", "fddp.optim.sgd", "fddp.optim.adam",
+    "fddp.optim.adamw", "fddp.optim.multi_transform", "fddp.optim.masked", "fddp.optim.set_to_zero", "fddp.optim.by_path",
+    "fddp.optim.inject_hyperparams", "fddp.optim.set_hyperparams", "fddp.optim.accumulate", "fddp.optim.constant",
+    "fddp.optim.linear", "fddp.optim.cosine_decay", "fddp.optim.warmup_cosine_decay", "fddp.optim.exponential_decay",
 }  # fmt: skip
-# fddp.optim's functions build pure transformations; those that communicate on shards do so inside
-# update, in the call scope of the sharded tree's group (clip_by_global_norm).
-MODULES = (fddp, fddp.zero, fddp.checkpoint, fddp.diloco, fddp.scaling)
+MODULES = (fddp, fddp.zero, fddp.checkpoint, fddp.diloco, fddp.scaling, fddp.optim)
 
 
 def _public_functions() -> dict[str, object]:

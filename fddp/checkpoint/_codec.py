@@ -504,7 +504,11 @@ def _check_zip(f: Any, path: str, size: int) -> None:
     """Raise unless ``f`` is a whole zip whose pickles (structure and scalars) pass their CRC-32."""
     try:
         with zipfile.ZipFile(f) as z:
-            # Every entry, not every name: an archive may hold one name twice.
+            names = [i.filename for i in z.infolist()]
+            if len(set(names)) != len(names):
+                twice = next(n for n in names if names.count(n) > 1)
+                # Two readers may pick different copies: the one checked would not be the one loaded.
+                raise CheckpointError(f"{path}: refused to load: the archive holds {twice} twice; torch.save never writes that")
             pickles = [i for i in z.infolist() if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
             for info in pickles:
                 try:

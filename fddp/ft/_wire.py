@@ -147,7 +147,8 @@ def header_of(raw: torch.Tensor, where: str = "fddp.ft: a peer's live state") ->
         fddp.checkpoint.CheckpointError: naming ``where``: not JSON, not fddp's live state, or another version.
     """
     try:
-        header = json.loads(bytes(raw.untyped_storage())[: raw.numel()].decode())
+        # The bytes through a memoryview: bytes(storage) would copy them one Python int at a time.
+        header = json.loads(bytes(_codec.tensor_bytes(raw.reshape(-1).to(torch.uint8))).decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise _codec.CheckpointError(f"{where}: a live-state header that is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(header, dict) or header.get("format") != MAGIC:

@@ -434,3 +434,52 @@ def _deep(n: int) -> Any:
     for _ in range(n):
         x = [x]
     return x
+
+
+# --- the DCP index: CRC before parsing, exact names, pieces inside the directory, no pickled objects ----
+
+
+def test_issue_38s_metadata_is_refused_unread_by_its_crc_and_by_name_without_one(tmp_path, sharded):
+    ours, theirs = sharded
+    marker = tmp_path / "x"
+    issue = b"\x80\x04\x8c\x27torch.distributed.checkpoint.filesystem\x8c\x09os.system\x93" + _s(f"touch {marker}") + b"\x85R."
+    fddp.init()
+    for source, like, expect in (
+        (ours, _tree(0.0), "damaged: it does not match the CRC-32 saved in the manifest .* so it was not read"),
+        (theirs, {"w": torch.zeros(8)}, "unsupported GLOBAL torch.distributed.checkpoint.filesystem.os.system"),
+    ):
+        directory = str(tmp_path / os.path.basename(source))
+        shutil.copytree(source, directory)
+        with open(os.path.join(directory, ".metadata"), "wb") as f:
+            f.write(issue)
+        with pytest.raises(CheckpointError, match=expect):
+            ckpt.load_sharded(directory, like)
+        assert not marker.exists()
+
+
+def test_an_index_whose_pieces_lie_outside_the_directory_is_refused(tmp_path, sharded):
+    _, theirs = sharded
+    directory = str(tmp_path / "theirs")
+    shutil.copytree(theirs, directory)
+    meta = os.path.join(directory, ".metadata")
+    with open(meta, "rb") as f:
+        md = pickle.load(f)
+    (index, info), = md.storage_data.items()
+    for elsewhere in ("../secret.distcp", "/etc/passwd", "sub/../../x"):
+        md.storage_data[index] = type(info)(elsewhere, 0, info.length)
+        with open(meta, "wb") as f:
+            pickle.dump(md, f)
+        with pytest.raises(CheckpointError, match="not a byte range of a file in the checkpoint's directory"):
+            ckpt.load_sharded(directory, {"w": torch.zeros(8)})
+
+
+def test_dcp_is_never_asked_to_unpickle_an_object(sharded):
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    _, theirs = sharded
+    metadata = ckpt._dcp.read_metadata(theirs, None, tensors_only=False)
+    reader = ckpt._dcp.Reader(theirs, None, metadata)
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("opt"), torch.Size([0]), MetadataIndex("opt"), torch.Size([0]), torch.Size([0]))
+    with pytest.raises(CheckpointError, match="refused to load 'opt': a pickled object"):
+        reader.read_data(LoadPlan([item]), planner=None)

@@ -140,10 +140,15 @@ def _open(source: str | os.PathLike, what: str) -> tuple[dict[str, Any], list[An
         h = _safe_open(path, what)
         return {n: h for n in h.keys()}, [h]
     handles = {}
-    for name, file in files.items():
-        if file not in opened:
-            opened[file] = _safe_open(file, what)
-        handles[name] = opened[file]
+    try:
+        for name, file in files.items():
+            if file not in opened:
+                opened[file] = _safe_open(file, what)
+            handles[name] = opened[file]
+    except BaseException:
+        for h in opened.values():  # the files opened before the one that failed
+            h.__exit__(None, None, None)
+        raise
     return handles, list(opened.values())
 
 

@@ -176,12 +176,14 @@ def test_a_sharded_save_step_killed_mid_write_leaves_latest_at_the_previous_step
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
+    ckpt._lock.release(str(tmp_path))  # the child is the next run of this job
     assert kill_at_first_line([SHARDED_STEP_CHILD, str(tmp_path)], env) == "WRITTEN\n"
     (torn,) = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     assert torn.startswith("ckpt-00000002.tmp-")
     assert ckpt.latest(tmp_path) == first and ckpt.load_step(first, like)["step"] == 1  # keep=1 pruned nothing yet
-    ckpt.save_step(tmp_path, 3, {"params": fddp.zero.shard({"w": torch.full((250_000,), 3.0)}), "step": 3}, keep=1)
-    assert os.listdir(tmp_path) == ["ckpt-00000003"]  # the torn temporary and the old step are gone
+    with pytest.warns(UserWarning, match="took over"):  # the killed run's lock
+        ckpt.save_step(tmp_path, 3, {"params": fddp.zero.shard({"w": torch.full((250_000,), 3.0)}), "step": 3}, keep=1)
+    assert sorted(os.listdir(tmp_path)) == [ckpt._lock.NAME, "ckpt-00000003"]  # the torn temporary and the old step are gone
 
 
 # ----------------------------------------------------------------------------- two ranks: per-rank state, values that differ

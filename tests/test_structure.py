@@ -35,6 +35,7 @@ ROOT = Path(fddp.__file__).resolve().parent
 # optim never imports sync, sync never imports optim).
 LAYERS = {
     "fddp._caches": 0,
+    "fddp._errors": 0,
     "fddp._tree": 1,
     "fddp._pool": 1,
     "fddp._dist": 1,

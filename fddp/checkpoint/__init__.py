@@ -19,7 +19,9 @@ A single-file checkpoint is one ``torch.save`` file holding only plain data: a d
 leaves (tensors and Python scalars) in depth-first order, each leaf's path (``params/w``), CRC-32s
 of every tensor's bytes (one per 4 MiB), and the tree's structure described with tuples, strings
 and ints. Nothing in it names a Python class, so it loads with ``torch.load(..., weights_only=True)``,
-and a file that would need to run code is refused. A file that was cut short or changed on disk
+after fddp's own checks that run nothing: the file must be a zip whose pickle passes its CRC-32 and
+names only the globals a tensor needs (an exact list, :mod:`fddp.checkpoint._pickles`), so a file
+that would need to run code is refused unread. A file that was cut short or changed on disk
 after the write is an error naming the file and the damaged leaf, never a silently different value.
 
 Supported trees are nested ``dict`` (and ``OrderedDict``), ``list``, ``tuple`` and ``NamedTuple``
@@ -38,7 +40,13 @@ it is provably abandoned (see :func:`save_step` for the rule).
 Checkpoints of a run live in one directory as ``<prefix>-<step:08d>.pt`` (a file) or
 ``<prefix>-<step:08d>`` (a sharded checkpoint); :func:`save_step` writes one of the right kind and
 keeps only the newest few, :func:`latest` finds the newest, :func:`steps` lists them all,
-:func:`load_step` reads either kind.
+:func:`load_step` reads either kind. The first :func:`save_step` of a job into a directory takes
+its lock (``.fddp-writer.lock``): a second job that would rotate the same checkpoints is refused,
+naming the first.
+
+Every function that more than one rank calls together (``save`` and ``save_step`` with their
+barrier, ``save_sharded``, ``load_sharded``, ``load_step`` of a directory) is one fddp call: a
+failure on one rank raises there and :class:`fddp.PeerError` on its peers, within a moment.
 
 Example:
     >>> import tempfile, torch, fddp.checkpoint as ckpt

@@ -30,7 +30,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from fddp._errors import CheckpointError
 from fddp._tree import article, path_str
+from fddp.checkpoint import _pickles
 
 __all__ = [
     "BLOCK",
@@ -38,6 +40,7 @@ __all__ = [
     "PRIMITIVES",
     "VERSION",
     "CheckpointError",
+    "check_archive",
     "crc32s",
     "decode",
     "encode",
@@ -54,14 +57,6 @@ PRIMITIVES = (bool, int, float, complex, str, bytes, type(None))
 _MISSING = object()
 
 Path = tuple  # a leaf's keys from the root; shown with fddp._tree.path_str
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded: it is truncated, damaged, not an fddp checkpoint, would need to
-    run code, or does not match the expected ``like`` tree; or, on the ranks that did not write it,
-    rank 0 failed to write it. The message names the file and, for a leaf, its path (``a/b/0``)."""
-
-    __module__ = "fddp.checkpoint"  # where users import it from, and how tracebacks name it
 
 
 def _at(path: Path) -> str:
@@ -438,42 +433,91 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 
 def read(path: str, map_location: Any = "cpu") -> Any:
-    """Read one ``torch.save`` file with ``weights_only=True``, after checking the zip is whole.
+    """Read one ``torch.save`` file with ``weights_only=True``, after checking the zip is whole and
+    what its pickle names.
+
+    Before anything is unpickled: the file must be a zip (fddp writes no other format; a bare
+    pickle or a legacy torch file is refused unread), whole, its pickle must pass the zip's
+    CRC-32, and every global that pickle names must be on :data:`fddp.checkpoint._pickles.TORCH_SAVE`'s
+    exact list (checked by a replay that calls nothing). Only then does ``torch.load`` read it.
 
     Raises:
         FileNotFoundError, PermissionError, IsADirectoryError: the file cannot be opened.
         CheckpointError: the file is truncated or damaged, or would need to run code to load.
     """
     with open(path, "rb") as f:
-        if f.read(4) == _ZIP_MAGIC:
-            _check_zip(f, path)
-        f.seek(0)
+        check_archive(f, path)
         try:
             return torch.load(f, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise CheckpointError(
-                f"{path}: refused to load: it holds objects other than tensors and plain data, which could run "
-                f"code ({_diagnosis(e)}); fddp.checkpoint.save never writes such objects, so the file is "
-                "corrupt or was written by something else"
-            ) from None
+            raise _refused(path, _diagnosis(e)) from None
         except Exception as e:
             raise CheckpointError(f"{path}: truncated or damaged ({type(e).__name__}: {_diagnosis(e)})") from None
 
 
-def _check_zip(f: Any, path: str) -> None:
-    """Raise unless ``f`` is a whole zip whose pickle (structure and scalars) passes its CRC-32."""
-    size = os.fstat(f.fileno()).st_size
+def check_archive(f: Any, path: str) -> None:
+    """Check, unpickling nothing, that the open binary file ``f`` is a whole ``torch.save`` zip
+    whose pickle passes its CRC-32 and names only the globals fddp's files need; rewind ``f``.
+
+    Raises:
+        CheckpointError: naming ``path``: not a zip, truncated or damaged, or it would run code.
+    """
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    if f.read(4) != _ZIP_MAGIC:
+        raise CheckpointError(
+            f"{path}: refused to load: not a zip archive as torch.save writes ({size} bytes): truncated or damaged, "
+            "or another format (a bare pickle, a legacy torch file), which fddp.checkpoint never writes and does not "
+            "read, since it could run code"
+        )
+    f.seek(0)
+    _check_zip(f, path, size)
+    f.seek(0)
+    _check_globals(f, path)
+    f.seek(0)
+
+
+def _refused(path: str, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: refused to load: it holds objects other than tensors and plain data, which could run "
+        f"code ({why}); fddp.checkpoint.save never writes such objects, so the file is "
+        "corrupt or was written by something else"
+    )
+
+
+def _check_globals(f: Any, path: str) -> None:
+    """Raise unless the pickle ``torch.load`` would read (through torch's own zip reader, so both
+    see the same bytes) names only the globals fddp's files need."""
+    try:
+        data = torch._C.PyTorchFileReader(f).get_record("data.pkl")
+    except Exception as e:  # noqa: BLE001 - torch's reader raises RuntimeError for any archive it cannot use
+        raise CheckpointError(f"{path}: truncated or damaged: no torch.save pickle in the archive ({_diagnosis(e)})") from None
+    try:
+        _pickles.check_torch_save(data)
+    except pickle.UnpicklingError as e:
+        raise _refused(path, str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises what its first bad opcode does
+        raise CheckpointError(f"{path}: truncated or damaged: its pickle cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _check_zip(f: Any, path: str, size: int) -> None:
+    """Raise unless ``f`` is a whole zip whose pickles (structure and scalars) pass their CRC-32."""
     try:
         with zipfile.ZipFile(f) as z:
-            pickles = [n for n in z.namelist() if n.endswith("/data.pkl")]
-            for name in pickles:
+            names = [i.filename for i in z.infolist()]
+            if len(set(names)) != len(names):
+                twice = next(n for n in names if names.count(n) > 1)
+                # Two readers may pick different copies: the one checked would not be the one loaded.
+                raise CheckpointError(f"{path}: refused to load: the archive holds {twice} twice; torch.save never writes that")
+            pickles = [i for i in z.infolist() if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
+            for info in pickles:
                 try:
-                    with z.open(name) as member:
+                    with z.open(info) as member:
                         while member.read(1 << 20):  # the CRC-32 is checked when the member is read to its end
                             pass
                 except zipfile.BadZipFile:
                     raise CheckpointError(
-                        f"{path}: damaged: the tree's structure and Python values ({name}) fail the zip's "
+                        f"{path}: damaged: the tree's structure and Python values ({info.filename}) fail the zip's "
                         "CRC-32 (the file changed after it was written); use another copy or an older checkpoint"
                     ) from None
     except CheckpointError:

@@ -1,4 +1,10 @@
-"""Which rank writes a checkpoint, and the one collective through which the ranks agree on it.
+"""Which rank writes a checkpoint, the call scope of the checkpoint functions, and the one collective
+through which the ranks agree on it.
+
+Every public checkpoint function that communicates runs inside the call scope (:func:`entry`,
+``fddp._dist.entry``): an exception on one rank anywhere in it (an OSError while rank 0 cleans up
+or writes, a bad tree on one rank) reaches its peers as :class:`fddp.PeerError` within a moment,
+instead of leaving them waiting in the next agreement.
 
 Every collective that ``fddp.checkpoint`` issues itself goes through :func:`agree`: a sum of a few
 ints over the group (an outcome flag, rank 0's name for a temporary directory), after the per-call
@@ -11,7 +17,8 @@ the rank, the call and what it was doing. The collectives inside ``torch.distrib
 
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +26,7 @@ import torch.distributed as dist
 from fddp import _dist
 from fddp._dist import collective_device, count_call, wait
 
-__all__ = ["agree", "is_distributed", "is_writer", "rank", "world_size"]
+__all__ = ["agree", "barrier", "entry", "is_distributed", "is_writer", "rank", "world_size"]
 
 
 def is_distributed() -> bool:
@@ -42,6 +49,40 @@ def is_writer(group: dist.ProcessGroup | None) -> bool:
     return rank(group) == 0
 
 
+def entry(what: str, together: Callable[..., bool] | None = None) -> Callable[[Callable], Callable]:
+    """``fddp._dist.entry(what)`` for a checkpoint function (its group: the ``group=`` argument),
+    entered only where ``together(*args, **kwargs)`` says the call is collective.
+
+    ``save`` without a barrier is rank 0's alone, and ``load`` of a file any rank's alone: a failure
+    there is that rank's own, not one to announce to peers that never called.
+
+    Example:
+        >>> @entry("checkpoint.save", together=lambda *a, barrier=False, **k: barrier)
+        ... def save(path, tree, /, *, group=None, barrier=False): ...
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        scoped = _dist.entry(what)(fn)
+        if together is None:
+            return scoped
+
+        @functools.wraps(fn)
+        def maybe(*args: Any, **kwargs: Any) -> Any:
+            return (scoped if together(*args, **kwargs) else fn)(*args, **kwargs)
+
+        maybe.__fddp_entry__ = what  # type: ignore[attr-defined]
+        return maybe
+
+    return wrap
+
+
+def barrier(path: str, group: dist.ProcessGroup | None, what: str) -> None:
+    """Return once every rank of ``group`` has arrived: rank 0 only once ``path`` is written (a rank 0
+    that failed raised inside the call scope instead, and its peers raise ``PeerError`` here)."""
+    if world_size(group) > 1:
+        agree([], group, what, f"the barrier after rank 0 wrote {path}")
+
+
 def agree(
     values: Sequence[int],
     group: dist.ProcessGroup | None,
@@ -54,7 +95,8 @@ def agree(
     """Reduce ``values`` (ints) over the ranks of ``group``; every rank must call it with as many.
 
     Args:
-        values: this rank's contribution, e.g. ``[1]`` for "I failed" or rank 0's token.
+        values: this rank's contribution, e.g. ``[1]`` for "I failed" or rank 0's token; none: the
+            call's header alone (every rank arrived, in the same call, with the same ``rows``).
         group: the process group; without one (or with one rank) the values come back as they are.
         what: the public function, for the error (``"checkpoint.save_step"``).
         doing: what the ranks agree on, for the error.
@@ -73,6 +115,8 @@ def agree(
     # The rows first: where trees differ, their first difference is named, not the count it implies.
     described = [*rows, ("checkpoint", f"fddp.{what}: {doing} ({len(values)} values, {op})", None)]
     _dist.agree(group, what, described)
+    if not values:
+        return []  # the header was the agreement
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
     wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, what, doing)

@@ -41,6 +41,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from fddp import _dist
 from fddp._dist import MismatchError
 from fddp._tree import article, path_str
 from fddp.checkpoint import _codec, _dcp, _ranks, _temp
@@ -259,6 +260,7 @@ def _check_keys(entries: list[_Entry], what: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@_ranks.entry("checkpoint.save_sharded")
 def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.ProcessGroup | None = None) -> str:
     """Write a tree holding :class:`fddp.zero.Sharded` parts into ``directory``, every rank its own pieces.
 
@@ -294,6 +296,11 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
     delete such leftovers by hand once no job writes to them: ``rm -r <directory>.tmp-*``. A save
     that fails with an exception removes its temporary itself.
 
+    The call is one fddp call on ``group``: a rank that fails before the ranks' agreement (rank 0
+    cleaning up, a tree one rank cannot save) raises its error and every other rank
+    :class:`fddp.PeerError` naming it, within a moment; a failure while writing reaches every rank
+    through the barrier that ends the save.
+
     Args:
         directory: the checkpoint directory to create (on a file system every rank sees).
         tree: nested dicts, lists, tuples and NamedTuples of :class:`fddp.zero.Sharded` trees,
@@ -315,6 +322,7 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
             error says why); on every rank, a rank's write failed inside
             torch.distributed.checkpoint (a full disk there: the message names the ranks and the
             first one's error).
+        fddp.PeerError: a peer failed before the ranks agreed (its error named).
 
     Example:
         >>> fddp.checkpoint.save_sharded(f"ckpt/step-{step:08d}", {"params": shards, "opt": opt_state, "step": step})
@@ -335,13 +343,15 @@ def write_sharded(
     group: dist.ProcessGroup | None,
     what: str,
     belongs: Callable[[str], Any],
+    before: Callable[[], None] | None = None,
     after: Callable[[], None] | None = None,
 ) -> str:
     """:func:`save_sharded`'s write, which replaces an existing ``directory``.
 
-    ``belongs(name)`` says which destinations' abandoned temporaries rank 0 deletes first;
+    ``before()`` runs on rank 0 first (:func:`fddp.checkpoint.save_step` takes the directory's
+    lock); ``belongs(name)`` says which destinations' abandoned temporaries rank 0 deletes next.
     ``after()`` runs on rank 0 once the checkpoint is in place, before the ranks learn the outcome
-    (:func:`fddp.checkpoint.save_step` prunes old steps there).
+    (:func:`fddp.checkpoint.save_step` prunes old steps there): housekeeping that must not raise.
 
     An existing ``directory`` is first renamed to a temporary name, then the new one into place:
     a kill between the two renames leaves no ``directory`` but both complete ones (the old under
@@ -355,6 +365,10 @@ def write_sharded(
     crcs = [_crc(e) for e in checked]
     parent = os.path.dirname(directory)
     if rank == 0:
+        # Before the ranks agree: an exception here (a held lock, an OSError cleaning up) is
+        # announced by the call scope, and the peers raise PeerError at the agreement below.
+        if before is not None:
+            before()
         _temp.clean(parent, belongs)
     # One reduction (MAX) after the header that agrees on the structure: rank 0's name for the
     # temporary (host id, pid, random token; the others send 0), and each stored-once value's
@@ -373,39 +387,49 @@ def write_sharded(
             "replicated state), or wrap state that differs per rank in fddp.checkpoint.PerRank(...) to store each "
             "rank's copy; nothing was written."
         )
-    _check_keys(entries, what.rpartition(".")[2])
+    try:
+        _check_keys(entries, what.rpartition(".")[2])
+    except ValueError as e:  # decided from the agreed structure: every rank raises it alike
+        raise _dist.collective(e) from None
     tmp = _temp.new_name(directory, *agreed[:3])
     state = {_dcp_key(e, rank): e.value for e in entries if e.kind != "scalar" and _numel(e.shape)}
     mine_scalars = {e.key: e.value for e in entries if e.kind == "scalar" and e.per_rank}
     error: BaseException | None = None
+    complete = False
     with _temp.writing(tmp):
         try:
             dcp.save(state, storage_writer=_dcp.Writer(tmp, rank, mine_scalars), process_group=group, no_dist=not _ranks.is_distributed())
             if rank == 0:
                 _finish(tmp, directory, entries, world)
-                if after is not None:
-                    after()
+                complete = True
         # DCP's CheckpointException is a BaseException (it holds every failed rank's error); an
         # interrupt is not caught: the process is going away, and the next save removes its temporary.
         except (Exception, _CheckpointException) as e:  # noqa: BLE001 - every rank learns below whether the checkpoint is complete
             error = e
+        if complete and after is not None:
+            after()  # the checkpoint is in place whatever this does
         (failed,) = _ranks.agree([error is not None], group, what, f"the barrier after writing {directory}")
     if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes
+        if rank == 0 and not complete:
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank is past its writes; never renamed, so still ours
+        # Every rank raises, as the agreed count says: the group stays in step.
         if isinstance(error, _CheckpointException) and not isinstance(error, Exception):
             # DCP's aggregate is a BaseException (an `except Exception` would not see it); every
             # rank gets it alike, with each failed rank's error inside: say which, as load does.
             ranks = sorted(error.failures)
             first = error.failures[ranks[0]]
             first = first[0] if isinstance(first, tuple) else first
-            raise CheckpointError(
-                f"{directory}: not written: rank(s) {ranks} of the group failed to write it, rank {ranks[0]} with "
-                f"{type(first).__name__}: {first}; a checkpoint already there is kept"
+            raise _dist.collective(
+                CheckpointError(
+                    f"{directory}: not written: rank(s) {ranks} of the group failed to write it, rank {ranks[0]} with "
+                    f"{type(first).__name__}: {first}; a checkpoint already there is kept"
+                )
             ) from error
         if error is not None:
-            raise error
-        raise CheckpointError(f"{directory}: not written: {failed} rank(s) of the group failed to write it (their own errors say why)")
+            raise _dist.collective(error)
+        raise _dist.collective(
+            CheckpointError(f"{directory}: not written: {failed} rank(s) of the group failed to write it (their own errors say why)")
+        )
     return directory
 
 
@@ -437,7 +461,13 @@ def _finish(tmp: str, directory: str, entries: list[_Entry], world: int) -> None
     if os.path.isdir(directory):  # save_step replacing a step: move the old one aside first
         old = _temp.new_name(directory)
         os.replace(directory, old)
-    os.replace(tmp, directory)
+    try:
+        os.replace(tmp, directory)
+    except BaseException:
+        if old is not None:  # the step is not lost to an exception: the old one goes back
+            os.replace(old, directory)
+        raise
+    # Complete from here on: nothing below may fail the save.
     _codec.fsync_dir(os.path.dirname(directory))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -448,6 +478,7 @@ def _finish(tmp: str, directory: str, entries: list[_Entry], world: int) -> None
 # --------------------------------------------------------------------------------------------
 
 
+@_ranks.entry("checkpoint.load_sharded")
 def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.ProcessGroup | None = None) -> Any:
     """Read a sharded checkpoint into the shape of ``like``, on any world size.
 
@@ -459,14 +490,20 @@ def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.Proc
     difference raises :class:`CheckpointError`. A :class:`PerRank` part of ``like`` reads this
     rank's own copy (the checkpoint must come from as many ranks) and comes back unwrapped.
 
-    No code from the checkpoint runs: its manifest is read with :func:`load` and DCP's
-    ``.metadata`` with an unpickler that accepts DCP's own metadata classes only. Every piece read
-    is checked against the CRC-32 saved for it (and ``.metadata`` against its own) before DCP
-    copies it, so a damaged file is an error naming the file and the leaf; checkpoints written
+    No code from the checkpoint runs: its manifest is read as :func:`load` reads a file, DCP's
+    ``.metadata`` is checked against the CRC-32 the manifest holds before any of it is parsed, then
+    unpickled with an exact list of DCP's metadata classes (by module and name; nothing else is
+    imported), and every piece is checked as a file is (a zip whose pickle names only what a
+    tensor needs) before DCP reads it, and against the CRC-32 saved for it, so a damaged file is
+    an error naming the file and the leaf; DCP is never asked to unpickle an object. Checkpoints written
     before checksums existed load unverified, as do those written by torch.distributed.checkpoint
     itself (``dcp.save(get_model_state_dict(model))``, torchtitan): those have no manifest, the
     shapes and dtypes come from DCP's index, entries that ``like`` does not name are not read, and
-    ``like`` may hold tensors only. Every rank of ``group`` must call this.
+    ``like`` may hold tensors only. Every rank of ``group`` must call this, as one fddp call: the
+    ranks agree on ``like``'s structure and on the checkpoint they read (its ``.metadata``'s CRC-32)
+    before DCP reads, so a rank that failed its own checks raises and its peers raise
+    :class:`fddp.PeerError` naming it, and ranks that read different checkpoints or trees raise
+    :class:`fddp.MismatchError`.
 
     Args:
         directory: a directory written by :func:`save_sharded` (or :func:`fddp.checkpoint.save_step`),
@@ -502,16 +539,22 @@ def load_sharded(directory: str | os.PathLike, /, like: Any, *, group: dist.Proc
     _check_against(directory, saved, entries, rank, world, foreign=manifest is None)
     if metadata is None:
         metadata = _dcp.read_metadata(directory, manifest.get("metadata_crc32"), tensors_only=True)
+    # Every rank has checked what it reads before DCP's collectives start: one that failed above
+    # announced it in place of this header (its peers raise PeerError here, not in DCP's gathers).
+    read = ("checkpoint", f".metadata CRC-32 {_dcp.crc_of_file(os.path.join(directory, '.metadata')):#010x}", None)
+    _ranks.agree([], group, "checkpoint.load_sharded", f"reading {directory}", rows=[*_rows(entries), read])
     state = {_dcp_key(e, rank): e.value for e in entries if e.kind != "scalar" and _numel(e.shape)}
     reader = _dcp.Reader(directory, None if manifest is None else manifest.get("checksums"), metadata)
     try:
         dcp.load(state, storage_reader=reader, process_group=group, no_dist=not _ranks.is_distributed())
-    except _CheckpointException as e:  # a BaseException, with every failed rank's error inside
+    except _CheckpointException as e:  # a BaseException, with every failed rank's error inside: every rank raises alike
         first = next(iter(e.failures.values()))
         first = first[0] if isinstance(first, tuple) else first
         if isinstance(first, CheckpointError):
-            raise CheckpointError(str(first)) from None
-        raise CheckpointError(f"{directory}: torch.distributed.checkpoint could not load it: {type(first).__name__}: {first}") from None
+            raise _dist.collective(CheckpointError(str(first))) from None
+        raise _dist.collective(
+            CheckpointError(f"{directory}: torch.distributed.checkpoint could not load it: {type(first).__name__}: {first}")
+        ) from None
     except CheckpointError:
         raise
     except Exception as e:  # DCP's own checks, before its collectives (sizes, missing keys)

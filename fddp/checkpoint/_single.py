@@ -15,11 +15,11 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from fddp.checkpoint import _codec, _ranks, _temp
-from fddp.checkpoint._codec import CheckpointError
 
 __all__ = ["load", "save", "write"]
 
 
+@_ranks.entry("checkpoint.save", together=lambda *args, barrier=False, **kwargs: barrier)
 def save(
     path: str | os.PathLike,
     tree: Any,
@@ -47,10 +47,11 @@ def save(
             at once without touching the file system. Without ``torch.distributed`` initialised,
             the caller writes.
         barrier: if True, every rank of ``group`` must call ``save`` and returns only once the
-            file is in place, so all ranks may read it afterwards (one small all-reduce that also
-            carries rank 0's success: if rank 0 fails to write, it raises its error and every other
-            rank raises :class:`CheckpointError`, instead of waiting). Leave it False when only
-            rank 0 calls ``save``. :func:`fddp.checkpoint.save_step` does this by default.
+            file is in place, so all ranks may read it afterwards (the call is then one fddp call
+            on ``group``, with one small agreement: if rank 0 fails to write, it raises its error
+            and every other rank raises :class:`fddp.PeerError` naming it, instead of waiting).
+            Leave it False when only rank 0 calls ``save``. :func:`fddp.checkpoint.save_step` does
+            this by default.
 
     Returns:
         ``path`` as a string (on every rank).
@@ -58,7 +59,8 @@ def save(
     Raises:
         TypeError: a leaf or dict key of an unsupported type, naming its path (``a/b/0``).
         OSError: the file cannot be written, naming ``path``; a full disk says so (``ENOSPC``).
-        CheckpointError: with ``barrier=True``, on the other ranks, when rank 0 failed to write.
+        fddp.PeerError: with ``barrier=True``, on the other ranks, when rank 0 failed to write (its
+            error named).
         RuntimeError: with ``barrier=True``, a peer did not arrive within the process group's timeout.
 
     Example:
@@ -68,41 +70,37 @@ def save(
         '...model.pt'
     """
     path = os.fspath(path)
-    error = None
     if _ranks.is_writer(group):
         name = os.path.basename(path)
-        error = write(path, tree, lambda base: base == name)
-    agree(path, error, group, barrier, "checkpoint.save")
+        write(path, tree, lambda base: base == name)  # a failure here reaches the peers through the call scope
+    if barrier:
+        _ranks.barrier(path, group, "checkpoint.save")
     return path
 
 
-def write(path: str, tree: Any, belongs: Callable[[str], Any]) -> BaseException | None:
-    """Write the file (on the writing rank); return the exception that stopped it, if any.
+def write(path: str, tree: Any, belongs: Callable[[str], Any]) -> None:
+    """Write the file (on the writing rank), atomically.
 
     ``belongs(name)`` says which destinations' abandoned temporaries to delete first.
     """
-    try:
-        payload = _codec.encode(tree)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        _temp.clean(directory, belongs)
-        tmp = _temp.new_name(path)
-        with _temp.writing(tmp):
+    payload = _codec.encode(tree)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    _temp.clean(directory, belongs)
+    tmp = _temp.new_name(path)
+    with _temp.writing(tmp):
+        try:
+            with open(tmp, "wb") as f:
+                _codec.write(f, payload)
+            os.replace(tmp, path)
+        except BaseException as e:
+            # An exception (not a kill) must not leave a stray temporary file behind.
             try:
-                with open(tmp, "wb") as f:
-                    _codec.write(f, payload)
-                os.replace(tmp, path)
-            except BaseException as e:
-                # An exception (not a kill) must not leave a stray temporary file behind.
-                try:
-                    os.remove(tmp)
-                except OSError:
-                    pass
-                raise _write_error(e, path) from e
-        _codec.fsync_dir(directory)
-    except BaseException as e:  # noqa: BLE001 - handed to agree, which raises it
-        return e
-    return None
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise _write_error(e, path) from e
+    _codec.fsync_dir(directory)
 
 
 def _write_error(e: BaseException, path: str) -> BaseException:
@@ -126,17 +124,6 @@ def _write_error(e: BaseException, path: str) -> BaseException:
         "partial temporary file was removed",
         path,
     )
-
-
-def agree(path: str, error: BaseException | None, group: dist.ProcessGroup | None, barrier: bool, what: str) -> None:
-    """Raise the writer's error; with ``barrier``, first tell every rank whether the write succeeded."""
-    if barrier and _ranks.world_size(group) > 1:
-        # A barrier that carries the outcome: nobody waits for a writer that has already failed.
-        (failed,) = _ranks.agree([0 if error is None else 1], group, what, f"the barrier after rank 0 wrote {path}")
-        if error is None and failed:
-            raise CheckpointError(f"{path}: not written: rank 0 of the group failed to write it (its own error says why)")
-    if error is not None:
-        raise error
 
 
 def load(

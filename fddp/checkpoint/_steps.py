@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 import zipfile
 from typing import Any
 
 import optree
 import torch.distributed as dist
 
-from fddp.checkpoint import _dcp, _ranks, _single, _temp
+from fddp.checkpoint import _dcp, _lock, _ranks, _single, _temp
 from fddp.checkpoint._sharded import PerRank, load_sharded, write_sharded
 from fddp.zero import _layout as _shard
 
@@ -113,18 +114,39 @@ def latest(directory: str | os.PathLike, /, *, prefix: str = "ckpt") -> str | No
 
 def _remove(path: str) -> None:
     """Delete an old checkpoint; a directory is renamed to a temporary name first, so that a kill
-    mid-delete never leaves part of one under a step's name."""
+    mid-delete never leaves part of one under a step's name. One already gone is left alone."""
     try:
         if os.path.isdir(path) and not os.path.islink(path):
             doomed = _temp.new_name(path)
             os.replace(path, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            with _temp.writing(doomed):  # not another save's to clean meanwhile
+                shutil.rmtree(doomed)
         else:
             os.remove(path)
     except FileNotFoundError:
         pass
 
 
+def _prune(directory: str, path: str, step: int, prefix: str, keep: int | None) -> None:
+    """Delete the series' checkpoints beyond the newest ``keep`` (and the other kind's of ``step``),
+    after ``path`` is complete. Housekeeping: a failure is a warning, never the save's failure (the
+    checkpoint is in place), and the next save tries again."""
+    try:
+        others = [(s, p) for s, p in steps(directory, prefix=prefix) if p != path]
+        same = [p for s, p in others if s == step]  # the other kind's checkpoint of this step
+        others = [(s, p) for s, p in others if s != step]
+        doomed = same + ([p for _, p in others[: max(0, len(others) - (keep - 1))]] if keep is not None else [])
+        for old in doomed:
+            _remove(old)
+    except Exception as e:  # noqa: BLE001 - housekeeping after a complete checkpoint (see the docstring)
+        warnings.warn(
+            f"fddp.checkpoint.save_step: {path} is saved, but removing older checkpoints of {directory} failed "
+            f"({type(e).__name__}: {e}); the next save_step tries again",
+            stacklevel=4,
+        )
+
+
+@_ranks.entry("checkpoint.save_step", together=lambda *args, barrier=True, **kwargs: barrier)
 def save_step(
     directory: str | os.PathLike,
     step: int,
@@ -165,9 +187,24 @@ def save_step(
     writer may still be running there; one older than an hour draws a warning with the command to
     delete it by hand once no job writes to ``directory`` (``rm -r <directory>/<prefix>-*.tmp-*``).
 
+    A directory has one writer at a time: the first ``save_step`` of a process into ``directory``
+    takes a lock there (``.fddp-writer.lock``, naming the host, the process and the job), kept until
+    the process exits, so that a second job's ``save_step`` into the same directory (which would
+    delete this job's checkpoints as its own old ones) fails with an error naming the first job.
+    A lock whose process is no longer running on this host, or that an earlier run of this same
+    job left (``TORCHELASTIC_RUN_ID`` / ``SLURM_JOB_ID``), is taken over with a warning; one
+    held from another host by another job is the error, which says how to remove it by hand once no
+    job writes the directory.
+
+    Pruning is housekeeping after the checkpoint is complete: if it fails (a permission, a file
+    system error), ``save_step`` warns and returns the new checkpoint, which loads; the next save
+    prunes again.
+
     Every rank of ``group`` calls ``save_step`` and, by default, returns only once the new
     checkpoint is in place and the old ones are pruned, so :func:`latest` then finds it on every
-    rank, and :func:`load_step` reads it back.
+    rank, and :func:`load_step` reads it back. With the default ``barrier`` the call is one fddp
+    call on ``group``: a failure on any rank (rank 0's write, a tree that one rank cannot save)
+    raises there and :class:`fddp.PeerError` on every other rank, naming it, within a moment.
 
     Args:
         directory: where checkpoints live; created if missing.
@@ -186,7 +223,8 @@ def save_step(
 
     Raises:
         OSError: on rank 0, the file cannot be written (a full disk says so).
-        CheckpointError: on the other ranks (with ``barrier``), rank 0 failed to write.
+        CheckpointError: on rank 0, another job writes ``directory`` (naming it).
+        fddp.PeerError: on the other ranks (with ``barrier``), rank 0 failed (its error named).
         fddp.MismatchError: a sharded checkpoint whose trees differ across ranks, or whose values
             stored once differ (see :func:`fddp.checkpoint.save_sharded`).
         RuntimeError: with ``barrier``, a peer did not arrive within the process group's timeout
@@ -210,27 +248,27 @@ def save_step(
         )
     path = step_path(directory, step, prefix=prefix, sharded=sharded)
     belongs = _step_name(prefix).fullmatch
+    directory = os.fspath(directory)
 
     def prune() -> None:
-        others = [(s, p) for s, p in steps(directory, prefix=prefix) if p != path]
-        same = [p for s, p in others if s == step]  # the other kind's checkpoint of this step
-        others = [(s, p) for s, p in others if s != step]
-        doomed = same + ([p for _, p in others[: max(0, len(others) - (keep - 1))]] if keep is not None else [])
-        for old in doomed:
-            _remove(old)
+        _prune(directory, path, step, prefix, keep)
+
+    def take() -> None:
+        _lock.hold(directory, "checkpoint.save_step")
 
     if sharded:
-        write_sharded(os.path.abspath(path), tree, group, "checkpoint.save_step", belongs, after=prune)
+        write_sharded(os.path.abspath(path), tree, group, "checkpoint.save_step", belongs, before=take, after=prune)
         return path
-    error = None
     if _ranks.is_writer(group):
-        error = _single.write(path, tree, belongs)
-        if error is None:
-            prune()
-    _single.agree(path, error, group, barrier, "checkpoint.save_step")
+        take()
+        _single.write(path, tree, belongs)
+        prune()
+    if barrier:
+        _ranks.barrier(path, group, "checkpoint.save_step")
     return path
 
 
+@_ranks.entry("checkpoint.load_step", together=lambda path, *args, **kwargs: os.path.isdir(path))
 def load_step(
     path: str | os.PathLike,
     /,
@@ -243,8 +281,9 @@ def load_step(
 
     A file is read with :func:`fddp.checkpoint.load` (any rank may call it, alone); a sharded
     checkpoint's directory with :func:`fddp.checkpoint.load_sharded` (every rank of ``group``
-    calls it; ``like`` is required, and each :class:`fddp.checkpoint.PerRank` part of it comes back
-    as this rank's own tree).
+    calls it, as one fddp call: a rank that fails raises, its peers :class:`fddp.PeerError`;
+    ``like`` is required, and each :class:`fddp.checkpoint.PerRank` part of it comes back as this
+    rank's own tree).
 
     Args:
         path: a checkpoint's file or directory.

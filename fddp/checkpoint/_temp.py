@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 
 from fddp import _caches
 
-__all__ = ["HOST_ID", "clean", "new_name", "split", "writing"]
+__all__ = ["HOST_ID", "clean", "new_name", "running", "split", "writing"]
 
 _PATTERN = re.compile(r"(?P<base>.+)\.tmp-(?P<host>[0-9a-f]{12})-(?P<pid>\d+)-(?P<token>[0-9a-f]{1,16})")
 _ANY_TMP = re.compile(r"(?P<base>.+)\.tmp-[^/]+")  # also older fddp's and other tools' temporaries
@@ -98,7 +98,8 @@ def writing(path: str) -> Iterator[None]:
             _live.discard(path)
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -116,7 +117,7 @@ def _abandoned(path: str) -> bool:
     if pid == os.getpid():
         with _lock:
             return os.path.abspath(path) not in _live
-    return not _running(pid)
+    return not running(pid)
 
 
 def clean(directory: str, belongs: Callable[[str], bool]) -> list[str]:

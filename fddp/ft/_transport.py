@@ -25,6 +25,7 @@ __all__ = ["GroupTransport", "TransferError", "METADATA"]
 
 METADATA = "fddp-live-v1"  # what the sender advertises; a receiver checks it before it waits for bytes
 _TAG = 7
+_MAX_HEADER = 1 << 30  # bytes: a header describes the tree, its tensors travel apart
 
 
 class TransferError(RuntimeError):
@@ -80,14 +81,17 @@ class GroupTransport(CheckpointTransport[dict]):
             )
         size = torch.zeros(1, dtype=torch.int64)
         _wait(self._group.recv([size], src_rank, _TAG), timeout, "receiving the live state from", src_rank)
+        if not 0 < int(size) <= _MAX_HEADER:
+            raise CheckpointError(f"fddp.ft: replica group {src_rank} announces a live-state header of {int(size)} bytes")
         raw = torch.empty(int(size), dtype=torch.uint8)
         _wait(self._group.recv([raw], src_rank, _TAG), timeout, "receiving the live state from", src_rank)
-        header = _wire.header_of(raw)
-        chunks = _wire.chunks_for(header)
+        where = f"fddp.ft: the live state from replica group {src_rank}"
+        header = _wire.header_of(raw, where)  # JSON only: nothing the peer sent runs
+        chunks = _wire.chunks_for(header, where)
         works = [self._group.recv([c], src_rank, _TAG) for c in chunks if c.numel()]
         for w in works:
             _wait(w, timeout, "receiving the live state from", src_rank)
-        tree, sent_step = _wire.unpack(header, chunks, self._like(), f"the live state from replica group {src_rank}")
+        tree, sent_step = _wire.unpack(header, chunks, self._like(), where)
         if sent_step != step:
             raise CheckpointError(f"fddp.ft: replica group {src_rank} sent its state at step {sent_step}, expected step {step}")
         self.received_from = src_rank

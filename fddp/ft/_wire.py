@@ -80,6 +80,8 @@ def _value(x: Any, tensors: list[torch.Tensor]) -> Any:
         if tag == "b":
             return bytes.fromhex(v)
         if tag == "x":
+            if type(v) is not int or not 0 <= v < len(tensors):
+                raise IndexError(f"tensor reference {v!r} of {len(tensors)}")
             return tensors[v]
         if tag == "t":
             return tuple(_value(e, tensors) for e in v)
@@ -136,25 +138,36 @@ def pack(tree: Any, step: int) -> Packed:
     return Packed(torch.frombuffer(bytearray(raw), dtype=torch.uint8), chunks)
 
 
-def header_of(raw: torch.Tensor) -> dict:
-    """The header sent as ``raw`` (a uint8 tensor), checked for its format marker and version."""
+def header_of(raw: torch.Tensor, where: str = "fddp.ft: a peer's live state") -> dict:
+    """The header sent as ``raw`` (a uint8 tensor), checked for its format marker and version.
+
+    Parsed as JSON only: whatever the bytes are (a pickle, say), nothing of them runs.
+
+    Raises:
+        fddp.checkpoint.CheckpointError: naming ``where``: not JSON, not fddp's live state, or another version.
+    """
     try:
-        header = json.loads(bytes(raw.untyped_storage())[: raw.numel()].decode())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _codec.CheckpointError(f"fddp.ft: a live-state header that is not JSON ({e})") from None
+        # The bytes through a memoryview: bytes(storage) would copy them one Python int at a time.
+        header = json.loads(bytes(_codec.tensor_bytes(raw.reshape(-1).to(torch.uint8))).decode())
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _codec.CheckpointError(f"{where}: a live-state header that is not JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(header, dict) or header.get("format") != MAGIC:
-        raise _codec.CheckpointError("fddp.ft: the peer sent something that is not fddp live state (no format marker)")
+        raise _codec.CheckpointError(f"{where}: the peer sent something that is not fddp live state (no format marker)")
     if header.get("version") != VERSION:
-        raise _codec.CheckpointError(f"fddp.ft: the peer sends live-state version {header.get('version')!r}; this fddp reads {VERSION}")
+        raise _codec.CheckpointError(f"{where}: the peer sends live-state version {header.get('version')!r}; this fddp reads {VERSION}")
     return header
 
 
-def chunks_for(header: dict) -> list[torch.Tensor]:
+def chunks_for(header: dict, where: str = "fddp.ft: a peer's live state") -> list[torch.Tensor]:
     """Empty chunks of the sizes ``header`` announces, to receive into."""
     sizes = header.get("chunks")
-    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
-        raise _codec.CheckpointError("fddp.ft: a live-state header without valid chunk sizes")
+    if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
+        raise _codec.CheckpointError(f"{where}: a live-state header without valid chunk sizes")
     return [torch.empty(n, dtype=torch.uint8) for n in sizes]
+
+
+def _count(x: Any) -> bool:
+    return type(x) is int and x >= 0
 
 
 def unpack(header: dict, chunks: list[torch.Tensor], like: Any, where: str) -> tuple[Any, int]:
@@ -167,19 +180,29 @@ def unpack(header: dict, chunks: list[torch.Tensor], like: Any, where: str) -> t
         fddp.checkpoint.CheckpointError: a damaged or foreign header, a tensor that fails its
             CRC-32, or a tree that does not match ``like``, naming the leaf.
     """
-    specs, layout = header.get("tensors"), header.get("layout")
+    specs, layout, step = header.get("tensors"), header.get("layout"), header.get("step")
     if not isinstance(specs, list) or not isinstance(layout, list) or len(specs) != len(layout):
         raise _codec.CheckpointError(f"{where}: a live-state header without a layout for every tensor")
+    if type(step) is not int:
+        raise _codec.CheckpointError(f"{where}: a live-state header without a step")
     tensors = []
-    for (dtype, shape), (chunk, offset, nbytes) in zip(specs, layout):
-        d = _DTYPES.get(dtype)
-        if d is None or not (0 <= chunk < len(chunks)) or offset + nbytes > chunks[chunk].numel():
-            raise _codec.CheckpointError(f"{where}: a live-state header with a bad tensor entry ({dtype}, {shape})")
+    for spec, place in zip(specs, layout):
+        ok = isinstance(spec, list) and len(spec) == 2 and isinstance(place, list) and len(place) == 3
+        dtype, shape = spec if ok else (None, None)
+        d = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+        ok = ok and d is not None and isinstance(shape, list) and all(_count(n) for n in shape) and all(_count(n) for n in place)
+        if not ok:
+            raise _codec.CheckpointError(f"{where}: a live-state header with a bad tensor entry ({str(spec)[:80]}, {str(place)[:80]})")
+        chunk, offset, nbytes = place
+        if not (chunk < len(chunks)) or offset + nbytes > chunks[chunk].numel() or offset % d.itemsize:
+            raise _codec.CheckpointError(f"{where}: a live-state header with a tensor outside its chunk ({dtype}, {shape})")
         n = math.prod(shape)
         if n * d.itemsize != nbytes:
             raise _codec.CheckpointError(f"{where}: a tensor of shape {shape} and dtype {dtype} cannot hold {nbytes} bytes")
         raw = chunks[chunk][offset : offset + nbytes]
         tensors.append(raw.view(d).reshape(shape) if n else torch.empty(shape, dtype=d))
-    payload = _value(header.get("payload"), tensors)
-    step = header.get("step")
+    try:
+        payload = _value(header.get("payload"), tensors)
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError, RecursionError) as e:
+        raise _codec.CheckpointError(f"{where}: a damaged live-state payload ({type(e).__name__}: {str(e)[:200]})") from None
     return _codec.decode(payload, like, where), step

@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from fddp import _dist, _layout
+from fddp._errors import CheckpointError
 from fddp._tree import paths
 from fddp.zero import _gather
 from fddp.zero import _layout as shard_layout
 from fddp.zero._gather import Counters, Pipeline
-from fddp.zero._stage3 import FullyShardedForward, _agree_on
+from fddp.zero._stage3 import FullyShardedForward, _agree, _agree_on
 
 __all__ = ["load_full", "release", "write_back"]
 
@@ -71,37 +72,92 @@ def _safetensors_reader(handles: dict[str, Any], what: str) -> tuple[Callable[[s
     return (lambda name: name in handles), read
 
 
-def _open(source: str | os.PathLike, what: str) -> tuple[dict[str, Any], list[Any]]:
-    """The ``safetensors`` files of a path: a file, or a directory holding ``model.safetensors`` or
-    a Hugging Face index of several (``model.safetensors.index.json``)."""
+_PICKLED = ("pytorch_model.bin", "model.pt", "model.pth", "pytorch_model.bin.index.json")
+
+
+def _refuse_pickles(path: str, what: str) -> None:
+    """A directory with no safetensors: say so, and never fall back on the pickles it may hold."""
+    found = [n for n in _PICKLED if os.path.exists(os.path.join(path, n))]
+    if found:
+        raise CheckpointError(
+            f"{os.path.join(path, found[0])}: refused to load: fddp.{what} reads safetensors only, and this is a "
+            "pickle, which could run code. Convert it (transformers: from_pretrained(...).save_pretrained(dir, "
+            "safe_serialization=True)), or pass the state dict yourself: torch.load(file, weights_only=True)"
+        )
+    raise FileNotFoundError(f"fddp.{what}: {path} holds neither model.safetensors nor model.safetensors.index.json")
+
+
+def _index(index: str, path: str, what: str) -> dict[str, str]:
+    """A Hugging Face safetensors index: leaf name -> file in ``path`` (never outside it)."""
+    try:
+        with open(index, "rb") as f:
+            weight_map = json.loads(f.read().decode())["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index (JSON with a weight_map): {type(e).__name__}: {e}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: its weight_map is not a table of leaf names to file names")
+    files = {}
+    for name, file in weight_map.items():
+        rel = os.path.normpath(file)
+        if os.path.isabs(rel) or rel == ".." or rel.startswith(".." + os.sep):
+            raise CheckpointError(f"{index}: refused: leaf {name!r} is in {file!r}, outside the checkpoint's directory")
+        files[name] = os.path.join(path, rel)
+    return files
+
+
+def _safe_open(file: str, what: str) -> Any:
     from safetensors import safe_open
 
+    try:
+        return safe_open(file, framework="pt")
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own SafetensorsError, or an OSError of the read
+        raise CheckpointError(
+            f"{file}: not a safetensors file, or damaged ({type(e).__name__}: {e}); fddp.{what} reads safetensors "
+            "only (anything pickled could run code)"
+        ) from None
+
+
+def _open(source: str | os.PathLike, what: str) -> tuple[dict[str, Any], list[Any]]:
+    """The ``safetensors`` files of a path: a file, or a directory holding ``model.safetensors`` or
+    a Hugging Face index of several (``model.safetensors.index.json``). Nothing is unpickled:
+    safetensors is a JSON header and raw bytes, the index is JSON."""
     path = os.fspath(source)
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = {n: os.path.join(path, file) for n, file in weight_map.items()}
+            files = _index(index, path, what)
         elif os.path.exists(os.path.join(path, "model.safetensors")):
             files = None
             path = os.path.join(path, "model.safetensors")
         else:
-            raise FileNotFoundError(f"fddp.{what}: {source!s} holds neither model.safetensors nor model.safetensors.index.json")
+            _refuse_pickles(path, what)
     else:
         files = None
     opened: dict[str, Any] = {}
     if files is None:
-        h = safe_open(path, framework="pt")
+        h = _safe_open(path, what)
         return {n: h for n in h.keys()}, [h]
     handles = {}
-    for name, file in files.items():
-        if file not in opened:
-            opened[file] = safe_open(file, framework="pt")
-        handles[name] = opened[file]
+    try:
+        for name, file in files.items():
+            if file not in opened:
+                opened[file] = _safe_open(file, what)
+            handles[name] = opened[file]
+    except BaseException:
+        for h in opened.values():  # the files opened before the one that failed
+            h.__exit__(None, None, None)
+        raise
     return handles, list(opened.values())
 
 
+def _group_of(x: Any, *args: Any, **kwargs: Any) -> Any:
+    """The shard group of ``load_full``'s shards or ``write_back``'s apply_fn (the call's scope)."""
+    return x.layout.group
+
+
+@_dist.entry("zero.load_full", _group_of)
 def load_full(shards: shard_layout.Sharded, source: Any, /, *, strict: bool = True) -> shard_layout.Sharded:
     """Lay full values into the layout of ``shards``: new shards holding ``source``'s values.
 
@@ -109,7 +165,11 @@ def load_full(shards: shard_layout.Sharded, source: Any, /, *, strict: bool = Tr
     file, only the rows its slice spans), so with a lazy source the whole tree never lies on one
     rank: a Hugging Face checkpoint loads into a model that :func:`fddp.zero.fully_shard` sharded
     with random (or empty) values, a reference run's tree into a stage-3 layout. The values are
-    cast to the shards' dtype (float32 master shards from a bf16 checkpoint). No collective runs.
+    cast to the shards' dtype (float32 master shards from a bf16 checkpoint). Every rank of the
+    shard group calls it: after the reads the ranks agree (one small all-reduce), so a rank whose
+    source lacks a leaf or is damaged raises its error and every peer a :class:`fddp.PeerError`
+    naming it, at once, instead of waiting in the next collective. A path is read as safetensors
+    and JSON only, never unpickled.
 
     Args:
         shards: a :class:`fddp.zero.Sharded` (stage 3's, or stage 2's); not modified.
@@ -127,6 +187,9 @@ def load_full(shards: shard_layout.Sharded, source: Any, /, *, strict: bool = Tr
     Raises:
         ValueError: ``strict`` and ``source`` lacks leaves (the first are named), or a leaf's shape
             differs from the source's.
+        fddp.checkpoint.CheckpointError: a path that is not safetensors (a pickle is refused unread),
+            a damaged file or index, or an index that points outside its directory; naming the file.
+        fddp.PeerError: on the other ranks, when one rank failed.
 
     Example:
         >>> model = transformers.GPT2LMHeadModel(config)  # random weights
@@ -181,6 +244,9 @@ def load_full(shards: shard_layout.Sharded, source: Any, /, *, strict: bool = Tr
             close = getattr(h, "__exit__", None)
             if close is not None:
                 close(None, None, None)
+    # Every rank has read its slices: a rank that failed above announced it in place of this
+    # agreement, so its peers raise here, not in whatever collective they would meet next.
+    _agree(what, (lay, "load_full"), lay.describe, [lay.group])
     return shard_layout.Sharded(out, lay)
 
 
@@ -190,6 +256,7 @@ def _check(apply_fn: Any, shards: Any, what: str) -> None:
     apply_fn._check(shards)
 
 
+@_dist.entry("zero.write_back", _group_of)
 def write_back(apply_fn: FullyShardedForward, shards: shard_layout.Sharded, /, *, rank: int | None = None) -> nn.Module:
     """Write the full values of ``shards`` into the module's parameters, one unit at a time; return the module.
 
@@ -221,25 +288,23 @@ def write_back(apply_fn: FullyShardedForward, shards: shard_layout.Sharded, /, *
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < lay.world):
         raise ValueError(f"fddp.{what}: rank must be None or a rank of the shard group (0 to {lay.world - 1}), got {rank!r}")
     keep = rank is None or rank == lay.rank
-    # One call scope for the header and the gathers: a rank that fails in them fails its peers too.
-    with _dist.call(lay.group, what):
-        _dist.count_call(lay.group, what)
-        _agree_on(lay, what)
-        pipe = Pipeline(lay, what, shards.shards, 0, [], Counters())
-        params: dict[int, nn.Parameter] = {}
-        for unit in apply_fn._units:
-            fulls = [pipe.gather_now(k, _gather.plain(shards.shards[k]).detach()) for k in unit.buckets]
-            if not keep:
-                continue
-            views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
-            for module, attr, j, pos in unit.slots:
-                old = module._parameters[attr]
-                key = id(old)  # the same placeholder for every name of a tied weight: one parameter
-                if key not in params:
-                    params[key] = nn.Parameter(views[j][pos].clone(), requires_grad=old.requires_grad)
-                module._parameters[attr] = params[key]
-            del fulls, views
-        return apply_fn.model
+    _dist.count_call(lay.group, what)
+    _agree_on(lay, what)
+    pipe = Pipeline(lay, what, shards.shards, 0, [], Counters())
+    params: dict[int, nn.Parameter] = {}
+    for unit in apply_fn._units:
+        fulls = [pipe.gather_now(k, _gather.plain(shards.shards[k]).detach()) for k in unit.buckets]
+        if not keep:
+            continue
+        views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
+        for module, attr, j, pos in unit.slots:
+            old = module._parameters[attr]
+            key = id(old)  # the same placeholder for every name of a tied weight: one parameter
+            if key not in params:
+                params[key] = nn.Parameter(views[j][pos].clone(), requires_grad=old.requires_grad)
+            module._parameters[attr] = params[key]
+        del fulls, views
+    return apply_fn.model
 
 
 def release(apply_fn: FullyShardedForward, /) -> None:

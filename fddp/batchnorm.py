@@ -77,13 +77,21 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"fddp.SyncBatchNorm: expected an input of at least 2 dimensions (N, C, ...), got {input.dim()}")
 
     def forward(self, input: Tensor) -> Tensor:
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        if self.training and batch_stats and _several_ranks(self.group):
+            # The check inside the call's scope: a rank whose input is wrong tells its peers,
+            # which wait in this layer's agreement, instead of leaving them there.
+            with _dist.call(self.group, _WHAT):
+                return self._forward(input, batch_stats)
+        return self._forward(input, batch_stats)
+
+    def _forward(self, input: Tensor, batch_stats: bool) -> Tensor:
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average, as torch
                 factor = 1.0 / float(self.num_batches_tracked)
-        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         tracked = not self.training or self.track_running_stats
         running_mean = self.running_mean if tracked else None
         running_var = self.running_var if tracked else None

@@ -42,6 +42,13 @@ COMMUNICATING = {
     "fddp.zero.gather",
     "fddp.zero.fully_shard",
     "fddp.zero.unshard",
+    "fddp.zero.write_back",
+    "fddp.zero.load_full",
+    "fddp.checkpoint.save",
+    "fddp.checkpoint.save_step",
+    "fddp.checkpoint.load_step",
+    "fddp.checkpoint.save_sharded",
+    "fddp.checkpoint.load_sharded",
     "fddp.scaling.auto_bucket_cap",
     "fddp.scaling.verify_bucket_cap",
     "fddp.scaling.measure_link",
@@ -54,15 +61,8 @@ TRANSFORMS = {"fddp.grad", "fddp.grad_and_value"}
 SCOPED_ELSEWHERE = {
     "fddp.shutdown": "its agreement and barrier run in a call scope before the group is destroyed",
     "fddp.sync_batchnorm": "converts modules only; SyncBatchNorm's forward and backward communicate inside their scope",
-    "fddp.zero.write_back": "a stage-3 entry (fddp/zero/_full.py)",
-    "fddp.zero.load_full": "a stage-3 entry (fddp/zero/_full.py)",
     "fddp.zero.release": "frees gathered units; the collectives are write_back's",
-    "fddp.checkpoint.save": "a checkpoint entry",
-    "fddp.checkpoint.load": "a checkpoint entry",
-    "fddp.checkpoint.save_step": "a checkpoint entry",
-    "fddp.checkpoint.load_step": "a checkpoint entry",
-    "fddp.checkpoint.save_sharded": "a checkpoint entry",
-    "fddp.checkpoint.load_sharded": "a checkpoint entry",
+    "fddp.checkpoint.load": "one rank's own read of a file: no peer waits for it",
     "fddp.diloco.diloco": "builds the outer step; DiLoCo.step communicates inside its scope",
     "fddp.diloco.local_sgd": "builds the outer step; DiLoCo.step communicates inside its scope",
     "fddp.init": "torch.distributed's own init_process_group: there is no group to scope before it",
@@ -169,8 +169,9 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 
 
-def _case(name: str, group, bad: bool):
-    """Run entry ``name`` on ``group`` (with a bad argument on this rank if ``bad``)."""
+def _case(name: str, group, bad: bool, directory: str = ""):
+    """Run entry ``name`` on ``group`` (with a bad argument on this rank if ``bad``); ``directory``
+    is one the ranks share, for checkpoints."""
     params = {"w": torch.ones(4), "b": torch.zeros(3)}
     if name == "ddp_step":
         return fddp.ddp_step(params, {"w": torch.ones(3)} if bad else params, group=group)
@@ -198,14 +199,44 @@ def _case(name: str, group, bad: bool):
         return apply_fn(params if bad else shards, torch.ones(3, 4)).sum()  # params: not the shards it needs
     if name == "scaling.measure_link":
         return fddp.scaling.measure_link(group=group, sizes=(2**6, 2**8), repeats=0 if bad else 1)
+    if name == "zero.unshard":
+        apply_fn, shards = fddp.zero.fully_shard(_mlp(), group=group, min_unit_mb=0)
+        return fddp.zero.unshard(shards, invariant="yes" if bad else False)
+    if name == "zero.load_full":
+        model = _mlp()
+        apply_fn, shards = fddp.zero.fully_shard(model, group=group, min_unit_mb=0)
+        source = {k: v.detach() + 1 for k, v in _mlp().named_parameters()}
+        if bad:
+            source.pop("0.weight")  # this rank's copy of the weights lacks a key
+        return fddp.zero.load_full(shards, source)
+    if name == "zero.write_back":
+        apply_fn, shards = fddp.zero.fully_shard(_mlp(), group=group, min_unit_mb=0)
+        return fddp.zero.write_back(apply_fn, shards, rank=99 if bad else None)
+    _case.calls += 1  # type: ignore[attr-defined]  # a new checkpoint each call
+    if name == "checkpoint.save_step":
+        return fddp.checkpoint.save_step(directory + "/steps", _case.calls, params, keep=0 if bad else 2, group=group)
+    if name == "checkpoint.save_sharded":
+        shards = fddp.zero.shard(params, group=group)  # every rank, before the call under test
+        tree = {"w": object()} if bad else shards  # a leaf no checkpoint can store
+        return fddp.checkpoint.save_sharded(f"{directory}/sharded{_case.calls}", tree, group=group)
+    if name == "SyncBatchNorm":
+        bn = fddp.SyncBatchNorm(3, group=group)
+        return bn(torch.ones(4) if bad else torch.randn(4, 3))  # 1-D: not a batch
+    if name == "diloco.step":
+        outer = fddp.diloco.diloco(every=1, group=group)
+        state = outer.init(params)
+        return outer.step({"w": torch.ones(5), "b": torch.zeros(3)} if bad else params, state)
     raise AssertionError(name)
 
 
+_case.calls = 0  # type: ignore[attr-defined]
+
 ENTRIES = ("ddp_step", "grad_and_value", "broadcast", "sync_buffers", "verify_replicas", "zero.shard", "zero.gather",
-           "fully_shard", "scaling.measure_link")  # fmt: skip
+           "fully_shard", "zero.unshard", "zero.load_full", "zero.write_back", "checkpoint.save_step",
+           "checkpoint.save_sharded", "SyncBatchNorm", "scaling.measure_link")  # fmt: skip
 
 
-def _table_worker(mode: str) -> list[tuple]:
+def _table_worker(mode: str, directory: str) -> list[tuple]:
     """Every entry on a subgroup of its own: the last rank fails ``mode`` ("before" or "after")."""
     import torch.distributed as dist
 
@@ -214,14 +245,14 @@ def _table_worker(mode: str) -> list[tuple]:
     out = []
     for name in ENTRIES:
         group = dist.new_group(list(range(world)))
-        _case(name, group, bad=False)  # the tree is known: the call under test repeats it (its buckets may go early)
+        _case(name, group, bad=False, directory=directory)  # the tree is known: the call under test repeats it (its buckets may go early)
         fddp.broadcast({"sync": torch.zeros(1)})  # all ranks start the case together (on the default group)
         if failing and mode == "after":
             _fail_after(2)
         t0 = time.monotonic()
         error = None
         try:
-            _case(name, group, bad=failing and mode == "before")
+            _case(name, group, bad=failing and mode == "before", directory=directory)
             if not failing or mode == "after":
                 fddp.broadcast({"probe": torch.zeros(1)}, group=group)  # a peer that finished learns at its next call
         except Exception as e:  # noqa: BLE001 - the table compares the ranks' errors
@@ -240,8 +271,8 @@ def _table_worker(mode: str) -> list[tuple]:
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("mode", ["before", "after"])
-def test_a_failure_in_any_entry_reaches_every_rank_within_five_seconds(mode, world):
-    results = run(_table_worker, world, mode, timeout=240)
+def test_a_failure_in_any_entry_reaches_every_rank_within_five_seconds(mode, world, tmp_path):
+    results = run(_table_worker, world, mode, str(tmp_path), timeout=300)
     failing = results[-1]
     for r, rows in enumerate(results[:-1]):
         for (name, error, elapsed, usable), (_, own, own_elapsed, _) in zip(rows, failing):

@@ -60,7 +60,7 @@ def raise_announced(group: dist.ProcessGroup | None, st: GroupState, what: str, 
     raise peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)
 
 
-def fail(group: dist.ProcessGroup | None, what: str, e: BaseException) -> None:
+def fail(group: dist.ProcessGroup | None, what: str, e: BaseException, everywhere: bool = False) -> None:
     """Post ``e`` as this rank's fatal failure on the groups of the failing call, and refuse every
     later fddp call on them.
 
@@ -69,6 +69,9 @@ def fail(group: dist.ProcessGroup | None, what: str, e: BaseException) -> None:
     forward on the shard group inside a replica group's call), or a backward still owed (a
     forward that left its gradients' collectives to come). Other groups go on: a failure inside
     a two-rank subgroup does not end the job's default group.
+
+    With ``everywhere``, every group this process knows: for a call whose arguments were too broken
+    to name its group (its peers may wait on any of them).
 
     For a rank that finds, before issuing a collective, that it must not issue it (it left the
     agreed sequence): its peers are waiting for that collective and raise :class:`PeerError`.
@@ -84,7 +87,7 @@ def fail(group: dist.ProcessGroup | None, what: str, e: BaseException) -> None:
     if st.rank is None:
         # (A group across fault-tolerant replica groups fails alone: this rank's own replica
         # group's peers are not waiting for it; they meet at the step's vote.)
-        groups += [(g, s) for g, s in states() if s is not st and s.failed is None and s.rank is None and s.busy()]
+        groups += [(g, s) for g, s in states() if s is not st and s.failed is None and s.rank is None and (everywhere or s.busy())]
     for g, s in groups:
         mine = Failure(s.rank if s.rank is not None else dist.get_rank(g), what, s.agreed, type(e).__name__, first_line(e), True)
         channel = channel_of(s, g)

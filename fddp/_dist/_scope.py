@@ -100,10 +100,11 @@ class call:
         ...     ...  # this call's agreement, then its collectives
     """
 
-    __slots__ = ("group", "what", "headerless", "st", "frame")
+    __slots__ = ("group", "what", "headerless", "st", "frame", "unknown")
 
-    def __init__(self, group: dist.ProcessGroup | None, what: str, headerless: bool = False) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, what: str, headerless: bool = False, unknown: bool = False) -> None:
         self.group, self.what, self.headerless, self.st, self.frame = group, what, headerless, None, None
+        self.unknown = unknown  # the arguments were too broken to name the call's group
 
     def __enter__(self) -> "call":
         if torch.compiler.is_compiling() or not dist.is_initialized():
@@ -148,7 +149,9 @@ class call:
             # zeros in place of the peers' early buckets, which are this call's collectives.
             if e is None or is_collective(e) or st.failed is not None or size(self.group) == 1:
                 return
-            if frame.sent or frame.headerless or not checks().agreement:
+            if self.unknown:  # the peers may wait on any group: tell them all
+                fail(self.group, self.what, e, everywhere=True)
+            elif frame.sent or frame.headerless or not checks().agreement:
                 fail(self.group, self.what, e)  # the peers wait in collectives this rank will not join
             else:
                 _announce(self.group, st, self.what, e)
@@ -174,7 +177,9 @@ def entry(what: str, group: Callable[..., Any] | None = None, *, headerless: boo
         what: the public name, for messages (``"checkpoint.save"``).
         group: a function of the call's arguments that returns its process group; default: the
             ``group=`` keyword argument (``None``: the default group). Where it raises (an
-            argument too broken to name its group), the call runs on the default group.
+            argument too broken to name its group, such as shards that are not shards), the
+            call's failure is posted, fatal, on every group this process knows: the peers may
+            wait on any of them.
         headerless: the function's first collective is not an agreement header (see :class:`call`).
 
     Example:
@@ -185,14 +190,15 @@ def entry(what: str, group: Callable[..., Any] | None = None, *, headerless: boo
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def scoped(*args: Any, **kwargs: Any) -> Any:
+            unknown = False
             if group is None:
                 g = kwargs.get("group")
             else:
                 try:
                     g = group(*args, **kwargs)
                 except Exception:  # noqa: BLE001 - the body raises the error that names the bad argument
-                    g = None
-            with call(g, what, headerless):
+                    g, unknown = None, True
+            with call(g, what, headerless, unknown):
                 return fn(*args, **kwargs)
 
         scoped.__fddp_entry__ = what  # type: ignore[attr-defined]

@@ -858,3 +858,97 @@ def test_hybrid_on_two_hosts_matches_one_host(tmp_path):
     # What crosses hosts: each rank's gradient shards, half of its buckets (padded to 64-element blocks).
     assert two["replica_bytes"] == 3 * two["shard_bytes"] and two["reduced_bytes"] <= 3 * two["bucket_bytes"] / 2
     assert two["shard_bytes"] <= two["bucket_bytes"] / 2 + 64 * 4 * 4
+
+
+# --- forwards without a backward: forward mode, vmap, graphs freed on every rank alike -------------
+
+
+def _no_backward_worker(case: str):
+    """A stage-3 forward that no backward follows, then more fddp calls on the group."""
+    import time
+
+    from fddp import _dist
+
+    rank = fddp.rank()
+    apply_fn, shards = fddp.zero.fully_shard(_model("mlp"), min_unit_mb=0)
+    x, y = _batch("mlp", 0)
+    out: dict = {}
+    if case == "forward mode":
+        v = torch.ones_like(x)
+        kept = []
+        for _ in range(2):
+            gathers = apply_fn.counters.gathers
+            kept.append(jvp(lambda x_: apply_fn(shards, x_), (x,), (v,)))  # outputs kept alive
+            kept.append(vmap(lambda x_: apply_fn(shards, x_))(x[None]))
+            # The forward's gathers only: no backward's prefetched, nothing owed to a backward.
+            out.setdefault("gathers", []).append((apply_fn.counters.gathers - gathers) / len(shards.shards))
+            out.setdefault("owed", []).append(_dist._state(None).owed)
+        try:  # a bad input on one rank: announced (the group goes on), not fatal
+            bad = fddp.zero.Sharded([shards.shards[0][:-1], *shards.shards[1:]], shards.layout)
+            apply_fn(shards if rank == 0 else bad, x)
+        except (ValueError, fddp.PeerError) as e:
+            out["bad"] = type(e).__name__
+        del kept
+    elif case == "dropped alike":
+        shards = fddp.zero.Sharded([t.requires_grad_() for t in shards.shards], shards.layout)
+        for step in range(4):
+            # Step 0 learns the kind with a backward, steps 1-2 drop it on every rank (an
+            # evaluation under grad mode), step 3 trains again; the first drop learns nothing.
+            loss = _loss(apply_fn, shards, x, y)
+            if step in (0, 3):
+                loss.backward()
+            del loss
+        out["grads"] = [t.grad.clone() for t in shards.shards]
+        fresh, sh2 = fddp.zero.fully_shard(_model("mlp"), min_unit_mb=0)
+        out["reference"] = list(grad(lambda s: _loss(fresh, s, x, y))(sh2).shards)
+        shards = fddp.zero.Sharded([t.detach().requires_grad_() for t in shards.shards], shards.layout)
+        _loss(apply_fn, shards, x, y)  # dropped first, while learning: the next one learns anew
+        _loss(apply_fn, shards, x, y).backward()
+        out["after learning dropped"] = [t.grad.clone() for t in shards.shards]
+    elif case == "dropped on one rank":
+        shards = fddp.zero.Sharded([t.requires_grad_() for t in shards.shards], shards.layout)
+        _loss(apply_fn, shards, x, y).backward()
+        start = time.monotonic()
+        try:
+            loss = _loss(apply_fn, shards, x, y)
+            if rank == 1:
+                loss.backward()  # rank 0 frees its graph instead
+            del loss
+            fddp.zero.gather(shards).wait()
+            out["error"] = "none"
+        except (fddp.MismatchError, fddp.PeerError) as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+    fddp.zero.fully_shard(_model("mlp", 1), min_unit_mb=0) if case != "dropped on one rank" else None
+    return out
+
+
+def test_forwards_without_a_backward_owe_nothing():
+    """jvp and vmap w.r.t. the input (issue 38 item 5): their forward is the whole computation, so it
+    owes its group no backward (before: each left the group owing one, so a later failure that
+    should have been announced was fatal, and a backward gather was started for nothing)."""
+    results = run(_no_backward_worker, 2, "forward mode", timeout=120)
+    for r in results:
+        assert r["gathers"] == [2, 2], r  # jvp and vmap: each bucket once each, no backward prefetch
+        assert r["owed"] == [0, 0], r
+    assert results[0]["bad"] == "PeerError" and results[1]["bad"] == "ValueError", results
+
+
+def test_a_graph_freed_on_every_rank_is_no_error():
+    """An evaluation under grad mode, its graph freed on every rank alike, is not a divergence
+    (before: the group failed for good, 'dropped a forward's graph without running its backward');
+    the training steps around it give the gradients of a fresh run."""
+    for r in run(_no_backward_worker, 2, "dropped alike", timeout=120):
+        for got, ref in zip(r["grads"], r["reference"]):
+            torch.testing.assert_close(got, 2 * ref, rtol=0, atol=0)  # two backwards accumulated
+        for got, ref in zip(r["after learning dropped"], r["reference"]):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_a_backward_one_rank_drops_fails_every_rank():
+    """Rank 1 runs a backward that rank 0 dropped: every rank raises an fddp error, in seconds."""
+    results = run(_no_backward_worker, 2, "dropped on one rank", timeout=120)
+    for r in results:
+        assert r["error"].startswith(("MismatchError", "PeerError")), results
+        assert r["seconds"] < 20, results
+    assert "without running its backward" in results[0]["error"], results

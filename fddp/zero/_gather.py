@@ -267,12 +267,13 @@ class _Debt:
         """The call's collectives are over: its backward ran (or it has none); or, ``dropped``,
         the pipeline died without it (its graph was freed): the peers may be waiting in them."""
         try:
-            if self.owing:
+            owed = self.owing
+            if owed:
                 self.owing = False
                 for g in self.groups:
                     _dist.owe(g, -1)
             for seg in self.segments:
-                seg.drop() if dropped else seg.close()
+                seg.drop(owed) if dropped else seg.close()
         except _dist.MismatchError:
             if not dropped:
                 raise

@@ -302,6 +302,20 @@ def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
+def _backward_may_follow(leaves: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> bool:
+    """Whether a reverse pass may run through a differentiated forward (then it owes its backward's
+    collectives until that runs or its graph is freed). Not under forward-mode AD or ``vmap``
+    alone, with nothing that requires grad: their derivatives are computed in the forward itself,
+    and no backward will ever come."""
+    if torch._C._are_functorch_transforms_active() and _functorch.TransformType.Grad in active_transforms():
+        return True  # torch.func.grad / vjp (vjp's level is a Grad one), wherever it sits in the stack
+    if not torch.is_grad_enabled():
+        return False
+    if any(_gather.plain(t).requires_grad for t in leaves):
+        return True
+    return any(isinstance(t, torch.Tensor) and _gather.plain(t).requires_grad for t in torch_pytree.tree_leaves((args, kwargs)))
+
+
 _serials = itertools.count()
 
 
@@ -453,19 +467,25 @@ class FullyShardedForward:
             # not left to time out inside a gather.
             _dist.count_call(lay.group, "zero.fully_shard")
             differentiated = _differentiated(shards.shards)
+            backward = differentiated and _backward_may_follow(shards.shards, args, kwargs)
             # The header names the model and the kind of forward, and the collectives that follow
             # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
             # kind of call runs, then checked before each one, so that a rank that runs its units
             # otherwise fails at once instead of pairing them with its peers' other units.
-            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated), sequenced=True, precision=self._precision)
+            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated, backward), sequenced=True, precision=self._precision)
             self._buffers.start(self.model)
-            out = self._forward(lay, shards, differentiated, segments, args, kwargs)
+            out = self._forward(lay, shards, differentiated, backward, segments, args, kwargs)
             self._buffers.check(self.model)
             return out
 
-    def _kind(self, differentiated: bool) -> tuple[tuple, ...]:
+    def _kind(self, differentiated: bool, backward: bool) -> tuple[tuple, ...]:
         """This call's kind as signature rows: the model, the forward's kind, the prefetch order."""
-        forward = "a training forward (its backward gathers and reduces)" if differentiated else "an evaluation forward (no gradients)"
+        if backward:
+            forward = "a training forward (its backward gathers and reduces)"
+        elif differentiated:
+            forward = "a forward whose derivatives it computes itself (forward mode, vmap: no backward)"
+        else:
+            forward = "an evaluation forward (no gradients)"
         return (
             ("model", f"fully_shard's model #{self.serial}, {type(self.model).__name__}", None),
             ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack()) or 'no transform'}", None),
@@ -473,14 +493,15 @@ class FullyShardedForward:
         )
 
     def _forward(
-        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, segments: list[Any], args: tuple, kwargs: dict
-    ) -> Any:
+        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, backward: bool, segments: list[Any],
+        args: tuple, kwargs: dict,
+    ) -> Any:  # fmt: skip
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
-            release=self.remat == "params", precision=self._precision, segments=segments,
+            release=backward and self.remat == "params", precision=self._precision, segments=segments,
         )  # fmt: skip
-        leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
-        run = _Call(self, pipe, leaves, differentiated)
+        leaves = _gather.boundary(pipe, shards.shards) if backward else tuple(shards.shards)
+        run = _Call(self, pipe, leaves, differentiated, backward)
         patched = [u for u in self._units if u.name]
         if self.param_dtype is not None:  # the model's inputs in the compute dtype, as every unit's
             args, kwargs = torch_pytree.tree_map(self._precision.cast, (args, kwargs))
@@ -510,7 +531,7 @@ class FullyShardedForward:
             for u in patched:
                 u.module.__dict__.pop("forward", None)
             self._run = None
-        pipe.end_forward(will_backward=differentiated)
+        pipe.end_forward(will_backward=backward)
         self._order = pipe.seq or self._order
         return out
 
@@ -522,7 +543,8 @@ class _Call:
     owner: FullyShardedForward
     pipe: Pipeline
     leaves: Sequence[torch.Tensor]
-    differentiated: bool
+    differentiated: bool  # the gathers are differentiable (a backward, forward mode or vmap follows)
+    backward: bool  # a reverse pass may follow: the units keep what it needs (remat)
     entered: set[str] = dataclasses.field(default_factory=set)  # the units whose forward this call ran
 
     def gather(self, k: int) -> torch.Tensor:
@@ -544,10 +566,10 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
         ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
         fulls = [run.gather(k) for k in unit.buckets]
         tensors = [owner._precision.cast(flat[i]) for i in pos]  # mixed precision: inputs in the compute dtype
-        if run.differentiated and owner.remat == "unit":
+        if run.backward and owner.remat == "unit":
             shards = [run.leaves[k] for k in unit.buckets]
             outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
-        elif run.differentiated and owner.remat == "params":
+        elif run.backward and owner.remat == "params":
             outs = ucall.run(fulls, tensors)
             if outs:
                 outs = _gather.refill_before_backward(run.pipe, unit.buckets, outs)

@@ -952,3 +952,45 @@ def test_a_backward_one_rank_drops_fails_every_rank():
         assert r["error"].startswith(("MismatchError", "PeerError")), results
         assert r["seconds"] < 20, results
     assert "without running its backward" in results[0]["error"], results
+
+
+# --- remat="unit" recomputes a unit with the random state its forward drew from ---------------------
+
+
+def _dropout_worker(device: str):
+    """Gradients of a model with dropout in its units, remat="unit" against remat=None (no recompute)."""
+    grads = {}
+    for remat in ("unit", None):
+        torch.manual_seed(0)
+        block = lambda i, o: nn.Sequential(nn.Linear(i, o), nn.Dropout(0.5))  # noqa: E731 - dropout inside the unit
+        model = nn.Sequential(block(8, 32), block(32, 32), nn.Linear(32, 4)).to(device)
+        apply_fn, shards = fddp.zero.fully_shard(model, units=["0", "1", "2"], remat=remat)
+        x, y = _batch("mlp", 0)
+        x, y = x.to(device), y.to(device)
+        torch.manual_seed(1)  # the same masks in both runs' forwards (and both generators moved alike)
+        g = grad(lambda s: _loss(apply_fn, s, x, y))(shards)
+        grads[remat] = [t.cpu() for t in g.shards]
+        # The recompute leaves the surrounding state as the forward left it: the next draw is the same.
+        grads[remat, "next"] = torch.rand(3, device=device).cpu()
+    return grads
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_remat_unit_recomputes_the_same_dropout_masks(world):
+    """remat="unit" differentiates the recomputed unit: with dropout, its masks must be the forward's."""
+    for r in run(_dropout_worker, world, "cpu", timeout=120):
+        assert any(t.count_nonzero() < t.numel() for t in r[None]), r  # dropout zeroed some gradients
+        for a, b in zip(r["unit"], r[None]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(r["unit", "next"], r[None, "next"], rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_check.sh runs it on a GPU)")
+def test_remat_unit_recomputes_the_same_dropout_masks_on_cuda():
+    """The same on CUDA, where dropout draws from the device's generator (before: only the CPU
+    state was saved, so the recompute drew another mask and the gradients were wrong)."""
+    (r,) = run(_dropout_worker, 1, "cuda", timeout=300)
+    for a, b in zip(r["unit"], r[None]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(r["unit", "next"], r[None, "next"], rtol=0, atol=0)

@@ -42,6 +42,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
+import torch.utils.checkpoint as checkpoint
 from torch import nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad
@@ -122,7 +123,7 @@ class _UnitCall:
     out_spec: Any = None
     out_leaves: list[Any] | None = None
     out_pos: tuple[int, ...] = ()
-    rng: torch.Tensor | None = None
+    rng: "_RngState | None" = None
 
     @property
     def nb(self) -> int:
@@ -182,14 +183,35 @@ def _unflatten_out(leaves: list[Any], spec: Any) -> Any:
     return torch_pytree.tree_unflatten(leaves, spec)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RngState:
+    """The random states a unit's forward drew from: the CPU generator's and, as
+    ``torch.utils.checkpoint`` saves them, each accelerator's its tensors live on."""
+
+    cpu: torch.Tensor
+    device_type: str
+    devices: tuple[int, ...]
+    states: tuple[torch.Tensor, ...]
+
+
+def _save_rng(tensors: Sequence[torch.Tensor]) -> _RngState:
+    one_each = list({t.device: t for t in tensors}.values())  # a device's state once, however many tensors live there
+    devices, states = checkpoint.get_device_states(*one_each)
+    device_type = checkpoint._infer_device_type(*one_each) if devices else "cpu"
+    return _RngState(torch.get_rng_state(), device_type, tuple(devices), tuple(states))
+
+
 @contextlib.contextmanager
-def _rng(state: torch.Tensor | None):
-    """Run with the CPU random state the forward saw (a unit with dropout recomputes the same mask)."""
+def _rng(state: _RngState | None):
+    """Run with the random states the forward saw (a unit with dropout recomputes the same mask on
+    every device), leaving the surrounding states as they were."""
     if state is None:
         yield
         return
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
+    with torch.random.fork_rng(devices=list(state.devices), device_type=state.device_type if state.devices else "cuda"):
+        torch.set_rng_state(state.cpu)
+        if state.devices:
+            checkpoint.set_device_states(list(state.devices), list(state.states), device_type=state.device_type)
         yield
 
 
@@ -206,7 +228,7 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(ucall: _UnitCall, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         nb = ucall.nb
-        ucall.rng = torch.get_rng_state()
+        ucall.rng = _save_rng(args)
         outs = ucall.run(args[nb : 2 * nb], args[2 * nb :])
         # An output that is an input would make autograd treat it as a view of it: a copy instead.
         return tuple(o.clone() if any(o is a for a in args) else o for o in outs)

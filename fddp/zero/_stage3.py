@@ -462,9 +462,12 @@ class FullyShardedForward:
         lay = self.layout
         views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
         saved = []
-        for module, attr, j, pos in unit.slots:
+        for i, (module, attr, j, pos) in enumerate(unit.slots):
             saved.append(module._parameters[attr])
-            module._parameters[attr] = views[j][pos]
+            # A module that writes its parameter in place (an embedding's max_norm) gets a copy,
+            # as FSDP2's gathered parameter takes the write: autograd forbids writes into views
+            # that one split made, and the shards keep their values (the write is this forward's).
+            module._parameters[attr] = views[j][pos].clone() if i in unit.copied else views[j][pos]
         try:
             yield
         finally:
@@ -776,7 +779,10 @@ def fully_shard(
             for pos, i in enumerate(plan.buckets[k].indices):
                 for n in trainable[id(params[flat_names[i]])]:
                     prefix, _, attr = n.rpartition(".")
-                    u.slots.append((model.get_submodule(prefix), attr, j, pos))
+                    module = model.get_submodule(prefix)
+                    if _units.writes_in_place(module, attr):
+                        u.copied.add(len(u.slots))
+                    u.slots.append((module, attr, j, pos))
     placeholders = []
     for names_ in trainable.values():
         like = params[names_[0]]

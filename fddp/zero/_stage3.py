@@ -51,7 +51,7 @@ from fddp import _dist, _layout
 from fddp._tree import paths
 from fddp.sync import _signature
 from fddp.sync._differentiable import active_transforms, transform_stack
-from fddp.zero import _gather, _units
+from fddp.zero import _gather, _units, _window
 from fddp.zero import _layout as shard_layout
 from fddp.zero._gather import Counters, GatherCall, Pipeline, Precision
 from fddp.zero._units import Unit, UnitLayout
@@ -420,6 +420,57 @@ class FullyShardedForward:
         self._placeholders: list[tuple[nn.Module, str, _units.Released]] = []  # (module, attribute, what it holds)
         self.serial = next(_serials)  # the same on every rank: fully_shard is a collective call
         self._buffers = _BufferWrites(model, layout.world * layout.replicas)
+        self._window: _window.Window | None = None  # an accumulation window, open or awaiting its closing backward
+
+    @contextlib.contextmanager
+    def no_sync(self, *, keep_gathered: bool = False):
+        """Accumulate gradients locally: torch DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``.
+
+        Inside the ``with`` block every backward through this forward keeps its gradients local:
+        each bucket's full-size gradient is added into the window's sum (one full-size buffer per
+        bucket, as FSDP2's unsharded ``.grad``), nothing is reduced, and the gradient shards it
+        returns are zeros. The first backward after the block (the window's last micro-batch, run
+        outside it) adds the window's sum to its own gradients and reduces each bucket once, as its
+        backward reaches it: its gradient shards are the mean over the ranks of every micro-batch's
+        gradients summed, one reduction for the whole window, overlapped with that backward.
+
+        With a loss that is a mean over its micro-batch, divide it by the number of micro-batches
+        (``k``) for the mean over the window (exact for a power-of-two ``k``), as with DDP and FSDP2.
+        Blocks may be entered again before the closing backward: the sums go on.
+
+        Args:
+            keep_gathered: gather each unit's parameters once, in the window's first forward, and
+                keep them until the closing backward has run (FSDP2's ``reshard_after_backward=False``):
+                the later micro-batches gather nothing, at the cost of the full parameters held for
+                the window (on top of the sums). A bucket is reused only while its shard tensor is
+                the one it was gathered from, unchanged.
+
+        Example:
+            >>> for i, (x, y) in enumerate(micro_batches):  # k of them, one optimizer step
+            ...     with apply_fn.no_sync() if i < k - 1 else contextlib.nullcontext():
+            ...         grads, loss = torch.func.grad_and_value(lambda s: loss_fn(s, x, y) / k)(shards)
+            >>> shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)  # the last grads
+        """
+        if not isinstance(keep_gathered, bool):
+            raise TypeError(f"fddp.zero.fully_shard's apply_fn.no_sync: keep_gathered must be True or False, got {keep_gathered!r}")
+        if self.invariant:
+            raise ValueError(
+                "fddp.zero.fully_shard's apply_fn.no_sync: an invariant forward reduces nothing (each rank's gradient is "
+                "its own objective's); accumulate its gradient shards yourself (fddp.accumulate_grads)"
+            )
+        window = self._window
+        if window is None:
+            window = self._window = _window.Window(keep_gathered, open=False)
+        elif window.keep_gathered != keep_gathered:
+            raise ValueError(
+                f"fddp.zero.fully_shard's apply_fn.no_sync: this window was opened with keep_gathered={window.keep_gathered} "
+                f"and its closing backward has not run yet; enter it again with the same keep_gathered"
+            )
+        was_open, window.open = window.open, True
+        try:
+            yield
+        finally:
+            window.open = was_open
 
     def __repr__(self) -> str:
         mixed = f", param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}" if self._precision.rows() else ""
@@ -493,17 +544,23 @@ class FullyShardedForward:
             _dist.count_call(lay.group, "zero.fully_shard")
             differentiated = _differentiated(shards.shards)
             backward = differentiated and _backward_may_follow(shards.shards, args, kwargs)
+            window = self._window if backward else None
+            if window is not None and not window.open:
+                self._window = None  # this call closes the window: later ones are plain again
             # The header names the model and the kind of forward, and the collectives that follow
             # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
             # kind of call runs, then checked before each one, so that a rank that runs its units
             # otherwise fails at once instead of pairing them with its peers' other units.
-            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated, backward), sequenced=True, precision=self._precision)
+            kind = self._kind(differentiated, backward, window, shards.shards)
+            segments = _agree_on(lay, "zero.fully_shard", kind, sequenced=True, precision=self._precision)
             self._buffers.start(self.model)
-            out = self._forward(lay, shards, differentiated, backward, segments, args, kwargs)
+            out = self._forward(lay, shards, differentiated, backward, window, segments, args, kwargs)
             self._buffers.check(self.model)
             return out
 
-    def _kind(self, differentiated: bool, backward: bool) -> tuple[tuple, ...]:
+    def _kind(
+        self, differentiated: bool, backward: bool, window: _window.Window | None = None, shards: Sequence[torch.Tensor] = ()
+    ) -> tuple[tuple, ...]:
         """This call's kind as signature rows: the model, the forward's kind, the prefetch order."""
         if backward:
             forward = "a training forward (its backward gathers and reduces)"
@@ -515,15 +572,18 @@ class FullyShardedForward:
             ("model", f"fully_shard's model #{self.serial}, {type(self.model).__name__}", None),
             ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack()) or 'no transform'}", None),
             ("prefetch order", f"{_dist.digest(tuple(self._order)):016x}", None),
+            *(window.rows([_gather.plain(t) for t in shards]) if window is not None else ()),
         )
 
     def _forward(
-        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, backward: bool, segments: list[Any],
-        args: tuple, kwargs: dict,
+        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, backward: bool,
+        window: _window.Window | None, segments: list[Any], args: tuple, kwargs: dict,
     ) -> Any:  # fmt: skip
+        keep = window is not None and window.keep_gathered
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
-            release=backward and self.remat == "params", precision=self._precision, segments=segments,
+            release=backward and self.remat == "params" and not keep, precision=self._precision, segments=segments,
+            window=window,
         )  # fmt: skip
         leaves = _gather.boundary(pipe, shards.shards) if backward else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated, backward)

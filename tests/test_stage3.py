@@ -789,6 +789,15 @@ before = {k: v.detach().clone() for k, v in model.named_parameters()}
 """
 
 
+def test_the_docs_stage3_accumulation_runs():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "zero.md").read_text()
+    (block,) = re.findall(r"<!-- stage 3 accumulation, run by tests/test_stage3.py[^\n]*-->\n```python\n(.*?)```", text, re.DOTALL)
+    scope: dict = {}
+    exec("import contextlib\n" + PRELUDE + block, scope)
+    after = fddp.zero.gather(scope["shards"]).wait()
+    assert int(scope["opt_state"].count) == 5 and all(not torch.equal(after[k], v) for k, v in scope["before"].items())
+
+
 def test_the_docs_stage3_loop_runs():
     text = (Path(__file__).resolve().parents[1] / "docs" / "zero.md").read_text()
     (block,) = re.findall(r"<!-- stage 3 loop, run by tests/test_stage3.py[^\n]*-->\n```python\n(.*?)```", text, re.DOTALL)
@@ -1172,3 +1181,23 @@ def test_accumulation_windows_keep_live_memory_flat():
             (b0, t0, p0), (b1, t1, p1) = seen[20], seen[200]
             assert abs(b1 - b0) <= 4096 and t1 - t0 <= 8, (keep, seen)
             assert p1 == p0 <= 1, (keep, seen)
+
+
+def _window_mismatch_worker():
+    import contextlib
+
+    apply_fn, shards = fddp.zero.fully_shard(_model("mlp"), min_unit_mb=0)
+    x, y = _batch("mlp", 0)
+    try:
+        with apply_fn.no_sync() if fddp.rank() == 0 else contextlib.nullcontext():
+            grad(lambda s: _loss(apply_fn, s, x, y))(shards)
+        return "returned"
+    except fddp.MismatchError as e:
+        return str(e)
+
+
+def test_an_accumulation_window_on_one_rank_is_named():
+    """Rank 0 accumulates where rank 1 reduces: the header names the window, on every rank."""
+    results = run(_window_mismatch_worker, 2, timeout=60)
+    for r in results:
+        assert "accumulation window" in r, results

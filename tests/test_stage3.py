@@ -1201,3 +1201,58 @@ def test_an_accumulation_window_on_one_rank_is_named():
     results = run(_window_mismatch_worker, 2, timeout=60)
     for r in results:
         assert "accumulation window" in r, results
+
+
+# --- compiled units: fully_shard(compile=...) -----------------------------------------------------------
+
+
+def _compiled_worker(steps: int):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    out: dict = {}
+    for remat in ("params", "unit"):
+        fulls = {}
+        for compiled in (False, True):
+            # aot_eager: the compiled path (dynamo, AOTAutograd's forward and backward graphs) on
+            # the very kernels eager runs, so the bits must match; inductor fuses, and rounds otherwise.
+            apply_fn, shards = fddp.zero.fully_shard(
+                _model("transformer"), min_unit_mb=0, remat=remat, compile={"backend": "aot_eager"} if compiled else False
+            )
+            opt = fddp.optim.sgd(0.1)
+            state = opt.init(shards)
+            step = fddp.grad_and_value(lambda s, x, y: _loss(apply_fn, s, x, y))
+            for i in range(steps):
+                x, y = _batch("transformer", 100 * i + fddp.rank())
+                grads, _ = step(shards, x, y)
+                shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
+                if i == 0 and compiled:
+                    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            fulls[compiled] = fddp.zero.gather(shards).wait()
+        out[remat] = {
+            "equal": all(torch.equal(fulls[False][k], fulls[True][k]) for k in fulls[False]),
+            "recompiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+            "compiled": graphs > 0,
+        }
+    try:
+        fddp.zero.fully_shard(_compiled_unit_model(), min_unit_mb=0)
+    except ValueError as e:
+        out["module.compile"] = str(e)
+    return out
+
+
+def _compiled_unit_model() -> nn.Module:
+    model = _model("transformer")
+    model.encoder.layers[0].compile()
+    return model
+
+
+def test_compiled_units_equal_eager():
+    """fully_shard(compile=...): each unit's compute one compiled region on the gathered
+    parameters, the gathers and reductions eager around it; the same parameters to the bit after 2
+    SGD steps (aot_eager: eager's kernels), with no recompile after the first step; a unit
+    compiled by nn.Module.compile is refused, naming the option."""
+    for r in run(_compiled_worker, 2, 2, timeout=600):
+        for remat in ("params", "unit"):
+            assert r[remat] == {"equal": True, "recompiled": 0, "compiled": True}, r
+        assert "compile=True" in r["module.compile"], r

@@ -527,7 +527,10 @@ class FullyShardedForward:
 
     def __call__(self, shards: shard_layout.Sharded, /, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            raise NotImplementedError("fddp.zero.fully_shard's apply_fn cannot run under torch.compile; call it eagerly")
+            raise NotImplementedError(
+                "fddp.zero.fully_shard's apply_fn cannot run under torch.compile (its gathers and reductions are eager); "
+                "call it eagerly, and pass compile=True to fully_shard to compile each unit's compute"
+            )
         if self._run is not None:
             raise RuntimeError(
                 "fddp.zero.fully_shard's apply_fn: called again while running (from another thread, or from inside the module)"
@@ -684,6 +687,7 @@ def fully_shard(
     min_unit_mb: float = 0.5,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    compile: bool | dict[str, Any] = False,  # noqa: A002 - torch's word for it (nn.Module.compile)
 ) -> tuple[FullyShardedForward, shard_layout.Sharded]:
     """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
 
@@ -746,6 +750,13 @@ def fully_shard(
         reduce_dtype: the dtype gradients are reduced in (then written into the shards' dtype):
             ``torch.float32`` sums bf16 gradients in float32, as FSDP2 with
             ``reduce_dtype=torch.float32``; ``None``: ``param_dtype`` (FSDP2's default).
+        compile: compile each unit's compute with ``torch.compile`` (``True``: its defaults; a
+            dict: its keyword arguments, ``{"backend": "aot_eager"}`` say), as FSDP2's users
+            compile each block: the unit's own ``forward``, on the gathered parameters, is one
+            compiled region; the gathers, the reductions and everything between the units stay
+            eager around it (the root unit's forward, which calls the others, too). Differentiate
+            with autograd (``fddp.grad_and_value``, ``.backward()``): torch.func's transforms do
+            not enter compiled code.
 
     Returns:
         ``(apply_fn, shards)``: a :class:`FullyShardedForward` and this rank's shards.
@@ -770,6 +781,9 @@ def fully_shard(
         raise ValueError(f"fddp.{what}: remat must be 'params', 'unit' or None, got {remat!r}")
     if isinstance(min_unit_mb, bool) or not isinstance(min_unit_mb, (int, float)) or not min_unit_mb >= 0:
         raise ValueError(f"fddp.{what}: min_unit_mb must be a number of MiB >= 0, got {min_unit_mb!r}")
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"fddp.{what}: compile must be True, False or a dict of torch.compile's keyword arguments, got {compile!r}")
+    compile_options = ({} if compile is True else dict(compile)) if compile else None
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -808,6 +822,13 @@ def fully_shard(
         units_ = _units.resolve(model, units, params, trainable, index, what, int(min_unit_mb * 2**20))
         if not units_:
             raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
+        compiled = next((u.name or "<root>" for u in units_ if getattr(u.module, "_compiled_call_impl", None) is not None), None)
+        if compiled is not None:
+            raise ValueError(
+                f"fddp.{what}: unit {compiled!r} was compiled (nn.Module.compile), which would trace its gathers too; "
+                "pass compile=True (or torch.compile's options) to fully_shard instead: each unit's compute is compiled, "
+                "its gathers stay outside"
+            )
     except (TypeError, ValueError) as e:
         problem = e
     if problem is not None:
@@ -835,6 +856,8 @@ def fully_shard(
     # The module's slots: every name of every trainable parameter, each unit's own.
     for u in units_:
         u.forward = u.module.forward
+        if compile_options is not None and u.name:  # the root's forward calls the other units: it stays eager
+            u.forward = torch.compile(u.module.forward, **compile_options)
         for j, k in enumerate(u.buckets):
             for pos, i in enumerate(plan.buckets[k].indices):
                 for n in trainable[id(params[flat_names[i]])]:

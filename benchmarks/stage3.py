@@ -6,6 +6,7 @@
     python benchmarks/stage3.py --soak 2000 --models transformer   # RSS every 100 steps of a long run, per mode
     python benchmarks/stage3.py --mixed-precision   # bf16 gathers: stage 3's parameters against FSDP2's, same policy
     python benchmarks/stage3.py --models transformer --memory-worlds --modes fsdp2_accum stage3_accum  # accumulation
+    python benchmarks/stage3.py --models transformer --memory-worlds --modes stage3 stage3_compiled  # compiled units
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
 conv net, the LM) and GPT-2 from ``transformers`` (a small random config, the model the default
@@ -40,6 +41,7 @@ Modes:
     fsdp2_accum_keep  the same with set_reshard_after_backward(False) for the first 3 (gathered once)
     stage3_accum   stage3 over 4 micro-batches: apply_fn.no_sync() for the first 3
     stage3_accum_keep  the same with no_sync(keep_gathered=True) (gathered once)
+    stage3_compiled  stage3 with fully_shard(compile=True): each unit's compute compiled (inductor)
 
 Memory columns, per rank (the fullest rank), MB:
     held       what the loop keeps between steps: parameters + gradients + optimizer state (distinct
@@ -134,6 +136,7 @@ MODES = (
     "fsdp2_accum_keep",
     "stage3_accum",
     "stage3_accum_keep",
+    "stage3_compiled",
 )
 ACCUM = 4  # micro-batches a step in the *_accum modes
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -301,6 +304,8 @@ def make_mode(name: str, model: nn.Module) -> Mode:
         own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if name == "stage3_bf16_floor" else {}
         return stage3_mode(model, group=own, **bf16)
+    if name == "stage3_compiled":
+        return stage3_mode(model, compile=True)
     if name == "stage3_func":
         return stage3_mode(model, func=True)
     if name == "stage3_fine":
@@ -521,6 +526,9 @@ def report(record: dict[str, Any]) -> str:
                          ("stage3_accum_keep", "fsdp2_accum"), ("stage3_accum", "ddp_accum")):  # fmt: skip
                 if a in med and b in med:
                     lines.append(f"  accumulation over {ACCUM} micro-batches, {a} / {b}: {paired(t['times_ms'], a, b):.2f} (paired median)")
+            if "stage3_compiled" in med and "stage3" in med:
+                ratio = paired(t["times_ms"], "stage3_compiled", "stage3")
+                lines.append(f"  compiled units (stage3_compiled / stage3): {ratio:.2f} (paired median)")
             if "stage3_unit" in med and "stage3" in med:
                 lines.append(f"  recomputing the units too (stage3_unit / stage3): {med['stage3_unit'] / med['stage3']:.2f}")
     lines.append(f"\nload average (1, 5, 15 min) before {record['load_before']}, after {record['load_after']} on {os.cpu_count()} CPUs")
@@ -648,7 +656,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp", "transformer", "conv", "lm", "gpt2"], choices=list(MODELS))
     parser.add_argument("--memory-worlds", nargs="*", type=int, default=[2, 4], help="none: step times only")
     parser.add_argument("--time-world", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if "_accum" not in m], choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if "_accum" not in m and m != "stage3_compiled"], choices=MODES)
     parser.add_argument("--memory-modes", nargs="+", default=["ddp", "fsdp2", "stage2", "stage3", "stage3_unit"], choices=MODES)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")

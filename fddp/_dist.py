@@ -719,9 +719,9 @@ class Segment:
                 stuck = None if not dist.is_initialized() else f"the store could not be read ({e})"
             if stuck is not None:
                 fail(self.group, self.what, MismatchError(
-                    f"fddp.{self.what}: this rank freed the graph of its call {self.call + 1} without running its backward, "
-                    f"and {stuck}. Every rank must run that backward, or none: free the outputs of a forward you do not "
-                    "differentiate on every rank alike (or run it under torch.no_grad())."
+                    f"fddp.{self.what}: this rank dropped a forward's graph without running its backward (its call "
+                    f"{self.call + 1}), and {stuck}. Every rank must run that backward, or none: free the outputs of a "
+                    "forward you do not differentiate on every rank alike (or run it under torch.no_grad())."
                 ))  # fmt: skip
             return
         try:

@@ -5,6 +5,8 @@
     python benchmarks/stage3.py --same-numbers --models mlp transformer lm   # 20 steps, SGD-momentum and AdamW, 2, 3 and 4 ranks
     python benchmarks/stage3.py --soak 2000 --models transformer   # RSS every 100 steps of a long run, per mode
     python benchmarks/stage3.py --mixed-precision   # bf16 gathers: stage 3's parameters against FSDP2's, same policy
+    python benchmarks/stage3.py --models transformer --memory-worlds --modes fsdp2_accum stage3_accum  # accumulation
+    python benchmarks/stage3.py --models transformer --memory-worlds --modes stage3 stage3_compiled  # compiled units
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
 conv net, the LM) and GPT-2 from ``transformers`` (a small random config, the model the default
@@ -34,6 +36,12 @@ Modes:
     fsdp2_bf16     fsdp2 with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     stage3_bf16    stage3 with the same policy: fully_shard(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     stage3_bf16_floor  stage3_bf16 over a group of one rank (its compute, in bf16)
+    ddp_accum      ddp over 4 micro-batches a step: no_sync() for the first 3 (the loss divided by 4)
+    fsdp2_accum    fsdp2 over 4 micro-batches: set_requires_gradient_sync(False) for the first 3
+    fsdp2_accum_keep  the same with set_reshard_after_backward(False) for the first 3 (gathered once)
+    stage3_accum   stage3 over 4 micro-batches: apply_fn.no_sync() for the first 3
+    stage3_accum_keep  the same with no_sync(keep_gathered=True) (gathered once)
+    stage3_compiled  stage3 with fully_shard(compile=True): each unit's compute compiled (inductor)
 
 Memory columns, per rank (the fullest rank), MB:
     held       what the loop keeps between steps: parameters + gradients + optimizer state (distinct
@@ -49,6 +57,7 @@ Memory columns, per rank (the fullest rank), MB:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import ctypes
 import gc
@@ -122,7 +131,14 @@ MODES = (
     "fsdp2_bf16",
     "stage3_bf16",
     "stage3_bf16_floor",
+    "ddp_accum",
+    "fsdp2_accum",
+    "fsdp2_accum_keep",
+    "stage3_accum",
+    "stage3_accum_keep",
+    "stage3_compiled",
 )
+ACCUM = 4  # micro-batches a step in the *_accum modes
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -181,7 +197,7 @@ def fsdp2(model: nn.Module, bf16: bool = False) -> nn.Module:
     return torch_fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def torch_mode(model: nn.Module, fsdp: bool, bf16: bool = False) -> Mode:
+def torch_mode(model: nn.Module, fsdp: bool, bf16: bool = False, accum: int = 1, keep: bool = False) -> Mode:
     if fsdp:
         net = fsdp2(model, bf16)
     else:
@@ -190,7 +206,15 @@ def torch_mode(model: nn.Module, fsdp: bool, bf16: bool = False) -> Mode:
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
-        F.cross_entropy(net(x), y).backward()
+        if accum == 1:
+            F.cross_entropy(net(x), y).backward()
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum)) if accum > 1 else ()):
+            last = i == accum - 1
+            if fsdp:
+                net.set_requires_gradient_sync(last)
+                net.set_reshard_after_backward(last or not keep)
+            with net.no_sync() if not fsdp and not last else contextlib.nullcontext():
+                (F.cross_entropy(net(xm), ym) / accum).backward()
         opt.step()
 
     def memory() -> dict[str, int]:
@@ -231,7 +255,7 @@ def stage2_mode(model: nn.Module) -> Mode:
 
 def stage3_mode(
     model: nn.Module, remat: str | None = "params", prefetch: int = 1, group: Any = None, replica_group: Any = None,
-    func: bool = False, units: Any = None, **options: Any,
+    func: bool = False, units: Any = None, accum: int = 1, keep: bool = False, **options: Any,
 ) -> Mode:  # fmt: skip
     apply_fn, shards = fddp.zero.fully_shard(
         model, units=units, remat=remat, prefetch=prefetch, group=group, replica_group=replica_group, **options
@@ -240,9 +264,14 @@ def stage3_mode(
     box: dict[str, Any] = {"shards": shards, "state": opt.init(shards), "fn": apply_fn}
     loss = lambda s, x, y: F.cross_entropy(apply_fn(s, x), y)  # noqa: E731
     gv = torch.func.grad_and_value(loss) if func else fddp.grad_and_value(loss)
+    gv_accum = fddp.grad_and_value(lambda s, x, y: loss(s, x, y) / accum)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        grads, _ = gv(box["shards"], x, y)
+        if accum == 1:
+            grads, _ = gv(box["shards"], x, y)
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum)) if accum > 1 else ()):
+            with apply_fn.no_sync(keep_gathered=keep) if i < accum - 1 else contextlib.nullcontext():
+                grads, _ = gv_accum(box["shards"], xm, ym)
         box["grads"] = grads
         box["shards"], box["state"] = fddp.optim.apply_gradients(opt, grads, box["state"], box["shards"], donate=True)
 
@@ -263,6 +292,10 @@ def make_mode(name: str, model: nn.Module) -> Mode:
     model = copy.deepcopy(model)
     if name in ("ddp", "fsdp2", "fsdp2_bf16"):
         return torch_mode(model, fsdp=name != "ddp", bf16=name == "fsdp2_bf16")
+    if name in ("ddp_accum", "fsdp2_accum", "fsdp2_accum_keep"):
+        return torch_mode(model, fsdp=name != "ddp_accum", accum=ACCUM, keep=name.endswith("_keep"))
+    if name in ("stage3_accum", "stage3_accum_keep"):
+        return stage3_mode(model, accum=ACCUM, keep=name.endswith("_keep"))
     if name == "stage3_bf16":
         return stage3_mode(model, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if name == "stage2":
@@ -271,6 +304,8 @@ def make_mode(name: str, model: nn.Module) -> Mode:
         own = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
         bf16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if name == "stage3_bf16_floor" else {}
         return stage3_mode(model, group=own, **bf16)
+    if name == "stage3_compiled":
+        return stage3_mode(model, compile=True)
     if name == "stage3_func":
         return stage3_mode(model, func=True)
     if name == "stage3_fine":
@@ -487,6 +522,13 @@ def report(record: dict[str, Any]) -> str:
                 lines.append(f"  {n:<18}{v:8.1f}{cols}   {min(t['times_ms'][n]):4.0f}-{max(t['times_ms'][n]):<4.0f}{c}")
             if "stage3" in med and "stage3_keep" in med:
                 lines.append(f"  rematerialising the parameters (stage3 / stage3_keep): {med['stage3'] / med['stage3_keep']:.2f}")
+            for a, b in (("stage3_accum", "fsdp2_accum"), ("stage3_accum_keep", "fsdp2_accum_keep"),
+                         ("stage3_accum_keep", "fsdp2_accum"), ("stage3_accum", "ddp_accum")):  # fmt: skip
+                if a in med and b in med:
+                    lines.append(f"  accumulation over {ACCUM} micro-batches, {a} / {b}: {paired(t['times_ms'], a, b):.2f} (paired median)")
+            if "stage3_compiled" in med and "stage3" in med:
+                ratio = paired(t["times_ms"], "stage3_compiled", "stage3")
+                lines.append(f"  compiled units (stage3_compiled / stage3): {ratio:.2f} (paired median)")
             if "stage3_unit" in med and "stage3" in med:
                 lines.append(f"  recomputing the units too (stage3_unit / stage3): {med['stage3_unit'] / med['stage3']:.2f}")
     lines.append(f"\nload average (1, 5, 15 min) before {record['load_before']}, after {record['load_after']} on {os.cpu_count()} CPUs")
@@ -614,7 +656,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp", "transformer", "conv", "lm", "gpt2"], choices=list(MODELS))
     parser.add_argument("--memory-worlds", nargs="*", type=int, default=[2, 4], help="none: step times only")
     parser.add_argument("--time-world", type=int, default=2)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if "_accum" not in m and m != "stage3_compiled"], choices=MODES)
     parser.add_argument("--memory-modes", nargs="+", default=["ddp", "fsdp2", "stage2", "stage3", "stage3_unit"], choices=MODES)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")

@@ -789,6 +789,15 @@ before = {k: v.detach().clone() for k, v in model.named_parameters()}
 """
 
 
+def test_the_docs_stage3_accumulation_runs():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "zero.md").read_text()
+    (block,) = re.findall(r"<!-- stage 3 accumulation, run by tests/test_stage3.py[^\n]*-->\n```python\n(.*?)```", text, re.DOTALL)
+    scope: dict = {}
+    exec("import contextlib\n" + PRELUDE + block, scope)
+    after = fddp.zero.gather(scope["shards"]).wait()
+    assert int(scope["opt_state"].count) == 5 and all(not torch.equal(after[k], v) for k, v in scope["before"].items())
+
+
 def test_the_docs_stage3_loop_runs():
     text = (Path(__file__).resolve().parents[1] / "docs" / "zero.md").read_text()
     (block,) = re.findall(r"<!-- stage 3 loop, run by tests/test_stage3.py[^\n]*-->\n```python\n(.*?)```", text, re.DOTALL)
@@ -858,3 +867,394 @@ def test_hybrid_on_two_hosts_matches_one_host(tmp_path):
     # What crosses hosts: each rank's gradient shards, half of its buckets (padded to 64-element blocks).
     assert two["replica_bytes"] == 3 * two["shard_bytes"] and two["reduced_bytes"] <= 3 * two["bucket_bytes"] / 2
     assert two["shard_bytes"] <= two["bucket_bytes"] / 2 + 64 * 4 * 4
+
+
+# --- forwards without a backward: forward mode, vmap, graphs freed on every rank alike -------------
+
+
+def _no_backward_worker(case: str):
+    """A stage-3 forward that no backward follows, then more fddp calls on the group."""
+    import time
+
+    from fddp import _dist
+
+    rank = fddp.rank()
+    # The one-sided case leaves rank 1's reduction unmatched: on a group of its own, which dies with it.
+    group = tdist.new_group() if case == "dropped on one rank" else None
+    apply_fn, shards = fddp.zero.fully_shard(_model("mlp"), min_unit_mb=0, group=group)
+    x, y = _batch("mlp", 0)
+    out: dict = {}
+    if case == "forward mode":
+        v = torch.ones_like(x)
+        kept = []
+        for _ in range(2):
+            gathers = apply_fn.counters.gathers
+            kept.append(jvp(lambda x_: apply_fn(shards, x_), (x,), (v,)))  # outputs kept alive
+            kept.append(vmap(lambda x_: apply_fn(shards, x_))(x[None]))
+            # The forward's gathers only: no backward's prefetched, nothing owed to a backward.
+            out.setdefault("gathers", []).append((apply_fn.counters.gathers - gathers) / len(shards.shards))
+            out.setdefault("owed", []).append(_dist._groups.state(None).owed)
+        try:  # a bad input on one rank: announced (the group goes on), not fatal
+            bad = fddp.zero.Sharded([shards.shards[0][:-1], *shards.shards[1:]], shards.layout)
+            apply_fn(shards if rank == 0 else bad, x)
+        except (ValueError, fddp.PeerError) as e:
+            out["bad"] = type(e).__name__
+        del kept
+    elif case == "dropped alike":
+        shards = fddp.zero.Sharded([t.requires_grad_() for t in shards.shards], shards.layout)
+        for step in range(4):
+            # Step 0 learns the kind with a backward, steps 1-2 drop it on every rank (an
+            # evaluation under grad mode), step 3 trains again; the first drop learns nothing.
+            loss = _loss(apply_fn, shards, x, y)
+            if step in (0, 3):
+                loss.backward()
+            del loss
+        out["grads"] = [t.grad.clone() for t in shards.shards]
+        fresh, sh2 = fddp.zero.fully_shard(_model("mlp"), min_unit_mb=0)
+        out["reference"] = list(grad(lambda s: _loss(fresh, s, x, y))(sh2).shards)
+        shards = fddp.zero.Sharded([t.detach().requires_grad_() for t in shards.shards], shards.layout)
+        _loss(apply_fn, shards, x, y)  # dropped first, while learning: the next one learns anew
+        _loss(apply_fn, shards, x, y).backward()
+        out["after learning dropped"] = [t.grad.clone() for t in shards.shards]
+    elif case == "dropped on one rank":
+        shards = fddp.zero.Sharded([t.requires_grad_() for t in shards.shards], shards.layout)
+        _loss(apply_fn, shards, x, y).backward()
+        start = time.monotonic()
+        try:
+            loss = _loss(apply_fn, shards, x, y)
+            if rank == 1:
+                loss.backward()  # rank 0 frees its graph instead
+            del loss
+            fddp.zero.gather(shards).wait()
+            out["error"] = "none"
+        except (fddp.MismatchError, fddp.PeerError) as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+    fddp.zero.fully_shard(_model("mlp", 1), min_unit_mb=0) if case != "dropped on one rank" else None
+    return out
+
+
+def test_forwards_without_a_backward_owe_nothing():
+    """jvp and vmap w.r.t. the input (issue 38 item 5): their forward is the whole computation, so it
+    owes its group no backward (before: each left the group owing one, so a later failure that
+    should have been announced was fatal, and a backward gather was started for nothing)."""
+    results = run(_no_backward_worker, 2, "forward mode", timeout=120)
+    for r in results:
+        assert r["gathers"] == [2, 2], r  # jvp and vmap: each bucket once each, no backward prefetch
+        assert r["owed"] == [0, 0], r
+    assert results[0]["bad"] == "PeerError" and results[1]["bad"] == "ValueError", results
+
+
+def test_a_graph_freed_on_every_rank_is_no_error():
+    """An evaluation under grad mode, its graph freed on every rank alike, is not a divergence
+    (before: the group failed for good, 'dropped a forward's graph without running its backward');
+    the training steps around it give the gradients of a fresh run."""
+    for r in run(_no_backward_worker, 2, "dropped alike", timeout=120):
+        for got, ref in zip(r["grads"], r["reference"]):
+            torch.testing.assert_close(got, 2 * ref, rtol=0, atol=0)  # two backwards accumulated
+        for got, ref in zip(r["after learning dropped"], r["reference"]):
+            torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+def test_a_backward_one_rank_drops_fails_every_rank():
+    """Rank 1 runs a backward that rank 0 dropped: every rank raises an fddp error, in seconds."""
+    results = run(_no_backward_worker, 2, "dropped on one rank", timeout=120)
+    for r in results:
+        assert r["error"].startswith(("MismatchError", "PeerError")), results
+        assert r["seconds"] < 20, results
+    assert "without running its backward" in results[0]["error"], results
+
+
+# --- remat="unit" recomputes a unit with the random state its forward drew from ---------------------
+
+
+def _dropout_worker(device: str):
+    """Gradients of a model with dropout in its units, remat="unit" against remat=None (no recompute)."""
+    grads = {}
+    for remat in ("unit", None):
+        torch.manual_seed(0)
+        block = lambda i, o: nn.Sequential(nn.Linear(i, o), nn.Dropout(0.5))  # noqa: E731 - dropout inside the unit
+        model = nn.Sequential(block(8, 32), block(32, 32), nn.Linear(32, 4)).to(device)
+        apply_fn, shards = fddp.zero.fully_shard(model, units=["0", "1", "2"], remat=remat)
+        x, y = _batch("mlp", 0)
+        x, y = x.to(device), y.to(device)
+        torch.manual_seed(1)  # the same masks in both runs' forwards (and both generators moved alike)
+        g = grad(lambda s: _loss(apply_fn, s, x, y))(shards)
+        grads[remat] = [t.cpu() for t in g.shards]
+        # The recompute leaves the surrounding state as the forward left it: the next draw is the same.
+        grads[remat, "next"] = torch.rand(3, device=device).cpu()
+    return grads
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_remat_unit_recomputes_the_same_dropout_masks(world):
+    """remat="unit" differentiates the recomputed unit: with dropout, its masks must be the forward's."""
+    for r in run(_dropout_worker, world, "cpu", timeout=120):
+        assert any(t.count_nonzero() < t.numel() for t in r[None]), r  # dropout zeroed some gradients
+        for a, b in zip(r["unit"], r[None]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(r["unit", "next"], r[None, "next"], rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tools/gpu_check.sh runs it on a GPU)")
+def test_remat_unit_recomputes_the_same_dropout_masks_on_cuda():
+    """The same on CUDA, where dropout draws from the device's generator (before: only the CPU
+    state was saved, so the recompute drew another mask and the gradients were wrong)."""
+    (r,) = run(_dropout_worker, 1, "cuda", timeout=300)
+    for a, b in zip(r["unit"], r[None]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(r["unit", "next"], r[None, "next"], rtol=0, atol=0)
+
+
+# --- a module that writes its parameter in place: nn.Embedding(max_norm=...) ------------------------
+
+
+class _MaxNormLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, max_norm=1.0)  # rows of N(0, 1) have norms near 2.8: renormalised
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+def _max_norm_worker(steps: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    batches = []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 * s + fddp.rank())
+        batches.append((torch.randint(0, 16, (4, 3), generator=g), torch.randint(0, 4, (4,), generator=g)))
+    torch.manual_seed(0)
+    model = _MaxNormLM()
+    mesh = init_device_mesh("cpu", (fddp.world_size(),))
+    for m in (model.emb, model.head, model):
+        torch_fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for ids, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(model(ids), y).backward()
+        opt.step()
+    fsdp2 = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    out = {}
+    for remat in ("params", "unit", None, "no max_norm"):
+        torch.manual_seed(0)
+        lm = _MaxNormLM()
+        if remat == "no max_norm":  # the renormalisation matters: without it, other numbers
+            lm.emb.max_norm, remat = None, "params"
+        apply_fn, shards = fddp.zero.fully_shard(lm, units=["emb", "head"], remat=remat)
+        fopt = fddp.optim.adamw(1e-2)
+        state = fopt.init(shards)
+        step = fddp.grad_and_value(lambda s, ids, y: F.cross_entropy(apply_fn(s, ids), y))
+        for ids, y in batches:
+            grads, _ = step(shards, ids, y)
+            shards, state = fddp.optim.apply_gradients(fopt, grads, state, shards)
+        full = fddp.zero.gather(shards).wait()
+        out[remat if lm.emb.max_norm else "no max_norm"] = {k: torch.equal(full[k], fsdp2[k]) for k in fsdp2}
+    return out
+
+
+def test_embedding_max_norm_steps_as_fsdp2():
+    """nn.Embedding(max_norm=...) renormalises the rows it looks up, in place, in its forward
+    (before: torch's "Output 0 of View is a view ... modified inplace"). The write goes to the
+    forward's gathered copy, as FSDP2's: the same parameters to the bit after 3 AdamW steps."""
+    for r in run(_max_norm_worker, 2, 3, timeout=120):
+        assert not r.pop("no max_norm")["emb.weight"], r
+        assert len(r) == 3, r
+        for remat, equal in r.items():
+            assert all(equal.values()), (remat, equal)
+
+
+# --- accumulation windows: apply_fn.no_sync(), against FSDP2's set_requires_gradient_sync(False) ----
+
+
+def _accumulation_worker(steps: int, k: int):
+    import contextlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    # Each rank's whole batch (8 samples), cut into k micro-batches.
+    batches = [_batch("transformer", 1000 * s + fddp.rank()) for s in range(steps)]
+    micro = [list(zip(x.chunk(k), y.chunk(k))) for x, y in batches]
+    out: dict = {}
+    for keep in (False, True):  # FSDP2: reshard_after_backward=False keeps the parameters gathered
+        model = _model("transformer")
+        mesh = init_device_mesh("cpu", (fddp.world_size(),))
+        for layer in model.encoder.layers:
+            torch_fully_shard(layer, mesh=mesh)
+        torch_fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for window in micro:
+            opt.zero_grad()
+            for i, (x, y) in enumerate(window):
+                last = i == k - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last or not keep)
+                (F.cross_entropy(model(x), y) / k).backward()
+            opt.step()
+        out["fsdp2", keep] = {n: v.full_tensor() for n, v in model.state_dict().items()}
+
+    def stage3(keep, remat, dtype=torch.float32, accumulate=True):
+        apply_fn, shards = fddp.zero.fully_shard(_model("transformer").to(dtype), min_unit_mb=0, remat=remat)
+        opt = fddp.optim.sgd(0.1)  # SGD: an error stays its size (AdamW would blow 1e-8 up to 1e-3)
+        state = opt.init(shards)
+        for window, (xb, yb) in zip(micro, batches):
+            c = dataclasses.replace(apply_fn.counters)
+            if not accumulate:  # the unaccumulated step on the whole batch
+                grads = grad(lambda s: _loss(apply_fn, s, xb.to(dtype), yb))(shards)
+            for i, (x, y) in enumerate(window if accumulate else ()):
+                with apply_fn.no_sync(keep_gathered=keep) if i < k - 1 else contextlib.nullcontext():
+                    grads = grad(lambda s: _loss(apply_fn, s, x.to(dtype), y) / k)(shards)
+                if i < k - 1:
+                    assert all(not g.any() for g in grads.shards)  # inside the window: zeros
+            moved = (apply_fn.counters.gathers - c.gathers, apply_fn.counters.reduces - c.reduces)
+            shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
+        return fddp.zero.gather(shards).wait(), moved, len(shards.shards)
+
+    for keep in (False, True):
+        for remat in ("params", "unit", None):
+            full, moved, n = stage3(keep, remat)
+            ref = out["fsdp2", keep]
+            diff = max((full[name] - ref[name]).abs().max().item() for name in ref)
+            equal = all(torch.equal(full[name], ref[name]) for name in ref)
+            out[keep, remat] = {"equal": equal, "diff": diff, "moved": moved, "buckets": n}
+    out["float64"] = _max_diff(stage3(False, "params", torch.float64)[0], stage3(False, "params", torch.float64, False)[0])
+    del out["fsdp2", False], out["fsdp2", True]
+    return out
+
+
+def test_accumulation_window_matches_fsdp2_no_sync():
+    """4 micro-batches, 2 SGD steps: apply_fn.no_sync() equals FSDP2 with
+    set_requires_gradient_sync(False) to the bit (its reshard_after_backward=False too, as
+    keep_gathered), in every remat mode; each window reduces every bucket once, and with
+    keep_gathered gathers each once; in float64 it is the unaccumulated step on the whole batch."""
+    for r in run(_accumulation_worker, 2, 2, 4, timeout=300):
+        assert r.pop("float64") < 1e-13, r
+        for (keep, remat), v in r.items():
+            if remat == "unit":
+                # remat="unit" differentiates a recompute whose float32 rounding differs from its
+                # forward's at micro-batches of 2 (6e-8 in a gradient, without a window too): close.
+                assert v["diff"] < 1e-6, (keep, remat, v)
+            else:
+                assert v["equal"], (keep, remat, v)
+            gathers, reduces = v["moved"]
+            n = v["buckets"]
+            assert reduces == n, (keep, remat, v)  # one reduction per bucket per window
+            if keep:  # gathered once per window (the last micro-batch's forward is the window's too)
+                assert gathers == n, (keep, remat, v)
+            else:  # every micro-batch gathers in forward, and again in backward with remat
+                assert gathers == 4 * n * (1 if remat is None else 2) - (4 if remat == "params" else 0), (keep, remat, v)
+
+
+def _window_soak_worker(steps: int, check_at: int):
+    """The accumulation loop, 2 micro-batches a step: live memory at ``check_at`` and at the end."""
+    import contextlib
+
+    out = {}
+    for keep in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        apply_fn, shards = fddp.zero.fully_shard(model, min_unit_mb=0)
+        opt = fddp.optim.adamw(1e-3)
+        state = opt.init(shards)
+        seen = {}
+        for i in range(1, steps + 1):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+            for j, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
+                with apply_fn.no_sync(keep_gathered=keep) if j == 0 else contextlib.nullcontext():
+                    grads, loss = fddp.grad_and_value(lambda s, a, b: _loss(apply_fn, s, a, b) / 2)(shards, xm, ym)
+            shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
+            del grads
+            if i in (check_at, steps):
+                seen[i] = _live()
+        out[keep] = seen
+    return out
+
+
+def test_accumulation_windows_keep_live_memory_flat():
+    """200 steps of 2-micro-batch windows leave no sum, kept gather or pipeline behind."""
+    for results in run(_window_soak_worker, 2, 200, 20, timeout=300):
+        for keep, seen in results.items():
+            (b0, t0, p0), (b1, t1, p1) = seen[20], seen[200]
+            assert abs(b1 - b0) <= 4096 and t1 - t0 <= 8, (keep, seen)
+            assert p1 == p0 <= 1, (keep, seen)
+
+
+def _window_mismatch_worker():
+    import contextlib
+
+    apply_fn, shards = fddp.zero.fully_shard(_model("mlp"), min_unit_mb=0)
+    x, y = _batch("mlp", 0)
+    try:
+        with apply_fn.no_sync() if fddp.rank() == 0 else contextlib.nullcontext():
+            grad(lambda s: _loss(apply_fn, s, x, y))(shards)
+        return "returned"
+    except fddp.MismatchError as e:
+        return str(e)
+
+
+def test_an_accumulation_window_on_one_rank_is_named():
+    """Rank 0 accumulates where rank 1 reduces: the header names the window, on every rank."""
+    results = run(_window_mismatch_worker, 2, timeout=60)
+    for r in results:
+        assert "accumulation window" in r, results
+
+
+# --- compiled units: fully_shard(compile=...) -----------------------------------------------------------
+
+
+def _compiled_worker(steps: int):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    out: dict = {}
+    for remat in ("params", "unit"):
+        fulls = {}
+        for compiled in (False, True):
+            # aot_eager: the compiled path (dynamo, AOTAutograd's forward and backward graphs) on
+            # the very kernels eager runs, so the bits must match; inductor fuses, and rounds otherwise.
+            apply_fn, shards = fddp.zero.fully_shard(
+                _model("transformer"), min_unit_mb=0, remat=remat, compile={"backend": "aot_eager"} if compiled else False
+            )
+            opt = fddp.optim.sgd(0.1)
+            state = opt.init(shards)
+            step = fddp.grad_and_value(lambda s, x, y: _loss(apply_fn, s, x, y))
+            for i in range(steps):
+                x, y = _batch("transformer", 100 * i + fddp.rank())
+                grads, _ = step(shards, x, y)
+                shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
+                if i == 0 and compiled:
+                    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            fulls[compiled] = fddp.zero.gather(shards).wait()
+        out[remat] = {
+            "equal": all(torch.equal(fulls[False][k], fulls[True][k]) for k in fulls[False]),
+            "recompiled": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+            "compiled": graphs > 0,
+        }
+    try:
+        fddp.zero.fully_shard(_compiled_unit_model(), min_unit_mb=0)
+    except ValueError as e:
+        out["module.compile"] = str(e)
+    return out
+
+
+def _compiled_unit_model() -> nn.Module:
+    model = _model("transformer")
+    model.encoder.layers[0].compile()
+    return model
+
+
+def test_compiled_units_equal_eager():
+    """fully_shard(compile=...): each unit's compute one compiled region on the gathered
+    parameters, the gathers and reductions eager around it; the same parameters to the bit after 2
+    SGD steps (aot_eager: eager's kernels), with no recompile after the first step; a unit
+    compiled by nn.Module.compile is refused, naming the option."""
+    for r in run(_compiled_worker, 2, 2, timeout=600):
+        for remat in ("params", "unit"):
+            assert r[remat] == {"equal": True, "recompiled": 0, "compiled": True}, r
+        assert "compile=True" in r["module.compile"], r

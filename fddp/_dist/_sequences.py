@@ -11,6 +11,7 @@ pairing its collective with a different one on its peers.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -21,8 +22,8 @@ from fddp._dist._diagnosis import describe_token, disagree, ordinal
 from fddp._dist._digest import digest
 from fddp._dist._errors import MismatchError
 from fddp._dist._failures import fail, raise_announced
-from fddp._dist._groups import REMEMBERED, GroupState, checks, state
-from fddp._dist._waits import wait
+from fddp._dist._groups import REMEMBERED, GroupState, board, channel_of, checks, collective_device, global_ranks, size, state
+from fddp._dist._waits import SLICE, wait
 
 __all__ = ["Segment"]
 
@@ -90,16 +91,84 @@ class Segment:
         elif self.pos < len(self.expected):
             _deviate(self, doing, self.expected[self.pos])
 
-    def drop(self) -> None:
-        """The call will never issue the rest (its graph was freed without its backward): where
-        the recording still expects collectives, the peers are, or will be, waiting in them: fail
-        (posted: the peers raise it, and this rank's next fddp call on the group does)."""
+    def drop(self, owed: bool = False) -> None:
+        """The call will never issue the rest: its graph was freed without its backward.
+
+        ``owed``: the call had left a backward to run (``owe``). Dropping it is no error when
+        every rank drops it (an evaluation under grad mode whose outputs no rank differentiates:
+        the same code frees them alike): this rank says so on the group's store and waits, joining
+        no collective meanwhile, until every peer has said the same. A peer seen waiting in a
+        collective instead (running that backward, or gone on to its next call without freeing
+        the graph) fails the group on every rank. What was being learnt is not kept: the next
+        call of the kind learns its sequence whole. Without ``owed``, where the recording still
+        expects collectives, the peers are, or will be, waiting in them: fail.
+
+        A failure is posted: the peers raise it, and this rank's next fddp call on the group does.
+        """
         if torch.compiler.is_compiling() or not dist.is_initialized() or self.state.failed is not None:
+            return
+        if owed and not self.closed and self.learning is not None and state(self.group) is self.state:
+            self.closed = True
+            try:
+                stuck = _dropped_everywhere(self)
+            except Exception as e:  # noqa: BLE001 - the store is gone (shutdown): nobody is left to wait
+                stuck = None if not dist.is_initialized() else f"the store could not be read ({e})"
+            if stuck is not None:
+                fail(self.group, self.what, MismatchError(
+                    f"fddp.{self.what}: this rank dropped a forward's graph without running its backward (its call "
+                    f"{self.call + 1}), and {stuck}. Every rank must run that backward, or none: free the outputs of a "
+                    "forward you do not differentiate on every rank alike (or run it under torch.no_grad())."
+                ))  # fmt: skip
             return
         try:
             self.close("dropped a forward's graph without running its backward")
         except MismatchError:
             pass
+
+
+def _timeout(group: dist.ProcessGroup | None) -> float:
+    """The group's collective timeout, in seconds."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(collective_device(group)).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not register
+        return dist.constants.default_pg_timeout.total_seconds()
+
+
+def _dropped_everywhere(seg: Segment) -> str | None:
+    """Say on the group's store that this rank dropped ``seg``'s backward; wait until every rank
+    has. ``None`` when they all did; else words for the peer that did not (waiting in a
+    collective, on the deadlock board, or silent until the group's timeout)."""
+    st, group = seg.state, seg.group
+    channel = channel_of(st, group)
+    if channel is None:
+        return "there is no store to ask the peers whether they dropped it too"
+    n, store = size(group), channel.store
+    key = f"{channel.scope}/dropped/{seg.call}"
+    store.add(key, 1)
+    me = dist.get_rank()
+    ranks = [r for r in (global_ranks(group) or []) if r != me]
+    posts = board() if st.rank is None else None  # a fault-tolerant group posts nothing there
+    deadline = time.monotonic() + _timeout(group)
+    seen: dict | None = None
+    while store.add(key, 0) < n:
+        failure = channel.fatal()
+        if failure is not None:
+            st.failed = failure
+            return None  # a peer failed: the next call raises its error
+        if time.monotonic() > deadline:
+            return f"{n - store.add(key, 0)} of its peers did not free theirs within the group's timeout"
+        waiting = {r: w for r, w in (posts.read(ranks) if posts is not None else {}).items() if me in w.ranks}
+        if waiting and waiting == seen:  # the same waits a slice apart: not a stale post
+            return "; ".join(
+                f"rank {r} waits in fddp.{w.what} on {w.label} instead (its call {w.call}, {w.doing})" for r, w in sorted(waiting.items())
+            )
+        seen = waiting
+        time.sleep(SLICE.total_seconds())
+    if store.add(key + "/read", 1) == n:  # the last to read removes the keys: a long run leaves none behind
+        store.delete_key(key)
+        store.delete_key(key + "/read")
+    return None
 
 
 def _deviate(seg: Segment, doing: str, expected: tuple | None) -> None:

@@ -267,12 +267,13 @@ class _Debt:
         """The call's collectives are over: its backward ran (or it has none); or, ``dropped``,
         the pipeline died without it (its graph was freed): the peers may be waiting in them."""
         try:
-            if self.owing:
+            owed = self.owing
+            if owed:
                 self.owing = False
                 for g in self.groups:
                     _dist.owe(g, -1)
             for seg in self.segments:
-                seg.drop() if dropped else seg.close()
+                seg.drop(owed) if dropped else seg.close()
         except _dist.MismatchError:
             if not dropped:
                 raise
@@ -296,9 +297,12 @@ class Pipeline:
     def __init__(
         self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
         order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
-        precision: "Precision | None" = None, segments: Sequence[Any] = (),
+        precision: "Precision | None" = None, segments: Sequence[Any] = (), window: Any = None,
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
+        # An accumulation window (fddp.zero._window.Window): its open backwards reduce nothing, its
+        # closing one reduces its sums; with keep_gathered its buckets are gathered once.
+        self.window = window
         # Mixed precision: per bucket, the dtype its gathers (and the compute) use, and its reductions'.
         p = precision or FULL_PRECISION
         self.gather_dtypes = [p.param(b.dtype) for b in lay.plan.buckets]
@@ -380,6 +384,15 @@ class Pipeline:
     @_eager
     def gather(self, k: int, shard: torch.Tensor, backward: bool) -> torch.Tensor:
         """Bucket ``k``'s full flat buffer, gathered from ``shard`` (plain, ``(*batch, size)``)."""
+        window = self.window
+        if window is not None and window.keep_gathered:
+            full = window.kept_full(k, _key(shard), shard._version)
+            if full is not None:  # gathered by an earlier micro-batch of the window: no collective
+                self.counters.prefetch_hits += 1
+                if not backward:
+                    self.seq.append(k)
+                    self._prefetch_forward(k)
+                return full
         p = self.gathers.pop(k, None)
         if p is not None and p.key == _key(shard):
             self.counters.prefetch_hits += 1
@@ -395,7 +408,10 @@ class Pipeline:
             if self.release_after_forward and k in self.remat:  # for release() after the unit's forward
                 self.last[k] = p
             self._prefetch_forward(k)
-        return self._finish_gather(k, p)
+        full = self._finish_gather(k, p)
+        if window is not None and p.key == _key(shard):
+            window.keep(k, p.key, shard._version, full)
+        return full
 
     @_eager
     def release(self, k: int, full: torch.Tensor) -> None:
@@ -477,8 +493,9 @@ class Pipeline:
         return self._finish_gather(k, self._start_gather(k, shard))
 
     def _prefetch(self, ks: Sequence[int]) -> None:
+        kept = self.window.kept if self.window is not None else {}
         for j in ks:
-            if j not in self.gathers:
+            if j not in self.gathers and j not in kept:
                 r = self.released.get(j)
                 self.gathers[j] = self._start_gather(j, self.plains[j]) if r is None else self._start_refill(j, r)
 
@@ -498,7 +515,9 @@ class Pipeline:
             self._finish_gather(k, self.gathers.pop(k))
         self.last.clear()
         self.back = [k for k in reversed(self.seq) if k in self.remat]
-        if self.release_after_forward:  # each released bucket is gathered back once, for all its uses
+        if self.window is not None and self.window.keep_gathered:
+            self.back = []  # backward finds every bucket still gathered
+        elif self.release_after_forward:  # each released bucket is gathered back once, for all its uses
             self.back = [k for k in dict.fromkeys(self.back) if k in self.released]
         self.uses = dict(collections.Counter(self.seq))
         self.left = dict(self.uses)
@@ -529,9 +548,15 @@ class Pipeline:
         batch = tuple(ct.shape[:-1])
         # The gradient shard has the shard's dtype; the reduction runs in the bucket's reduce dtype
         # (mixed precision: the cotangent arrives in the gather's dtype).
+        dtype = self.reduce_dtypes[k]
+        window = self.window
+        if window is not None and window.open:  # a micro-batch of an accumulation window: kept local
+            window.add(k, ct, dtype)
+            return torch.zeros(*batch, c.size, dtype=b.dtype, device=ct.device)
+        if window is not None:
+            ct = window.take(k, ct)
         out = torch.empty(*batch, c.size, dtype=b.dtype, device=ct.device)
         out[..., c.held :].zero_()  # the padding; the reduction writes the rest
-        dtype = self.reduce_dtypes[k]
         if invariant:
             out[..., : c.held].copy_(ct[..., c.lo : c.hi])
             return out
@@ -625,6 +650,8 @@ class Pipeline:
     def end_backward(self) -> None:
         """The backward has run (the shards' boundary): nothing of this call is owed any more."""
         self.finish_reduces()
+        if self.window is not None and not self.window.open:
+            self.window.finish()  # the closing backward: the window's buffers go
         self.debt.settle()
 
     @_eager
@@ -636,7 +663,7 @@ class Pipeline:
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)  # fddp.zero._window.key's
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -42,6 +42,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
+import torch.utils.checkpoint as checkpoint
 from torch import nn
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad
@@ -49,7 +50,7 @@ from torch.autograd import forward_ad
 from fddp import _dist, _layout
 from fddp._tree import paths
 from fddp.sync._differentiable import active_transforms, transform_stack
-from fddp.zero import _gather, _units
+from fddp.zero import _gather, _units, _window
 from fddp.zero import _layout as shard_layout
 from fddp.zero._gather import Counters, GatherCall, Pipeline, Precision
 from fddp.zero._units import Unit, UnitLayout
@@ -121,7 +122,7 @@ class _UnitCall:
     out_spec: Any = None
     out_leaves: list[Any] | None = None
     out_pos: tuple[int, ...] = ()
-    rng: torch.Tensor | None = None
+    rng: "_RngState | None" = None
 
     @property
     def nb(self) -> int:
@@ -181,14 +182,35 @@ def _unflatten_out(leaves: list[Any], spec: Any) -> Any:
     return torch_pytree.tree_unflatten(leaves, spec)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RngState:
+    """The random states a unit's forward drew from: the CPU generator's and, as
+    ``torch.utils.checkpoint`` saves them, each accelerator's its tensors live on."""
+
+    cpu: torch.Tensor
+    device_type: str
+    devices: tuple[int, ...]
+    states: tuple[torch.Tensor, ...]
+
+
+def _save_rng(tensors: Sequence[torch.Tensor]) -> _RngState:
+    one_each = list({t.device: t for t in tensors}.values())  # a device's state once, however many tensors live there
+    devices, states = checkpoint.get_device_states(*one_each)
+    device_type = checkpoint._infer_device_type(*one_each) if devices else "cpu"
+    return _RngState(torch.get_rng_state(), device_type, tuple(devices), tuple(states))
+
+
 @contextlib.contextmanager
-def _rng(state: torch.Tensor | None):
-    """Run with the CPU random state the forward saw (a unit with dropout recomputes the same mask)."""
+def _rng(state: _RngState | None):
+    """Run with the random states the forward saw (a unit with dropout recomputes the same mask on
+    every device), leaving the surrounding states as they were."""
     if state is None:
         yield
         return
-    with torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
+    with torch.random.fork_rng(devices=list(state.devices), device_type=state.device_type if state.devices else "cuda"):
+        torch.set_rng_state(state.cpu)
+        if state.devices:
+            checkpoint.set_device_states(list(state.devices), list(state.states), device_type=state.device_type)
         yield
 
 
@@ -205,7 +227,7 @@ class _Remat(torch.autograd.Function):
     @staticmethod
     def forward(ucall: _UnitCall, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         nb = ucall.nb
-        ucall.rng = torch.get_rng_state()
+        ucall.rng = _save_rng(args)
         outs = ucall.run(args[nb : 2 * nb], args[2 * nb :])
         # An output that is an input would make autograd treat it as a view of it: a copy instead.
         return tuple(o.clone() if any(o is a for a in args) else o for o in outs)
@@ -301,6 +323,20 @@ def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
+def _backward_may_follow(leaves: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> bool:
+    """Whether a reverse pass may run through a differentiated forward (then it owes its backward's
+    collectives until that runs or its graph is freed). Not under forward-mode AD or ``vmap``
+    alone, with nothing that requires grad: their derivatives are computed in the forward itself,
+    and no backward will ever come."""
+    if torch._C._are_functorch_transforms_active() and _functorch.TransformType.Grad in active_transforms():
+        return True  # torch.func.grad / vjp (vjp's level is a Grad one), wherever it sits in the stack
+    if not torch.is_grad_enabled():
+        return False
+    if any(_gather.plain(t).requires_grad for t in leaves):
+        return True
+    return any(isinstance(t, torch.Tensor) and _gather.plain(t).requires_grad for t in torch_pytree.tree_leaves((args, kwargs)))
+
+
 _serials = itertools.count()
 
 
@@ -383,6 +419,57 @@ class FullyShardedForward:
         self._placeholders: list[tuple[nn.Module, str, _units.Released]] = []  # (module, attribute, what it holds)
         self.serial = next(_serials)  # the same on every rank: fully_shard is a collective call
         self._buffers = _BufferWrites(model, layout.world * layout.replicas)
+        self._window: _window.Window | None = None  # an accumulation window, open or awaiting its closing backward
+
+    @contextlib.contextmanager
+    def no_sync(self, *, keep_gathered: bool = False):
+        """Accumulate gradients locally: torch DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``.
+
+        Inside the ``with`` block every backward through this forward keeps its gradients local:
+        each bucket's full-size gradient is added into the window's sum (one full-size buffer per
+        bucket, as FSDP2's unsharded ``.grad``), nothing is reduced, and the gradient shards it
+        returns are zeros. The first backward after the block (the window's last micro-batch, run
+        outside it) adds the window's sum to its own gradients and reduces each bucket once, as its
+        backward reaches it: its gradient shards are the mean over the ranks of every micro-batch's
+        gradients summed, one reduction for the whole window, overlapped with that backward.
+
+        With a loss that is a mean over its micro-batch, divide it by the number of micro-batches
+        (``k``) for the mean over the window (exact for a power-of-two ``k``), as with DDP and FSDP2.
+        Blocks may be entered again before the closing backward: the sums go on.
+
+        Args:
+            keep_gathered: gather each unit's parameters once, in the window's first forward, and
+                keep them until the closing backward has run (FSDP2's ``reshard_after_backward=False``):
+                the later micro-batches gather nothing, at the cost of the full parameters held for
+                the window (on top of the sums). A bucket is reused only while its shard tensor is
+                the one it was gathered from, unchanged.
+
+        Example:
+            >>> for i, (x, y) in enumerate(micro_batches):  # k of them, one optimizer step
+            ...     with apply_fn.no_sync() if i < k - 1 else contextlib.nullcontext():
+            ...         grads, loss = torch.func.grad_and_value(lambda s: loss_fn(s, x, y) / k)(shards)
+            >>> shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)  # the last grads
+        """
+        if not isinstance(keep_gathered, bool):
+            raise TypeError(f"fddp.zero.fully_shard's apply_fn.no_sync: keep_gathered must be True or False, got {keep_gathered!r}")
+        if self.invariant:
+            raise ValueError(
+                "fddp.zero.fully_shard's apply_fn.no_sync: an invariant forward reduces nothing (each rank's gradient is "
+                "its own objective's); accumulate its gradient shards yourself (fddp.accumulate_grads)"
+            )
+        window = self._window
+        if window is None:
+            window = self._window = _window.Window(keep_gathered, open=False)
+        elif window.keep_gathered != keep_gathered:
+            raise ValueError(
+                f"fddp.zero.fully_shard's apply_fn.no_sync: this window was opened with keep_gathered={window.keep_gathered} "
+                f"and its closing backward has not run yet; enter it again with the same keep_gathered"
+            )
+        was_open, window.open = window.open, True
+        try:
+            yield
+        finally:
+            window.open = was_open
 
     def __repr__(self) -> str:
         mixed = f", param_dtype={self.param_dtype}, reduce_dtype={self.reduce_dtype}" if self._precision.rows() else ""
@@ -425,9 +512,12 @@ class FullyShardedForward:
         lay = self.layout
         views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
         saved = []
-        for module, attr, j, pos in unit.slots:
+        for i, (module, attr, j, pos) in enumerate(unit.slots):
             saved.append(module._parameters[attr])
-            module._parameters[attr] = views[j][pos]
+            # A module that writes its parameter in place (an embedding's max_norm) gets a copy,
+            # as FSDP2's gathered parameter takes the write: autograd forbids writes into views
+            # that one split made, and the shards keep their values (the write is this forward's).
+            module._parameters[attr] = views[j][pos].clone() if i in unit.copied else views[j][pos]
         try:
             yield
         finally:
@@ -436,7 +526,10 @@ class FullyShardedForward:
 
     def __call__(self, shards: shard_layout.Sharded, /, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            raise NotImplementedError("fddp.zero.fully_shard's apply_fn cannot run under torch.compile; call it eagerly")
+            raise NotImplementedError(
+                "fddp.zero.fully_shard's apply_fn cannot run under torch.compile (its gathers and reductions are eager); "
+                "call it eagerly, and pass compile=True to fully_shard to compile each unit's compute"
+            )
         if self._run is not None:
             raise RuntimeError(
                 "fddp.zero.fully_shard's apply_fn: called again while running (from another thread, or from inside the module)"
@@ -452,34 +545,50 @@ class FullyShardedForward:
             # not left to time out inside a gather.
             _dist.count_call(lay.group, "zero.fully_shard")
             differentiated = _differentiated(shards.shards)
+            backward = differentiated and _backward_may_follow(shards.shards, args, kwargs)
+            window = self._window if backward else None
+            if window is not None and not window.open:
+                self._window = None  # this call closes the window: later ones are plain again
             # The header names the model and the kind of forward, and the collectives that follow
             # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
             # kind of call runs, then checked before each one, so that a rank that runs its units
             # otherwise fails at once instead of pairing them with its peers' other units.
-            segments = _agree_on(lay, "zero.fully_shard", self._kind(differentiated), sequenced=True, precision=self._precision)
+            kind = self._kind(differentiated, backward, window, shards.shards)
+            segments = _agree_on(lay, "zero.fully_shard", kind, sequenced=True, precision=self._precision)
             self._buffers.start(self.model)
-            out = self._forward(lay, shards, differentiated, segments, args, kwargs)
+            out = self._forward(lay, shards, differentiated, backward, window, segments, args, kwargs)
             self._buffers.check(self.model)
             return out
 
-    def _kind(self, differentiated: bool) -> tuple[tuple, ...]:
+    def _kind(
+        self, differentiated: bool, backward: bool, window: _window.Window | None = None, shards: Sequence[torch.Tensor] = ()
+    ) -> tuple[tuple, ...]:
         """This call's kind as signature rows: the model, the forward's kind, the prefetch order."""
-        forward = "a training forward (its backward gathers and reduces)" if differentiated else "an evaluation forward (no gradients)"
+        if backward:
+            forward = "a training forward (its backward gathers and reduces)"
+        elif differentiated:
+            forward = "a forward whose derivatives it computes itself (forward mode, vmap: no backward)"
+        else:
+            forward = "an evaluation forward (no gradients)"
         return (
             ("model", f"fully_shard's model #{self.serial}, {type(self.model).__name__}", None),
             ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack()) or 'no transform'}", None),
             ("prefetch order", f"{_dist.digest(tuple(self._order)):016x}", None),
+            *(window.rows([_gather.plain(t) for t in shards]) if window is not None else ()),
         )
 
     def _forward(
-        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, segments: list[Any], args: tuple, kwargs: dict
-    ) -> Any:
+        self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, backward: bool,
+        window: _window.Window | None, segments: list[Any], args: tuple, kwargs: dict,
+    ) -> Any:  # fmt: skip
+        keep = window is not None and window.keep_gathered
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
-            release=self.remat == "params", precision=self._precision, segments=segments,
+            release=backward and self.remat == "params" and not keep, precision=self._precision, segments=segments,
+            window=window,
         )  # fmt: skip
-        leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
-        run = _Call(self, pipe, leaves, differentiated)
+        leaves = _gather.boundary(pipe, shards.shards) if backward else tuple(shards.shards)
+        run = _Call(self, pipe, leaves, differentiated, backward)
         patched = [u for u in self._units if u.name]
         if self.param_dtype is not None:  # the model's inputs in the compute dtype, as every unit's
             args, kwargs = torch_pytree.tree_map(self._precision.cast, (args, kwargs))
@@ -509,7 +618,7 @@ class FullyShardedForward:
             for u in patched:
                 u.module.__dict__.pop("forward", None)
             self._run = None
-        pipe.end_forward(will_backward=differentiated)
+        pipe.end_forward(will_backward=backward)
         self._order = pipe.seq or self._order
         return out
 
@@ -521,7 +630,8 @@ class _Call:
     owner: FullyShardedForward
     pipe: Pipeline
     leaves: Sequence[torch.Tensor]
-    differentiated: bool
+    differentiated: bool  # the gathers are differentiable (a backward, forward mode or vmap follows)
+    backward: bool  # a reverse pass may follow: the units keep what it needs (remat)
     entered: set[str] = dataclasses.field(default_factory=set)  # the units whose forward this call ran
 
     def gather(self, k: int) -> torch.Tensor:
@@ -543,10 +653,10 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
         ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
         fulls = [run.gather(k) for k in unit.buckets]
         tensors = [owner._precision.cast(flat[i]) for i in pos]  # mixed precision: inputs in the compute dtype
-        if run.differentiated and owner.remat == "unit":
+        if run.backward and owner.remat == "unit":
             shards = [run.leaves[k] for k in unit.buckets]
             outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
-        elif run.differentiated and owner.remat == "params":
+        elif run.backward and owner.remat == "params":
             outs = ucall.run(fulls, tensors)
             if outs:
                 outs = _gather.refill_before_backward(run.pipe, unit.buckets, outs)
@@ -577,6 +687,7 @@ def fully_shard(
     min_unit_mb: float = 0.5,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    compile: bool | dict[str, Any] = False,  # noqa: A002 - torch's word for it (nn.Module.compile)
 ) -> tuple[FullyShardedForward, shard_layout.Sharded]:
     """Shard a module's trainable parameters unit by unit (ZeRO stage 3); return ``(apply_fn, shards)``.
 
@@ -639,6 +750,13 @@ def fully_shard(
         reduce_dtype: the dtype gradients are reduced in (then written into the shards' dtype):
             ``torch.float32`` sums bf16 gradients in float32, as FSDP2 with
             ``reduce_dtype=torch.float32``; ``None``: ``param_dtype`` (FSDP2's default).
+        compile: compile each unit's compute with ``torch.compile`` (``True``: its defaults; a
+            dict: its keyword arguments, ``{"backend": "aot_eager"}`` say), as FSDP2's users
+            compile each block: the unit's own ``forward``, on the gathered parameters, is one
+            compiled region; the gathers, the reductions and everything between the units stay
+            eager around it (the root unit's forward, which calls the others, too). Differentiate
+            with autograd (``fddp.grad_and_value``, ``.backward()``): torch.func's transforms do
+            not enter compiled code.
 
     Returns:
         ``(apply_fn, shards)``: a :class:`FullyShardedForward` and this rank's shards.
@@ -663,6 +781,9 @@ def fully_shard(
         raise ValueError(f"fddp.{what}: remat must be 'params', 'unit' or None, got {remat!r}")
     if isinstance(min_unit_mb, bool) or not isinstance(min_unit_mb, (int, float)) or not min_unit_mb >= 0:
         raise ValueError(f"fddp.{what}: min_unit_mb must be a number of MiB >= 0, got {min_unit_mb!r}")
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"fddp.{what}: compile must be True, False or a dict of torch.compile's keyword arguments, got {compile!r}")
+    compile_options = ({} if compile is True else dict(compile)) if compile else None
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fddp.{what}: prefetch must be a whole number of buckets >= 0, got {prefetch!r}")
     for name, dt in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -701,6 +822,13 @@ def fully_shard(
         units_ = _units.resolve(model, units, params, trainable, index, what, int(min_unit_mb * 2**20))
         if not units_:
             raise ValueError(f"fddp.{what}: {type(model).__name__} has no trainable parameters")
+        compiled = next((u.name or "<root>" for u in units_ if getattr(u.module, "_compiled_call_impl", None) is not None), None)
+        if compiled is not None:
+            raise ValueError(
+                f"fddp.{what}: unit {compiled!r} was compiled (nn.Module.compile), which would trace its gathers too; "
+                "pass compile=True (or torch.compile's options) to fully_shard instead: each unit's compute is compiled, "
+                "its gathers stay outside"
+            )
     except (TypeError, ValueError) as e:
         problem = e
     if problem is not None:
@@ -728,11 +856,16 @@ def fully_shard(
     # The module's slots: every name of every trainable parameter, each unit's own.
     for u in units_:
         u.forward = u.module.forward
+        if compile_options is not None and u.name:  # the root's forward calls the other units: it stays eager
+            u.forward = torch.compile(u.module.forward, **compile_options)
         for j, k in enumerate(u.buckets):
             for pos, i in enumerate(plan.buckets[k].indices):
                 for n in trainable[id(params[flat_names[i]])]:
                     prefix, _, attr = n.rpartition(".")
-                    u.slots.append((model.get_submodule(prefix), attr, j, pos))
+                    module = model.get_submodule(prefix)
+                    if _units.writes_in_place(module, attr):
+                        u.copied.add(len(u.slots))
+                    u.slots.append((module, attr, j, pos))
     placeholders = []
     for names_ in trainable.values():
         like = params[names_[0]]

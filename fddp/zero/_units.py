@@ -106,6 +106,14 @@ class Unit:
     # (module, attribute, position of the bucket among the unit's, position of the leaf in it)
     slots: list[tuple[nn.Module, str, int, int]] = dataclasses.field(default_factory=list)
     forward: Callable[..., Any] | None = None  # the module's own forward, bound
+    # The slots whose module writes the parameter in place during its forward: they get a copy.
+    copied: set[int] = dataclasses.field(default_factory=set)
+
+
+def writes_in_place(module: nn.Module, attr: str) -> bool:
+    """Whether ``module``'s forward writes its parameter ``attr`` in place: an embedding with
+    ``max_norm`` renormalises the rows it looks up (``torch.embedding_renorm_``, under no_grad)."""
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None and attr == "weight"
 
 
 class ReleasedUse(RuntimeError):

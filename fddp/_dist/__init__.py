@@ -39,7 +39,7 @@ from fddp._dist._groups import (
     set_checks,
     size,
 )
-from fddp._dist._scope import call, entry, owe
+from fddp._dist._scope import backward_scope, call, entry, owe
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
@@ -52,6 +52,7 @@ __all__ = [
     "PeerError",
     "Segment",
     "agree",
+    "backward_scope",
     "begin_epoch",
     "call",
     "call_count",

@@ -177,7 +177,8 @@ def start_agreement(
         st.last_mode = on
         printed = (values or 0) if checks().replicas and replicas is not False else 0
         learn = int(sequenced and on and key_ not in st.recordings)
-        t = _header.build(group, [signature, call_, name, printed, int(on), int(early)], int(new), int(asked), learn)
+        went = _early_digest(st.last) if early else 0
+        t = _header.build(group, [signature, call_, name, printed, int(on), went], int(new), int(asked), learn)
         context = (group, what, st, signature, call_, build, names, replicas, early, segment)
         return Agreement(t, _header.exchange(t, group, what), None, context)
     _remember(st, signature, replicas)
@@ -232,13 +233,19 @@ def completed(group: dist.ProcessGroup | None, what: str, signature: int, collec
     st.last = None if collectives is None or not checks().agreement else (signature, name_digest(what), tuple(collectives))
 
 
-def drain(group: dist.ProcessGroup | None, st: GroupState, what: str) -> None:
-    """A peer went early with the last completed call's buckets while this rank did not: send zeros
-    in their place (the same all-reduces: their sizes are the ones every rank agreed on), so that
-    the group stays in step while every rank raises. Where this rank does not know that call's
-    collectives (its history is not its peers'), nothing can pair with them: fail the group."""
+def _early_digest(last: tuple | None) -> int:
+    """The digest of the collectives a rank that goes early issues (the last completed call's)."""
+    return 0 if last is None else digest(tuple((n, str(dtype)) for n, dtype, _ in last[2])) or 1
+
+
+def drain(group: dist.ProcessGroup | None, st: GroupState, what: str, went: int = 0) -> None:
+    """A peer went early with the last completed call's buckets (``went``: their digest) while this
+    rank did not: send zeros in their place (the same all-reduces: their sizes are the ones every
+    rank agreed on), so that the group stays in step while every rank raises. Where this rank does
+    not know those collectives (its history is not its peers'), nothing can pair with them: fail
+    the group instead of issuing collectives of other sizes."""
     last = st.last
-    if last is None:
+    if last is None or (went and _early_digest(last) != went):
         e = MismatchError(
             f"fddp.{what}: a peer sent its buckets before this call's header (its call repeats the last one the ranks "
             "completed), but this rank holds no such call: the ranks' histories on this group differ."
@@ -281,7 +288,7 @@ class Agreement:
         wait(self.work, group, what, "the agreement on this call")
         h = self.header.tolist()
         if h[_header.EARLY] and not early:
-            drain(group, st, what)
+            drain(group, st, what, h[_header.EARLY])
         if h[_header.FAILED]:
             raise_announced(group, st, what, call_, h[_header.FAILED])
         if not _header.agrees(h):

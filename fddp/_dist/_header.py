@@ -8,8 +8,9 @@ every field's maximum and minimum at once (equal on every rank exactly when they
     WHAT   the digest of the fddp function's name (or of "one collective", for a token)
     PRINT  a sampled digest of values that must be equal (0: none)
     MODE   whether the sender runs with the agreement on
-    EARLY  whether the sender sent its buckets without waiting for this header (its call repeats
-           the last one the ranks agreed on and completed, see ``_agreement``)
+    EARLY  0, or, where the sender sent its buckets without waiting for this header (its call
+           repeats the last one the ranks agreed on and completed, see ``_agreement``), a digest
+           of those buckets' collectives: a rank that sends zeros in their place checks it first
 
 then fields that travel as their maximum: NEW (some rank meets the signature for the first
 time), ASKED (some rank asked for a new tree's checks), FAILED (rank + 1 of a rank that

@@ -19,6 +19,7 @@ runs, and decides what a failure means for the peers:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from typing import Any, Callable
@@ -34,7 +35,7 @@ from fddp._dist._failures import fail, first_line, raise_if_failed
 from fddp._dist._groups import Frame, GroupState, channel_of, checks, collective_device, lock, rank, size, state
 from fddp._dist._waits import wait
 
-__all__ = ["call", "entry", "owe"]
+__all__ = ["call", "entry", "owe", "backward_scope"]
 
 
 def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: BaseException) -> None:
@@ -68,8 +69,9 @@ def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: Bas
     else:
         try:
             wait(work, group, what, "the announcement of this rank's failure")
-            if t[_header.EARLY]:
-                drain(group, st, what)
+            went = int(t[_header.EARLY])
+            if went:
+                drain(group, st, what, went)
         except Exception:  # noqa: BLE001 - the peers' buckets cannot be matched: fatal
             fail(group, what, e)
             return
@@ -205,6 +207,17 @@ def entry(what: str, group: Callable[..., Any] | None = None, *, headerless: boo
         return scoped
 
     return wrap
+
+
+def backward_scope(group: dist.ProcessGroup | None, what: str) -> Any:
+    """The scope of collectives a backward issues for a call that has returned: where no fddp call
+    is in progress on ``group`` and no backward is owed there (which cover it already), a headerless
+    :class:`call` of its own (a failure in it is fatal: the peers wait in its reductions); else
+    nothing (entering a call from autograd's device thread while the caller's call holds the
+    group would be refused as a second thread)."""
+    if torch.compiler.is_compiling() or not dist.is_initialized() or state(group).busy():
+        return contextlib.nullcontext()
+    return call(group, what, headerless=True)
 
 
 def owe(group: dist.ProcessGroup | None, n: int) -> None:

@@ -157,6 +157,7 @@ def _sync(call: _Call, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         reducer = sync.reducer(call.state)
         reducer.push([t.detach() for t in leaves])
         flats, info = reducer.finish()
+        sync.completed()  # as the eager ddp_step does: the ranks' records of this call must not depend on the path
     call.infos.append(info)
     return _layout.unflatten(sync.plan, flats)
 

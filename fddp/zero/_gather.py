@@ -726,9 +726,13 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(call: GatherCall, ct: torch.Tensor) -> torch.Tensor:
         pipe = call.pipe
-        if call.sync or call.k in pipe.repeated:
-            return pipe.reduce_now(call.k, ct, call.invariant)
-        return pipe.reduce(call.k, ct, call.invariant)
+        # A backward that runs after its call returned, with nothing owed (unshard's, a forward
+        # under a transform's): a call of its own, so that a failure reaches the peers waiting
+        # in its reductions.
+        with _dist.backward_scope(pipe.lay.group, f"{pipe.what} (backward)"):
+            if call.sync or call.k in pipe.repeated:
+                return pipe.reduce_now(call.k, ct, call.invariant)
+            return pipe.reduce(call.k, ct, call.invariant)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -113,3 +113,29 @@ def test_reference_and_benchmarks_are_split_into_pages(site: Path) -> None:
     assert {p for p in pages if p.startswith("benchmarks/")} >= {"benchmarks/step", "benchmarks/zero", "benchmarks/cluster"}
     # Model-by-model tables are tabs, not one long scroll.
     assert pages["benchmarks/step"].count('class="tabbed-set') >= 1
+
+
+def _nav_titles(entries: list, docs: Path) -> list[str]:
+    """Every title the navigation shows, sections and pages, depth first (a bare page: its first heading)."""
+    titles = []
+    for entry in entries:
+        if isinstance(entry, str):
+            titles.append(re.search(r"^# (.*)$", (docs / entry).read_text(), re.MULTILINE).group(1))
+            continue
+        ((title, value),) = entry.items()
+        titles.append(title)
+        if isinstance(value, list):
+            titles += _nav_titles(value, docs)
+    return titles
+
+
+def test_every_navigation_entry_is_unique() -> None:
+    """The navigation once listed "Sharding (ZeRO)" three times (the guide, its reference, its
+    benchmarks) and three other titles twice: a reader could not tell the entries apart."""
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    titles = _nav_titles(config["nav"], Path(config["docs_dir"]))
+    assert len(titles) > 20, titles
+    repeated = sorted({t for t in titles if titles.count(t) > 1})
+    assert not repeated, f"navigation titles shown more than once: {repeated}"

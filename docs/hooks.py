@@ -43,6 +43,10 @@ STEP_MODES = {
     "grad_and_value_bf16_auto": "the same with bf16 buckets",
     "grad_and_value_psgd1_auto": "the same with PowerSGD rank 1",
     "compiled": "`torch.compile` of `torch.func.grad` + `fddp.ddp_step` + `fddp.optim`",
+    "grad_and_value_noagree": "`fddp.grad_and_value`, the per-call agreement off (`fddp.set_checks(agreement=False)`)",
+    "ddp_step_noagree": "`fddp.ddp_step`, the per-call agreement off",
+    "grad_and_value_lean": "`fddp.grad_and_value` without the error channel and the header's fingerprint",
+    "ddp_step_lean": "`fddp.ddp_step` without the error channel and the header's fingerprint",
 }
 
 
@@ -184,10 +188,13 @@ def _step_section() -> str:
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         ddp = r["modes"]["ddp"]["all_ms"]
+        undescribed = [m for m in r["modes"] if m not in STEP_MODES]
+        if undescribed:  # a blank "what runs" cell: say what the mode runs in STEP_MODES
+            raise ValueError(f"docs/hooks.py: STEP_MODES does not say what {undescribed} run (benchmarks/step.py's docstring does)")
         for mode, d in r["modes"].items():
             paired = [t / ref for t, ref in zip(d["all_ms"], ddp)]
             rows.append(
-                f"| `{mode}` | {STEP_MODES.get(mode, '')} | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} "
+                f"| `{mode}` | {STEP_MODES[mode]} | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} "
                 f"| {min(paired):.2f}–{max(paired):.2f} | {d['collectives']} | {d['bytes'] / 2**20:.2f} |"
             )
         tabs.append(_tab(f"{model}: {r['values'] / 1e6:.2f}M values, {r['tensors']} tensors", "\n".join(rows)))

@@ -7,6 +7,7 @@ benchmarks wrote them, so the page always shows the last measured numbers and ne
 
 from __future__ import annotations
 
+import html as _html
 import json
 import re
 import statistics
@@ -21,6 +22,7 @@ MARKER = re.compile(r"<!-- benchmark-results(?:: ([a-z0-9 ]+))? -->")
 VALIDATION_MARKER = "<!-- scaling-validation -->"
 PROJECTION_MARKER = "<!-- scaling-projection -->"
 API_MARKER = "<!-- api-pages -->"
+LINE_CLASS = "code-line"  # each line of a code block (docs/hooks.py's _code_lines; extra.css wraps it)
 
 # What each mode of benchmarks/step.py runs (its docstring has the same list).
 STEP_MODES = {
@@ -120,7 +122,65 @@ def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
     # Docstrings use Sphinx roles (:func:`ddp_step`); Markdown renders them as ":func:" + code.
     html = re.sub(r":(?:func|class|meth|mod|attr|exc|data|obj):(?=<code)", "", html)
     html = re.sub(r"<table>.*?</table>", _breakable_code, html, flags=re.DOTALL)
+    html = re.sub(r"<table>.*?</table>", _labelled_cells, html, flags=re.DOTALL)
+    html = re.sub(r"(<pre\b[^>]*>(?:<span></span>)?<code\b[^>]*>)(.*?)(</code></pre>)", _code_lines, html, flags=re.DOTALL)
     return re.sub(r'<p><img alt="([^"]*)" src="([^"]+\.png)" ?/?></p>', _full_size_link, html)
+
+
+def _code_lines(block: re.Match) -> str:
+    """Put each line of a code block in a span of its own that carries its indentation as ``--i``,
+    so that extra.css can wrap a line too long for the window with a hanging indent: the
+    continuation starts four columns right of the line's own indentation, never at column 0,
+    where it would read as another line. Highlighted tokens that run over several lines (a
+    docstring) are closed at each line's end and opened again on the next."""
+    lines, line, open_tags = [], [], []
+    for piece in re.split(r"(<[^>]+>)", block.group(2)):
+        if piece.startswith("</"):
+            open_tags.pop()
+            line.append(piece)
+        elif piece.startswith("<"):
+            open_tags.append(piece)
+            line.append(piece)
+        else:
+            for k, text in enumerate(piece.split("\n")):
+                if k:
+                    lines.append("".join(line) + "".join(_closing(t) for t in reversed(open_tags)))
+                    line = list(open_tags)
+                line.append(text)
+    last = "".join(line)
+    if re.sub(r"<[^>]+>", "", last):
+        lines.append(last)
+
+    def wrap(markup: str) -> str:
+        text = _html.unescape(re.sub(r"<[^>]+>", "", markup))
+        return f'<span class="{LINE_CLASS}" style="--i:{len(text) - len(text.lstrip(" "))}">{markup}\n</span>'
+
+    return block.group(1) + "".join(wrap(markup) for markup in lines) + block.group(3)
+
+
+def _closing(tag: str) -> str:
+    """``</span>`` for ``<span class="n">``."""
+    return "</" + re.match(r"<(\w+)", tag).group(1) + ">"
+
+
+def _labelled_cells(table: re.Match) -> str:
+    """Give every cell its column's heading as ``data-label``: on a phone extra.css lays each row out
+    as a card of "heading: value" lines, where a table of seven columns would be cut at the right edge."""
+    heads = [_html.unescape(re.sub(r"<[^>]+>", "", h)).strip() for h in re.findall(r"<th\b[^>]*>(.*?)</th>", table.group(0), re.DOTALL)]
+
+    def row(tr: re.Match) -> str:
+        cells = iter(range(len(heads)))
+
+        def cell(td: re.Match) -> str:
+            k = next(cells, None)
+            if k is None:
+                return td.group(0)
+            label = _html.escape(heads[k], quote=True)
+            return f'<td data-label="{label}"{td.group(1)}>'
+
+        return re.sub(r"<td\b([^>]*)>", cell, tr.group(0))
+
+    return re.sub(r"<tr\b[^>]*>.*?</tr>", row, table.group(0), flags=re.DOTALL)
 
 
 def _breakable_code(table: re.Match) -> str:

@@ -49,7 +49,8 @@ def _pages(site: Path) -> list[tuple[str, str]]:
     for path in sorted(site.rglob("index.html")):
         m = re.search(r'<article class="md-content__inner md-typeset">(.*?)</article>', path.read_text(), re.DOTALL)
         if m:
-            out.append((str(path.parent.relative_to(site)) or "home", m.group(1)))
+            relative = path.parent.relative_to(site)
+            out.append(("home" if relative == Path(".") else str(relative), m.group(1)))
     return out
 
 
@@ -64,28 +65,76 @@ def _is_code_block(selector: str) -> bool:
     return any(re.search(r"(^|[\s>+~,.:(])(pre|highlight|highlighttable)\b", part.strip()) for part in selector.split(","))
 
 
-def test_no_stylesheet_soft_wraps_code_blocks(site: Path) -> None:
+LINE_SPAN = re.compile(r"span\.code-line\b")
+
+
+def _hanging(selector: str, body: str) -> bool:
+    """A rule on the per-line spans of code blocks whose wrapped lines continue right of the line's
+    own indentation (docs/hooks.py's --i), never at column 0."""
+    indent = re.search(r"text-indent\s*:([^;]*)", body)
+    pad = re.search(r"padding-left\s*:([^;]*)", body)
+    return bool(
+        LINE_SPAN.search(selector) and indent and pad and "var(--i" in indent.group(1) and "-" in indent.group(1)
+        and "var(--i" in pad.group(1)
+    )  # fmt: skip
+
+
+def test_code_blocks_wrap_only_with_a_hanging_indent(site: Path) -> None:
     """A rule of extra.css once set white-space: pre-wrap on every code block: loops wrapped with
-    their continuation lines at column 0 (other indentation, to a reader), commands broke inside a flag."""
+    their continuation lines at column 0 (other indentation, to a reader), commands broke inside a
+    flag. Lines that do not fit now wrap only per line, with a hanging indent, at spaces."""
     offending = []
     for css in [site / "stylesheets" / "extra.css"]:
         for selector, body in _rules(css.read_text()):
-            if _is_code_block(selector) and WRAPPING.search(body):
+            if _is_code_block(selector) and WRAPPING.search(body) and not _hanging(selector, body):
                 offending.append(f"{css.name}: {selector} {{{body.strip()}}}")
-    assert not offending, "code blocks must scroll sideways, never wrap:\n" + "\n".join(offending)
+            if LINE_SPAN.search(selector) and re.search(r"word-break\s*:\s*break-all|overflow-wrap\s*:\s*anywhere", body):
+                offending.append(f"{css.name}: {selector} breaks inside words")
+    assert not offending, "code blocks must never wrap to column 0:\n" + "\n".join(offending)
     for page, article in _pages(site):
         styled = re.findall(r'<(?:pre|code)\b[^>]*style="[^"]*white-space[^"]*"', article)
         assert not styled, f"{page}: a code block with its own white-space: {styled[0]}"
+    # Every line of every code block carries its indentation, which the hanging indent starts from.
+    pages = dict(_pages(site))
+    lines = re.findall(r'<span class="code-line"( style="--i:(\d+)")?>(.*?)\n</span>', pages["home"])
+    assert len(lines) > 40 and all(style for style, _, _ in lines), "line spans without --i"
+    for _, indent, body in lines:
+        text = html.unescape(re.sub(r"<[^>]+>", "", body))
+        assert int(indent) == len(text) - len(text.lstrip(" ")), (indent, text)
+    assert any(int(i) == 8 for _, i, _ in lines), "the loop's body is indented twice"
 
 
 def test_the_check_catches_the_rule_that_wrapped_every_block() -> None:
     # The rule this project shipped: it would fail the test above.
     old = '.md-typeset div.highlight:not([class*="language-"]) pre > code {\n  white-space: pre-wrap;\n}'
     ((selector, body),) = _rules(old)
-    assert _is_code_block(selector) and WRAPPING.search(body)
+    assert _is_code_block(selector) and WRAPPING.search(body) and not _hanging(selector, body)
+    # Per-line wrapping without the indentation, or with a fixed one, is caught too.
+    fixed = ".md-typeset pre > code > span.code-line { white-space: pre-wrap; padding-left: 4ch; text-indent: -4ch; }"
+    ((selector, body),) = _rules(fixed)
+    assert _is_code_block(selector) and WRAPPING.search(body) and not _hanging(selector, body)
     # Inline code in tables is not a code block (it may wrap at the <wbr> that docs/hooks.py adds).
     ((selector, body),) = _rules(".md-typeset table:not([class]) code { word-break: normal; }")
     assert not _is_code_block(selector)
+
+
+def test_tables_and_charts_fit_a_phone(site: Path) -> None:
+    """At 390 px the benchmark tables and charts were cut at the right edge: each cell now carries its
+    column's heading (a phone shows a row as a card of "heading: value" lines), and no rule gives a
+    chart a width of its own beyond the screen's."""
+    unlabelled = []
+    for page, article in _pages(site):
+        for table in re.findall(r"<table>(.*?)</table>", article, re.DOTALL):
+            if "<th" in table:
+                unlabelled += [f"{page}: {td[:60]}" for td in re.findall(r"<td\b(?![^>]*data-label=)[^>]*>", table)]
+    assert not unlabelled, "cells without their column's heading:\n" + "\n".join(unlabelled[:10])
+    css = (site / "stylesheets" / "extra.css").read_text()
+    rules = _rules(css)
+    for selector, body in rules:
+        if "full-size" in selector and "img" in selector:
+            assert not re.search(r"max-width\s*:\s*none|(?<![-\w])width\s*:\s*\d", body), f"{selector} {{{body.strip()}}}"
+    phone = css[css.index("@media screen and (max-width: 44.9375em)") :]
+    assert re.search(r"td::before\s*\{[^}]*attr\(data-label\)", phone), "the phone layout shows each cell's heading"
 
 
 def test_no_page_shows_a_placeholder(site: Path) -> None:

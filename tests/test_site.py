@@ -1,5 +1,7 @@
-"""The built docs site as a reader gets it: code blocks that never soft-wrap, no placeholder text,
-reference pages split so that a name is found without scrolling through the whole API.
+"""The built docs site as a reader gets it: code lines that wrap only with a hanging indent, tables
+and charts that fit a phone, a navigation whose entries are unique, no blank text cell, no
+placeholder text, reference pages split so that a name is found without scrolling through the
+whole API.
 
 One ``mkdocs build --strict`` into a temporary directory (module scope), then checks on its HTML
 and CSS. What a browser shows was checked by hand with headless Chromium at 1400 and 390 px; the
@@ -91,6 +93,10 @@ def test_code_blocks_wrap_only_with_a_hanging_indent(site: Path) -> None:
             if LINE_SPAN.search(selector) and re.search(r"word-break\s*:\s*break-all|overflow-wrap\s*:\s*anywhere", body):
                 offending.append(f"{css.name}: {selector} breaks inside words")
     assert not offending, "code blocks must never wrap to column 0:\n" + "\n".join(offending)
+    # The copy button copies innerText while the code carries data-md-copying: lines as blocks would
+    # come out each followed by an empty line.
+    copying = [body for selector, body in _rules((site / "stylesheets" / "extra.css").read_text()) if "data-md-copying" in selector]
+    assert any(re.search(r"display\s*:\s*inline\s*;", body) for body in copying), "the lines must copy as they are"
     for page, article in _pages(site):
         styled = re.findall(r'<(?:pre|code)\b[^>]*style="[^"]*white-space[^"]*"', article)
         assert not styled, f"{page}: a code block with its own white-space: {styled[0]}"

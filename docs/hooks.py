@@ -164,8 +164,9 @@ def _closing(tag: str) -> str:
 
 
 def _labelled_cells(table: re.Match) -> str:
-    """Give every cell its column's heading as ``data-label``: on a phone extra.css lays each row out
-    as a card of "heading: value" lines, where a table of seven columns would be cut at the right edge."""
+    """Give every cell its column's heading as ``data-label``, and its content one wrapper: on a phone
+    extra.css lays each row out as a card of "heading: value" lines (a grid of the label and the
+    wrapper), where a table of seven columns would be cut at the right edge."""
     heads = [_html.unescape(re.sub(r"<[^>]+>", "", h)).strip() for h in re.findall(r"<th\b[^>]*>(.*?)</th>", table.group(0), re.DOTALL)]
 
     def row(tr: re.Match) -> str:
@@ -176,9 +177,9 @@ def _labelled_cells(table: re.Match) -> str:
             if k is None:
                 return td.group(0)
             label = _html.escape(heads[k], quote=True)
-            return f'<td data-label="{label}"{td.group(1)}>'
+            return f'<td data-label="{label}"{td.group(1)}><div class="cell">{td.group(2)}</div></td>'
 
-        return re.sub(r"<td\b([^>]*)>", cell, tr.group(0))
+        return re.sub(r"<td\b([^>]*)>(.*?)</td>", cell, tr.group(0), flags=re.DOTALL)
 
     return re.sub(r"<tr\b[^>]*>.*?</tr>", row, table.group(0), flags=re.DOTALL)
 

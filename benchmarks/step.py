@@ -31,6 +31,10 @@ Modes:
                       default by a few timed steps (the same on every rank);
                       likewise grad_and_value_bf16_auto and grad_and_value_psgd1_auto
     compiled          torch.compile of torch.func.grad + fddp.ddp_step + fddp.optim, one graph
+    grad_and_value_noagree  grad_and_value with the per-call agreement off (fddp.set_checks(agreement=False));
+                      likewise ddp_step_noagree
+    grad_and_value_lean     grad_and_value without the error channel and the header's fingerprint
+                      (what the failure handling costs); likewise ddp_step_lean
 """
 
 from __future__ import annotations
@@ -511,12 +515,16 @@ PLOT_MODES = {
     "grad_and_value_auto": ("  the same, automatic bucket cap", "#b8e186"),
     "grad_and_value_bf16_auto": ("  bf16, automatic bucket cap", "#d9f0a3"),
     "grad_and_value_psgd1_auto": ("  PowerSGD rank 1, automatic bucket cap", "#7fbc41"),
+    "grad_and_value_noagree": ("  agreement off (set_checks)", "#f4a582"),
+    "grad_and_value_lean": ("  no error channel, no fingerprint", "#fddbc7"),
     "ddp_step": ("fddp.ddp_step after torch.func.grad", "#2166ac"),
     "compiled": ("  the same, torch.compile'd", "#4393c3"),
     "ddp_step_bf16": ("  the same, bf16 buckets", "#92c5de"),
     "ddp_step_fp16": ("  the same, fp16 buckets", "#b2abd2"),
     "ddp_step_psgd1": ("  the same, PowerSGD rank 1", "#8073ac"),
     "ddp_step_psgd4": ("  the same, PowerSGD rank 4", "#542788"),
+    "ddp_step_noagree": ("  the same, agreement off", "#f4a582"),
+    "ddp_step_lean": ("  the same, no error channel", "#fddbc7"),
     "per_tensor": ("one all-reduce per tensor (no buckets)", "#b35806"),
     "floor_torch": ("floor: torch, no communication", "#bdbdbd"),
     "floor_gav": ("floor: grad_and_value, one-rank group", "#9e9e9e"),
@@ -535,8 +543,11 @@ def plot(data: dict[str, Any], path: str) -> None:
     names = list(results)
     present = list(dict.fromkeys(m for n in names for m in results[n]["modes"]))
     modes = [m for m in PLOT_MODES if m in present] + [m for m in present if m not in PLOT_MODES]
-    labels = [PLOT_MODES.get(m, (m, None))[0] for m in modes]
-    colours = [PLOT_MODES.get(m, (None, "#f4a582"))[1] for m in modes]
+    unlabelled = [m for m in modes if m not in PLOT_MODES]
+    if unlabelled:  # a mode's name in snake_case is not a label a reader of the docs can read
+        raise ValueError(f"benchmarks/step.py: no chart label for modes {unlabelled}: add them to PLOT_MODES")
+    labels = [PLOT_MODES[m][0] for m in modes]
+    colours = [PLOT_MODES[m][1] for m in modes]
     top = max(d["ratio_to_ddp"] for n in names for d in results[n]["modes"].values())
     # Two panels a row: four side by side made a figure that a docs page shrinks until its labels
     # are a few pixels high.

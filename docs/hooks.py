@@ -7,6 +7,7 @@ benchmarks wrote them, so the page always shows the last measured numbers and ne
 
 from __future__ import annotations
 
+import html as _html
 import json
 import re
 import statistics
@@ -21,6 +22,7 @@ MARKER = re.compile(r"<!-- benchmark-results(?:: ([a-z0-9 ]+))? -->")
 VALIDATION_MARKER = "<!-- scaling-validation -->"
 PROJECTION_MARKER = "<!-- scaling-projection -->"
 API_MARKER = "<!-- api-pages -->"
+LINE_CLASS = "code-line"  # each line of a code block (docs/hooks.py's _code_lines; extra.css wraps it)
 
 # What each mode of benchmarks/step.py runs (its docstring has the same list).
 STEP_MODES = {
@@ -43,6 +45,10 @@ STEP_MODES = {
     "grad_and_value_bf16_auto": "the same with bf16 buckets",
     "grad_and_value_psgd1_auto": "the same with PowerSGD rank 1",
     "compiled": "`torch.compile` of `torch.func.grad` + `fddp.ddp_step` + `fddp.optim`",
+    "grad_and_value_noagree": "`fddp.grad_and_value`, the per-call agreement off (`fddp.set_checks(agreement=False)`)",
+    "ddp_step_noagree": "`fddp.ddp_step`, the per-call agreement off",
+    "grad_and_value_lean": "`fddp.grad_and_value` without the error channel and the header's fingerprint",
+    "ddp_step_lean": "`fddp.ddp_step` without the error channel and the header's fingerprint",
 }
 
 
@@ -116,7 +122,66 @@ def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
     # Docstrings use Sphinx roles (:func:`ddp_step`); Markdown renders them as ":func:" + code.
     html = re.sub(r":(?:func|class|meth|mod|attr|exc|data|obj):(?=<code)", "", html)
     html = re.sub(r"<table>.*?</table>", _breakable_code, html, flags=re.DOTALL)
+    html = re.sub(r"<table>.*?</table>", _labelled_cells, html, flags=re.DOTALL)
+    html = re.sub(r"(<pre\b[^>]*>(?:<span></span>)?<code\b[^>]*>)(.*?)(</code></pre>)", _code_lines, html, flags=re.DOTALL)
     return re.sub(r'<p><img alt="([^"]*)" src="([^"]+\.png)" ?/?></p>', _full_size_link, html)
+
+
+def _code_lines(block: re.Match) -> str:
+    """Put each line of a code block in a span of its own that carries its indentation as ``--i``,
+    so that extra.css can wrap a line too long for the window with a hanging indent: the
+    continuation starts four columns right of the line's own indentation, never at column 0,
+    where it would read as another line. Highlighted tokens that run over several lines (a
+    docstring) are closed at each line's end and opened again on the next."""
+    lines, line, open_tags = [], [], []
+    for piece in re.split(r"(<[^>]+>)", block.group(2)):
+        if piece.startswith("</"):
+            open_tags.pop()
+            line.append(piece)
+        elif piece.startswith("<"):
+            open_tags.append(piece)
+            line.append(piece)
+        else:
+            for k, text in enumerate(piece.split("\n")):
+                if k:
+                    lines.append("".join(line) + "".join(_closing(t) for t in reversed(open_tags)))
+                    line = list(open_tags)
+                line.append(text)
+    last = "".join(line)
+    if re.sub(r"<[^>]+>", "", last):
+        lines.append(last)
+
+    def wrap(markup: str) -> str:
+        text = _html.unescape(re.sub(r"<[^>]+>", "", markup))
+        return f'<span class="{LINE_CLASS}" style="--i:{len(text) - len(text.lstrip(" "))}">{markup}\n</span>'
+
+    return block.group(1) + "".join(wrap(markup) for markup in lines) + block.group(3)
+
+
+def _closing(tag: str) -> str:
+    """``</span>`` for ``<span class="n">``."""
+    return "</" + re.match(r"<(\w+)", tag).group(1) + ">"
+
+
+def _labelled_cells(table: re.Match) -> str:
+    """Give every cell its column's heading as ``data-label``, and its content one wrapper: on a phone
+    extra.css lays each row out as a card of "heading: value" lines (a grid of the label and the
+    wrapper), where a table of seven columns would be cut at the right edge."""
+    heads = [_html.unescape(re.sub(r"<[^>]+>", "", h)).strip() for h in re.findall(r"<th\b[^>]*>(.*?)</th>", table.group(0), re.DOTALL)]
+
+    def row(tr: re.Match) -> str:
+        cells = iter(range(len(heads)))
+
+        def cell(td: re.Match) -> str:
+            k = next(cells, None)
+            if k is None:
+                return td.group(0)
+            label = _html.escape(heads[k], quote=True)
+            return f'<td data-label="{label}"{td.group(1)}><div class="cell">{td.group(2)}</div></td>'
+
+        return re.sub(r"<td\b([^>]*)>(.*?)</td>", cell, tr.group(0), flags=re.DOTALL)
+
+    return re.sub(r"<tr\b[^>]*>.*?</tr>", row, table.group(0), flags=re.DOTALL)
 
 
 def _breakable_code(table: re.Match) -> str:
@@ -184,10 +249,13 @@ def _step_section() -> str:
             "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
         ddp = r["modes"]["ddp"]["all_ms"]
+        undescribed = [m for m in r["modes"] if m not in STEP_MODES]
+        if undescribed:  # a blank "what runs" cell: say what the mode runs in STEP_MODES
+            raise ValueError(f"docs/hooks.py: STEP_MODES does not say what {undescribed} run (benchmarks/step.py's docstring does)")
         for mode, d in r["modes"].items():
             paired = [t / ref for t, ref in zip(d["all_ms"], ddp)]
             rows.append(
-                f"| `{mode}` | {STEP_MODES.get(mode, '')} | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} "
+                f"| `{mode}` | {STEP_MODES[mode]} | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} "
                 f"| {min(paired):.2f}–{max(paired):.2f} | {d['collectives']} | {d['bytes'] / 2**20:.2f} |"
             )
         tabs.append(_tab(f"{model}: {r['values'] / 1e6:.2f}M values, {r['tensors']} tensors", "\n".join(rows)))

@@ -1,5 +1,7 @@
-"""The built docs site as a reader gets it: code blocks that never soft-wrap, no placeholder text,
-reference pages split so that a name is found without scrolling through the whole API.
+"""The built docs site as a reader gets it: code lines that wrap only with a hanging indent, tables
+and charts that fit a phone, a navigation whose entries are unique, no blank text cell, no
+placeholder text, reference pages split so that a name is found without scrolling through the
+whole API.
 
 One ``mkdocs build --strict`` into a temporary directory (module scope), then checks on its HTML
 and CSS. What a browser shows was checked by hand with headless Chromium at 1400 and 390 px; the
@@ -49,7 +51,8 @@ def _pages(site: Path) -> list[tuple[str, str]]:
     for path in sorted(site.rglob("index.html")):
         m = re.search(r'<article class="md-content__inner md-typeset">(.*?)</article>', path.read_text(), re.DOTALL)
         if m:
-            out.append((str(path.parent.relative_to(site)) or "home", m.group(1)))
+            relative = path.parent.relative_to(site)
+            out.append(("home" if relative == Path(".") else str(relative), m.group(1)))
     return out
 
 
@@ -64,28 +67,82 @@ def _is_code_block(selector: str) -> bool:
     return any(re.search(r"(^|[\s>+~,.:(])(pre|highlight|highlighttable)\b", part.strip()) for part in selector.split(","))
 
 
-def test_no_stylesheet_soft_wraps_code_blocks(site: Path) -> None:
+LINE_SPAN = re.compile(r"span\.code-line\b")
+
+
+def _hanging(selector: str, body: str) -> bool:
+    """A rule on the per-line spans of code blocks whose wrapped lines continue right of the line's
+    own indentation (docs/hooks.py's --i), never at column 0."""
+    indent = re.search(r"text-indent\s*:([^;]*)", body)
+    pad = re.search(r"padding-left\s*:([^;]*)", body)
+    return bool(
+        LINE_SPAN.search(selector) and indent and pad and "var(--i" in indent.group(1) and "-" in indent.group(1)
+        and "var(--i" in pad.group(1)
+    )  # fmt: skip
+
+
+def test_code_blocks_wrap_only_with_a_hanging_indent(site: Path) -> None:
     """A rule of extra.css once set white-space: pre-wrap on every code block: loops wrapped with
-    their continuation lines at column 0 (other indentation, to a reader), commands broke inside a flag."""
+    their continuation lines at column 0 (other indentation, to a reader), commands broke inside a
+    flag. Lines that do not fit now wrap only per line, with a hanging indent, at spaces."""
     offending = []
     for css in [site / "stylesheets" / "extra.css"]:
         for selector, body in _rules(css.read_text()):
-            if _is_code_block(selector) and WRAPPING.search(body):
+            if _is_code_block(selector) and WRAPPING.search(body) and not _hanging(selector, body):
                 offending.append(f"{css.name}: {selector} {{{body.strip()}}}")
-    assert not offending, "code blocks must scroll sideways, never wrap:\n" + "\n".join(offending)
+            if LINE_SPAN.search(selector) and re.search(r"word-break\s*:\s*break-all|overflow-wrap\s*:\s*anywhere", body):
+                offending.append(f"{css.name}: {selector} breaks inside words")
+    assert not offending, "code blocks must never wrap to column 0:\n" + "\n".join(offending)
+    # The copy button copies innerText while the code carries data-md-copying: lines as blocks would
+    # come out each followed by an empty line.
+    copying = [body for selector, body in _rules((site / "stylesheets" / "extra.css").read_text()) if "data-md-copying" in selector]
+    assert any(re.search(r"display\s*:\s*inline\s*;", body) for body in copying), "the lines must copy as they are"
     for page, article in _pages(site):
         styled = re.findall(r'<(?:pre|code)\b[^>]*style="[^"]*white-space[^"]*"', article)
         assert not styled, f"{page}: a code block with its own white-space: {styled[0]}"
+    # Every line of every code block carries its indentation, which the hanging indent starts from.
+    pages = dict(_pages(site))
+    lines = re.findall(r'<span class="code-line"( style="--i:(\d+)")?>(.*?)\n</span>', pages["home"])
+    assert len(lines) > 40 and all(style for style, _, _ in lines), "line spans without --i"
+    for _, indent, body in lines:
+        text = html.unescape(re.sub(r"<[^>]+>", "", body))
+        assert int(indent) == len(text) - len(text.lstrip(" ")), (indent, text)
+    assert any(int(i) == 8 for _, i, _ in lines), "the loop's body is indented twice"
 
 
 def test_the_check_catches_the_rule_that_wrapped_every_block() -> None:
     # The rule this project shipped: it would fail the test above.
     old = '.md-typeset div.highlight:not([class*="language-"]) pre > code {\n  white-space: pre-wrap;\n}'
     ((selector, body),) = _rules(old)
-    assert _is_code_block(selector) and WRAPPING.search(body)
+    assert _is_code_block(selector) and WRAPPING.search(body) and not _hanging(selector, body)
+    # Per-line wrapping without the indentation, or with a fixed one, is caught too.
+    fixed = ".md-typeset pre > code > span.code-line { white-space: pre-wrap; padding-left: 4ch; text-indent: -4ch; }"
+    ((selector, body),) = _rules(fixed)
+    assert _is_code_block(selector) and WRAPPING.search(body) and not _hanging(selector, body)
     # Inline code in tables is not a code block (it may wrap at the <wbr> that docs/hooks.py adds).
     ((selector, body),) = _rules(".md-typeset table:not([class]) code { word-break: normal; }")
     assert not _is_code_block(selector)
+
+
+def test_tables_and_charts_fit_a_phone(site: Path) -> None:
+    """At 390 px the benchmark tables and charts were cut at the right edge: each cell now carries its
+    column's heading (a phone shows a row as a card of "heading: value" lines), and no rule gives a
+    chart a width of its own beyond the screen's."""
+    unlabelled = []
+    for page, article in _pages(site):
+        for table in re.findall(r"<table>(.*?)</table>", article, re.DOTALL):
+            if "<th" in table:
+                unlabelled += [f"{page}: {td[:60]}" for td in re.findall(r"<td\b(?![^>]*data-label=)[^>]*>", table)]
+                # The heading and the content are the two items of the cell's grid: one wrapper.
+                unlabelled += [f"{page}: {td[:60]} unwrapped" for td in re.findall(r"<td\b[^>]*>(?!<div class=\"cell\">)", table)]
+    assert not unlabelled, "cells without their column's heading:\n" + "\n".join(unlabelled[:10])
+    css = (site / "stylesheets" / "extra.css").read_text()
+    rules = _rules(css)
+    for selector, body in rules:
+        if "full-size" in selector and "img" in selector:
+            assert not re.search(r"max-width\s*:\s*none|(?<![-\w])width\s*:\s*\d", body), f"{selector} {{{body.strip()}}}"
+    phone = css[css.index("@media screen and (max-width: 44.9375em)") :]
+    assert re.search(r"td::before\s*\{[^}]*attr\(data-label\)", phone), "the phone layout shows each cell's heading"
 
 
 def test_no_page_shows_a_placeholder(site: Path) -> None:
@@ -113,3 +170,79 @@ def test_reference_and_benchmarks_are_split_into_pages(site: Path) -> None:
     assert {p for p in pages if p.startswith("benchmarks/")} >= {"benchmarks/step", "benchmarks/zero", "benchmarks/cluster"}
     # Model-by-model tables are tabs, not one long scroll.
     assert pages["benchmarks/step"].count('class="tabbed-set') >= 1
+
+
+def _nav_titles(entries: list, docs: Path) -> list[str]:
+    """Every title the navigation shows, sections and pages, depth first (a bare page: its first heading)."""
+    titles = []
+    for entry in entries:
+        if isinstance(entry, str):
+            titles.append(re.search(r"^# (.*)$", (docs / entry).read_text(), re.MULTILINE).group(1))
+            continue
+        ((title, value),) = entry.items()
+        titles.append(title)
+        if isinstance(value, list):
+            titles += _nav_titles(value, docs)
+    return titles
+
+
+def test_every_navigation_entry_is_unique() -> None:
+    """The navigation once listed "Sharding (ZeRO)" three times (the guide, its reference, its
+    benchmarks) and three other titles twice: a reader could not tell the entries apart."""
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    titles = _nav_titles(config["nav"], Path(config["docs_dir"]))
+    assert len(titles) > 20, titles
+    repeated = sorted({t for t in titles if titles.count(t) > 1})
+    assert not repeated, f"navigation titles shown more than once: {repeated}"
+
+
+def _tables(article: str) -> list[tuple[list[str], list[str], list[list[str]]]]:
+    """Every table of a page: its header cells' text, each column's alignment, and its rows' cells (HTML)."""
+    out = []
+    for table in re.findall(r"<table>(.*?)</table>", article, re.DOTALL):
+        heads = re.findall(r"<th\b([^>]*)>(.*?)</th>", table, re.DOTALL)
+        header = [html.unescape(re.sub(r"<[^>]+>", "", h)).strip() for _, h in heads]
+        align = ["right" if "right" in attrs else "left" for attrs, _ in heads]
+        body = table.split("</thead>", 1)[-1]
+        rows = [re.findall(r"<td\b[^>]*>(.*?)</td>", tr, re.DOTALL) for tr in re.findall(r"<tr>(.*?)</tr>", body, re.DOTALL)]
+        out.append((header, align, rows))
+    return out
+
+
+def test_no_table_has_a_blank_text_cell(site: Path) -> None:
+    """A blank cell in a column of numbers means "not measured"; in a column of text (a mode's
+    "what runs", a version's "what failed") it is a gap the page forgot: the step benchmark's page
+    showed two modes with nothing under "what runs"."""
+    blank = []
+    for page, article in _pages(site):
+        for header, align, rows in _tables(article):
+            for row in rows:
+                for k, cell in enumerate(row):
+                    if k < len(align) and align[k] == "left" and not re.sub(r"<[^>]+>|&nbsp;|\s", "", cell):
+                        blank.append(f"{page}: column {header[k]!r} of the row {re.sub(r'<[^>]+>', '', row[0]).strip()!r}")
+    assert not blank, "blank text cells:\n" + "\n".join(blank)
+
+
+def test_every_step_benchmark_mode_has_a_chart_label_and_a_description() -> None:
+    """benchmarks/step.py's chart labels a mode by its snake_case name, and the docs' table leaves
+    its "what runs" blank, unless both say what it runs."""
+    import importlib.util
+
+    source = (ROOT / "benchmarks" / "step.py").read_text()
+    modes = set(re.findall(r'^\s+modes\["(\w+)"\] =', source, re.MULTILINE))
+    assert {"ddp", "grad_and_value", "grad_and_value_noagree", "compiled"} <= modes, modes
+
+    def load(name: str, path: Path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    step = load("step_benchmark", ROOT / "benchmarks" / "step.py")
+    hooks = load("docs_hooks", ROOT / "docs" / "hooks.py")
+    assert modes <= set(step.PLOT_MODES), sorted(modes - set(step.PLOT_MODES))
+    assert modes <= set(hooks.STEP_MODES), sorted(modes - set(hooks.STEP_MODES))
+    for mode, (label, _) in step.PLOT_MODES.items():
+        assert label.strip() != mode, f"{mode}: the chart's label is the mode's name"

@@ -116,24 +116,30 @@ def _overlapped_worker():
     params = fddp.broadcast(params)
     step = fddp.grad_and_value(lambda p, x, y: mean_loss(apply_fn, p, x, y), **CAP)
     out = []
-    for window, weighted in enumerate([True, False]):
+    sharded = fddp.grad_and_value(lambda p, x, y: mean_loss(apply_fn, p, x, y), compression=fddp.zero.ReduceScatter(), **CAP)
+    for window, weighted in enumerate([True, False, True]):
         mbs = micro_batches(rank, window) if weighted else [batch(50 + rank + 2 * i, 4) for i in range(4)]
         acc = fddp.GradAccumulator()
         for x, y in mbs[:-1]:
             acc = fddp.accumulate_grads(acc, grad(lambda p: mean_loss(apply_fn, p, x, y))(params), weight=len(x) if weighted else None)
         (x, y) = mbs[-1]
         whole = fddp.accumulate_grads(acc, grad(lambda p: mean_loss(apply_fn, p, x, y))(params), weight=len(x) if weighted else None)
-        reference = fddp.ddp_step(params, whole.mean(), weight=whole.weight if weighted else None, **CAP)
+        stage2 = window == 2  # the docs' stage-2 recipe: the window reduce-scattered
+        options = dict(compression=fddp.zero.ReduceScatter()) if stage2 else {}
+        reference = fddp.ddp_step(params, whole.mean(), weight=whole.weight if weighted else None, **options, **CAP)
         with count_all_reduces() as calls:
-            overlapped, _ = step(params, x, y, weight=len(x) if weighted else None, accumulated=acc)
+            overlapped, _ = (sharded if stage2 else step)(params, x, y, weight=len(x) if weighted else None, accumulated=acc)
+        if stage2:
+            reference, overlapped = dict(enumerate(reference.shards)), dict(enumerate(overlapped.shards))
         out.append((reference, overlapped, list(calls)))
     return out, num_buckets(params)
 
 
 def test_the_last_micro_batch_reduces_the_window_in_its_backward():
     for results, buckets in run(_overlapped_worker, 2):
-        for reference, overlapped, calls in results:
-            assert len(calls) == buckets and all(in_backward for _, in_backward in calls), calls
+        for window, (reference, overlapped, calls) in enumerate(results):
+            # every bucket's collective inside backward (stage 2's too: on gloo a reduce-scatter is an all-reduce)
+            assert len(calls) == buckets and all(in_backward for _, in_backward in calls), (window, calls)
             for k in reference:
                 assert torch.equal(overlapped[k], reference[k]), k
 

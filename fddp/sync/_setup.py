@@ -290,18 +290,20 @@ class Sync:
         """
         replicas = replicas and _dist.checks().replicas
         ask = replicas and module_aliases(self.leaves)
-        # The fingerprint only where a header carries it (not on a one-rank group).
-        send = replicas and drift and _dist.size(self.options.group) > 1
-        values = _dist.replica_digest(self.leaves, "sampled") if send else 0
         group = self.options.group
-        early = early and _dist.goes_early(group, self.what, self.digest)
+        several = _dist.size(group) > 1  # a one-rank group sends no header: no fingerprint, nothing early
+        send = replicas and drift and several
+        values = _dist.replica_digest(self.leaves, "sampled") if send else 0
+        early = early and several and _dist.goes_early(group, self.what, self.digest)
         agreement = _dist.start_agreement(group, self.what, self.rows, signature=self.digest, ask=ask, values=values, early=early)
         return PendingAgreement(self, agreement, early)
 
     def completed(self) -> None:
         """Say that this call's collectives completed: the next call that repeats it may send its
         buckets before its header (``fddp._dist.completed``)."""
-        _dist.completed(self.options.group, self.what, self.digest, self.comm.issued)
+        comm = self.comm
+        if comm.world_size > 1:
+            _dist.completed(self.options.group, self.what, self.digest, comm.issued)
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""

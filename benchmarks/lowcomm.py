@@ -65,7 +65,7 @@ import lowcomm_tasks  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 # DDP's best peak learning rate per task (AdamW, of 1e-3, 2e-3, 3e-3 and 5e-3, by DDP's final eval loss).
-LR = {"teacher": 3e-3, "lm": 3e-3, "noniid": 3e-3, "vision": 2e-3, "regression": 1e-3}
+LR = {"teacher": 3e-3, "lm": 3e-3, "noniid": 3e-3, "vision": 2e-3, "regression": 1e-3, "text": 3e-3, "shift": 1e-3}
 
 
 def _outer(mode: str, args: argparse.Namespace) -> Any:
@@ -87,11 +87,25 @@ def _outer(mode: str, args: argparse.Namespace) -> Any:
         kw["warmup"] = w
     if "int8" in tokens:
         kw["compression"] = fddp.Int8()
+    for name in ("e3m0", "int4", "int2"):
+        if name in tokens:
+            kw["compression"] = name
+    k = next((float(t[4:]) for t in tokens if t.startswith("topk")), None)
+    if k is not None:
+        kw["compression"] = fddp.diloco.TopK(k)
+    if "eager" in tokens:
+        kw["eager"] = True
     if "stream" in tokens or "stream" in mode:
         kw.update(fragments=args.fragments, delay=args.delay, mixing=args.mixing)
     if "local" in tokens:
         return fddp.diloco.local_sgd(h, **{k: v for k, v in kw.items() if k in ("compression", "warmup")})
     return fddp.diloco.diloco(h, **kw)
+
+
+def _wire_bytes() -> int | None:
+    """Bytes this host's test-bed interface has sent (``tools/cluster.py``'s eth0), or None elsewhere."""
+    path = Path("/sys/class/net/eth0/statistics/tx_bytes")
+    return int(path.read_text()) if os.environ.get("FDDP_HOST") and path.exists() else None
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -126,6 +140,7 @@ def worker(args: argparse.Namespace) -> None:
         idle_s: list[float] = []  # between syncs, with nothing in flight
         pair_ratios: list[float] = []  # paired modes: this mode's step over the floor's, step by step
         sent = 0
+        syncs_in = [0, 0, 0]  # eager modes: syncs landed, their bytes, syncs launched
 
         @torch.no_grad()
         def evaluate(p: Any) -> float:
@@ -201,12 +216,20 @@ def worker(args: argparse.Namespace) -> None:
                     t1 = time.perf_counter()
                     box["p"], box["o"], info = outer.step(box["p"], box["o"], return_info=True)
                     t2 = time.perf_counter()
-                    sent += info.bytes_sent
+                    if outer.eager:
+                        # A sync's bytes are known when it lands, a round after its launch: counted
+                        # at the launch, as the bytes of the syncs landed so far, per sync.
+                        syncs_in[0] += len(info.syncs)
+                        syncs_in[1] += info.bytes_sent
+                        syncs_in[2] += len(info.launched)
+                        sent = syncs_in[1] / max(1, syncs_in[0]) * syncs_in[2]
+                    else:
+                        sent += info.bytes_sent
                     if paired and floor is None:
                         floor = floor_step()
                     if info.launched or info.merged:
                         sync_s.append(t2 - t0)
-                        if info.merged and outer.delay:
+                        if info.syncs and (outer.delay or outer.eager):
                             waits.append(info.wait_s)
                         return
                     step_s.append(t2 - t0)
@@ -220,6 +243,7 @@ def worker(args: argparse.Namespace) -> None:
                     return box["o"].snapshot if outer is not None else box["p"]
 
         dist.barrier()
+        wire_before, wire_at_n = _wire_bytes(), None
         clock, sent_at_n = 0.0, None
         for t in range(steps):
             t0 = time.perf_counter()
@@ -227,13 +251,21 @@ def worker(args: argparse.Namespace) -> None:
             clock += time.perf_counter() - t0
             if t + 1 == args.steps:
                 sent_at_n = sent
+                wire_at_n = _wire_bytes()
             if (t + 1) % args.eval_every == 0 or t + 1 == steps:
                 record["step"].append(t + 1)
                 record["samples"].append((t + 1) * args.batch * world)
                 record["time_s"].append(clock)
                 record["eval_loss"].append(evaluate(global_params()))
         dist.barrier()
+        wire_at_n = wire_at_n if wire_at_n is not None else _wire_bytes()
+        wire = None if wire_before is None or wire_at_n is None else (wire_at_n - wire_before) / min(steps, args.steps)
+        wires: list[Any] = [None] * world
+        dist.all_gather_object(wires, wire)
         record.update(
+            # What each host's interface sent per inner step over DDP's steps (TCP/IP headers and
+            # all), the mean over the hosts: the test bed's wire, not the payload.
+            wire_bytes_per_step=None if None in wires else statistics.mean(wires),
             # Bytes per inner step over DDP's steps, a whole number of rounds of every H here.
             steps=steps, bytes_per_step=(sent if sent_at_n is None else sent_at_n) / min(steps, args.steps), total_s=clock,
             floor_paired_ms_median=1e3 * statistics.median(floor_s) if floor_s else None,
@@ -258,10 +290,16 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------- the report
 
 
-def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
-    """Per mode: time to DDP's final eval loss, eval loss at DDP's samples, ratios, bytes."""
-    ddp = res["ddp"]
-    target = ddp["eval_loss"][-1]
+def summarise(res: dict[str, Any], ddp_steps: int, target_loss: float | None = None) -> dict[str, Any]:
+    """Per mode: time to DDP's final eval loss, eval loss at DDP's samples, ratios, bytes.
+
+    Without a ``ddp`` mode in ``res`` (the 10 Mbit/s runs, where DDP would take an hour), the target
+    is ``target_loss`` (DDP's final eval loss from a run at another rate: the same seeds and
+    arithmetic give the same loss) and the ratios to DDP's time and bytes are left out."""
+    ddp = res.get("ddp")
+    if ddp is None and target_loss is None:
+        raise SystemExit("no ddp mode in this run: give --target-loss (DDP's final eval loss from another run)")
+    target = ddp["eval_loss"][-1] if ddp is not None else target_loss
     out = {}
     for mode, r in res.items():
         floor = r["floor_paired_ms_median"]
@@ -273,12 +311,16 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
         at_n = None if mode.startswith("paired") else next((loss for s, loss in zip(r["step"], r["eval_loss"]) if s >= ddp_steps), None)
         out[mode] = {
             "time_to_target_s": hit,
-            "ratio_to_ddp": None if hit is None else hit / ddp["total_s"],
+            "ratio_to_ddp": None if hit is None or ddp is None else hit / ddp["total_s"],
             "eval_loss_at_ddp_samples": at_n,
             "loss_vs_ddp": None if at_n is None else at_n / target - 1,
             "samples_to_target": None if steps_hit is None or mode.startswith("paired") else steps_hit / ddp_steps,
             "bytes_per_step": r["bytes_per_step"],
-            "bytes_ratio_to_ddp": r["bytes_per_step"] / ddp["bytes_per_step"],
+            "bytes_ratio_to_ddp": None if ddp is None else r["bytes_per_step"] / ddp["bytes_per_step"],
+            "wire_bytes_per_step": r.get("wire_bytes_per_step"),
+            "wire_ratio_to_ddp": None if ddp is None or not r.get("wire_bytes_per_step") or not ddp.get("wire_bytes_per_step")
+            else r["wire_bytes_per_step"] / ddp["wire_bytes_per_step"],
+            "total_s": r["total_s"],
             "step_ms_median": r["step_ms_median"],
             "step_vs_floor": None if r["paired_ratio_median"] is None else r["paired_ratio_median"] - 1,
             "floor_paired_ms_median": floor,
@@ -288,7 +330,7 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
             "step_ms_in_flight": r["step_ms_in_flight"],
             "step_ms_idle": r["step_ms_idle"],
         }
-    return {"target_eval_loss": target, "ddp_total_s": ddp["total_s"], "modes": out}
+    return {"target_eval_loss": target, "ddp_total_s": None if ddp is None else ddp["total_s"], "modes": out}
 
 
 def table(record: dict[str, Any]) -> str:
@@ -297,13 +339,14 @@ def table(record: dict[str, Any]) -> str:
         f"task {record.get('task', 'teacher')} ({record.get('protocol', 'teacher')}); "
         f"{c['hosts']} hosts x 1 rank, links {c['rate']} each way (TCP measured {c['tcp_bps'] / 1e6:.0f} Mbit/s); "
         f"{record['values'] / 1e6:.2f}M values ({4 * record['values'] / 2**20:.2f} MiB); target = DDP's final eval loss "
-        f"{s['target_eval_loss']:.4f} after {record['args']['steps']} steps ({s['ddp_total_s']:.1f} s); "
+        f"{s['target_eval_loss']:.4f} after {record['args']['steps']} steps "
+        f"({'from --target-loss' if s['ddp_total_s'] is None else format(s['ddp_total_s'], '.1f') + ' s'}); "
         f"load average before {', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, after "
         f"{', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} on {record['load_avg']['cpus']} CPUs "
         f"({c['hosts']} ranks share them)",
         "",
         f"  {'mode':<20}{'steps':>6}{'time s':>9}{'to target s':>12}{'x DDP':>7}{'loss @N':>9}{'vs DDP':>8}"
-        f"{'kB/step':>10}{'x bytes':>9}{'step ms':>9}{'vs floor':>9}{'outer us':>9}{'sync ms':>9}{'max wait':>9}",
+        f"{'kB/step':>10}{'x bytes':>9}{'x wire':>9}{'step ms':>9}{'vs floor':>9}{'outer us':>9}{'sync ms':>9}{'max wait':>9}",
     ]
     def fmt(v: Any, f: str, scale: float = 1.0, unit: str = "") -> str:
         return "" if v is None else format(scale * v, f) + unit
@@ -314,17 +357,19 @@ def table(record: dict[str, Any]) -> str:
             f"{r['steps']:6d}", f"{r['total_s']:9.1f}", f"{fmt(m['time_to_target_s'], '.1f'):>12}",
             f"{fmt(m['ratio_to_ddp'], '.3f'):>7}", f"{fmt(m['eval_loss_at_ddp_samples'], '.4f'):>9}",
             f"{fmt(m['loss_vs_ddp'], '+.1f', 100, '%'):>8}", f"{m['bytes_per_step'] / 1e3:10.1f}",
-            f"{m['bytes_ratio_to_ddp']:9.4f}", f"{fmt(m['step_ms_median'], '.2f'):>9}",
+            f"{fmt(m['bytes_ratio_to_ddp'], '.4f'):>9}", f"{fmt(m.get('wire_ratio_to_ddp'), '.4f'):>9}",
+            f"{fmt(m['step_ms_median'], '.2f'):>9}",
             f"{fmt(m['step_vs_floor'], '+.1f', 100, '%'):>9}", f"{fmt(m['outer_step_us_median'], '.0f'):>9}",
             f"{fmt(m['sync_ms_median'], '.1f'):>9}", f"{fmt(m['max_wait_ms'], '.1f'):>9}",
         ]  # fmt: skip
         lines.append(f"  {mode:<20}" + "".join(cells))
     lines.append(
         "\nto target = wall time (eval excluded) until the eval loss first reaches DDP's final one; loss @N = eval "
-        "loss after DDP's number of samples; kB/step = bytes sent per rank per inner step over DDP's steps; step ms = "
+        "loss after DDP's number of samples; kB/step = bytes sent per rank per inner step over DDP's steps (the payload "
+        "handed to collectives); x wire = what each host's interface sent (TCP/IP included) over DDP's; step ms = "
         "median inner step between syncs (vs floor, paired modes: the median over steps of its time over the "
         "no-communication step interleaved with it); outer us = median outer.step call between syncs; max wait = the "
-        "longest a streaming merge waited for its fragment"
+        "longest a streaming or eager merge waited for its fragment"
     )
     return "\n".join(lines)
 
@@ -390,7 +435,7 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
         "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
         "values": res["results"]["ddp"]["values"],
         "results": res["results"],
-        "summary": summarise(res["results"], args.steps),
+        "summary": summarise(res["results"], args.steps, args.target_loss),
     }
     out_json.write_text(json.dumps(record, indent=1))
     plot(record, out_json.with_suffix(".png"))
@@ -421,7 +466,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
            str(ROOT / "benchmarks" / "lowcomm.py"), "worker", "--out", str(out), *_worker_args(args)]  # fmt: skip
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=args.timeout)
     res = json.loads(out.read_text())["results"]
-    summary = summarise(res, args.steps)
+    summary = summarise(res, args.steps, args.target_loss)
     print(f"task {args.task}, {args.nproc} local processes, target = DDP's final eval loss {summary['target_eval_loss']:.4f}")
     for mode, m in summary["modes"].items():
         at = m["eval_loss_at_ddp_samples"]
@@ -432,7 +477,14 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_report(args: argparse.Namespace) -> None:
-    """Medians over the repeats (``--tag _run<k>``) of each task's test-bed runs, tuned and held-out apart."""
+    """Medians over the repeats (``--tag _run<k>``) of each task's test-bed runs, held-out and tuned apart.
+
+    Prints one line per task, hosts, rate and mode, and writes them to
+    ``benchmarks/results/lowcomm_report.json``: time to DDP's final eval loss over DDP's time, the
+    eval loss at DDP's samples over DDP's, the payload bytes and the interface's bytes over DDP's.
+    """
+    rows = []
+    med = lambda xs: statistics.median([math.inf if x is None else x for x in xs]) if xs else None  # noqa: E731
     for protocol, tasks in (("held out", lowcomm_tasks.HELD_OUT), ("tuned", lowcomm_tasks.TUNED)):
         for task in tasks:
             for path_glob in sorted({p.name.rsplit("_run", 1)[0] for p in Path(args.out_dir).glob(f"lowcomm_{task}_*_run*.json")}):
@@ -441,15 +493,31 @@ def run_report(args: argparse.Namespace) -> None:
                 loads = ", ".join(f"{r['load_avg']['before'][0]:.1f}-{r['load_avg']['after'][0]:.1f}" for r in runs)
                 print(f"{protocol}: {task}, {c['hosts']} hosts x 1 rank (sharing {runs[0]['load_avg']['cpus']} cores), "
                       f"{c['rate']}, {len(runs)} runs, load average {loads}")  # fmt: skip
-                for mode in runs[0]["summary"]["modes"]:
+                modes = list(dict.fromkeys(m for r in runs for m in r["summary"]["modes"]))
+                for mode in modes:
                     ms = [r["summary"]["modes"][mode] for r in runs if mode in r["summary"]["modes"]]
                     ratio = [m["ratio_to_ddp"] for m in ms]
                     loss = [m["loss_vs_ddp"] for m in ms]
-                    med = statistics.median([math.inf if x is None else x for x in ratio])
-                    each = ", ".join("-" if x is None else f"{x:.3f}" for x in ratio)
-                    each_loss = ", ".join(f"{100 * x:+.1f}%" for x in loss)
-                    print(f"  {mode:<24} time to DDP's loss / DDP's: median {med:.3f} ({each}); "
-                          f"loss @N vs DDP: median {100 * statistics.median(loss):+.1f}% ({each_loss})")  # fmt: skip
+                    hit = [m["time_to_target_s"] for m in ms]
+                    row = {
+                        "protocol": protocol, "task": task, "hosts": c["hosts"], "rate": c["rate"], "mode": mode, "runs": len(ms),
+                        "time_ratio_median": med(ratio), "time_ratio_each": ratio,
+                        "time_to_target_s_median": med(hit), "total_s_median": med([m.get("total_s") for m in ms]),
+                        "loss_ratio_median": None if None in loss else 1 + statistics.median(loss), "loss_vs_ddp_each": loss,
+                        "bytes_ratio": med([m["bytes_ratio_to_ddp"] for m in ms if m["bytes_ratio_to_ddp"] is not None]),
+                        "wire_ratio_median": med([m.get("wire_ratio_to_ddp") for m in ms if m.get("wire_ratio_to_ddp") is not None]),
+                        "load_avg": loads,
+                    }  # fmt: skip
+                    rows.append(row)
+                    fx = lambda x, f: "-" if x is None else "not reached" if x == math.inf else format(x, f)  # noqa: E731
+                    each = ", ".join(fx(x, ".3f") for x in ratio)
+                    each_loss = ", ".join("-" if x is None else f"{100 * x:+.1f}%" for x in loss)
+                    print(f"  {mode:<28} time to DDP's loss / DDP's: {fx(row['time_ratio_median'], '.3f')} ({each}); "
+                          f"loss @N / DDP's: {fx(row['loss_ratio_median'], '.3f')} ({each_loss}); "
+                          f"bytes / DDP's: {fx(row['bytes_ratio'], '.5f')}, wire {fx(row['wire_ratio_median'], '.5f')}")  # fmt: skip
+    path = Path(args.out_dir) / "lowcomm_report.json"
+    path.write_text(json.dumps({"command": "python benchmarks/lowcomm.py report", "rows": rows}, indent=1, default=str))
+    print(f"wrote {path}")
 
 
 # ------------------------------------------------------------------------------- memory
@@ -538,6 +606,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--tag", default="", help="appended to the result's file name (repeats: _run2)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="without a ddp mode: DDP's final eval loss from another run of the task (the same at any rate)")
     args = p.parse_args()
     if args.lr is None:
         args.lr = LR[args.task]

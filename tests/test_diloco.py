@@ -258,6 +258,8 @@ CONFIGS = {
     "int8": dict(every=3, steps=7, compression="int8"),
     "warm": dict(every=3, warmup=4, steps=11),
     "prefixes": dict(every=4, fragments=[["2"], ["0"]], delay=1, mixing=0.5, steps=11),
+    "extrapolate": dict(every=3, steps=8, extrapolate=True),
+    "extrapolate_4bit": dict(every=3, steps=8, extrapolate=True, compression="e3m0"),
 }
 LR_OUT, MOMENTUM = 0.7, 0.9
 
@@ -273,20 +275,31 @@ def _diloco_worker(names: list[str]):
         steps, weighted = cfg.pop("steps"), cfg.pop("weighted", False)
         if cfg.get("compression") == "int8":
             cfg["compression"] = fddp.Int8(block=16)
+        elif cfg.get("compression") == "e3m0":
+            cfg["compression"] = fddp.diloco.Quantize(bits=4, block=16)
         apply_fn, params = fddp.functionalize(_mlp(torch.float64))
         params = {k: v.detach().clone() for k, v in params.items()}
         inner = fddp.optim.adamw(0.05, weight_decay=0.01)
         outer = fddp.diloco.diloco(optimizer=fddp.optim.sgd(LR_OUT, momentum=MOMENTUM, nesterov=True), **cfg)
         p, s, o = params, inner.init(params), outer.init(params)
         ws = _weights(fddp.rank(), steps)
-        history = []
-        for t, (x, y) in enumerate(_data(fddp.rank(), steps, torch.float64)):
+        history, gains = [], []
+        for t, (x, y) in enumerate(_config_data(cfg, fddp.rank(), steps)):
             g = torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y)
             p, s = fddp.optim.apply_gradients(inner, g, s, p)
-            p, o = outer.step(p, o, weight=ws[t] if weighted else None)
+            p, o, info = outer.step(p, o, weight=ws[t] if weighted else None, return_info=True)
             history.append((p, o.snapshot))
+            gains += info.gains
         out[name] = history
+        out[name + " gains"] = gains
     return out
+
+
+def _config_data(cfg: dict, rank: int, steps: int) -> list:
+    if not cfg.get("extrapolate"):
+        return _data(rank, steps, torch.float64)
+    # The same inputs, opposite targets: pseudo-gradients that partly cancel, so FedExP's gain exceeds 1.
+    return [(x, y if rank == 0 else -y) for x, y in _data(0, steps, torch.float64)]
 
 
 def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
@@ -304,7 +317,7 @@ def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
     inner = fddp.optim.adamw(0.05, weight_decay=0.01)
     local = {k: v.expand(world, *v.shape).clone() for k, v in params.items()}
     state = torch.func.vmap(inner.init)(local)
-    data = [_data(r, steps, torch.float64) for r in range(world)]
+    data = [_config_data(cfg, r, steps) for r in range(world)]
     weights = torch.tensor([_weights(r, steps) for r in range(world)], dtype=torch.float64)
 
     def inner_step(p, s, x, y):
@@ -336,10 +349,17 @@ def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
                 _, w, deltas = pseudo.pop(f)
                 if cfg.get("compression") == "int8":
                     means = _int8_mean(deltas, frag, residual, f, world)
+                elif cfg.get("compression") == "e3m0":
+                    means = _e3m0_mean(deltas, frag, residual, f, world)
                 elif w is not None:
                     means = {k: (w.view(-1, *[1] * (deltas[k].dim() - 1)) * deltas[k]).sum(0) / w.sum() for k in frag}
                 else:
                     means = {k: deltas[k].sum(0) / world for k in frag}
+                if cfg.get("extrapolate"):  # FedExP's gain: the ranks' mean squared norm over twice the mean's
+                    ranks_sq = sum(float(deltas[k].double().square().sum()) for k in frag) / world
+                    mean_sq = sum(float(means[k].double().square().sum()) for k in frag)
+                    gain = max(1.0, ranks_sq / (2 * mean_sq + 1e-30))
+                    means = {k: means[k] * gain for k in frag}
                 for k in frag:
                     mean = means[k]
                     momentum[k] = mean.clone() if momentum[k] is None else MOMENTUM * momentum[k] + mean
@@ -372,6 +392,24 @@ def _int8_mean(deltas: dict, frag: list, residual: list, f: int, world: int, blo
     return out
 
 
+def _e3m0_mean(deltas: dict, frag: list, residual: list, f: int, world: int) -> dict:
+    """fddp.diloco.Quantize(bits=4, block=16) written out: one bucket (the fragment's leaves, last
+    first), each worker's values plus its residual quantised, the decoded values summed and halved."""
+    order = frag[::-1]
+    x = torch.cat([deltas[k].reshape(world, -1) for k in order], 1) + residual[f]
+    sent = torch.stack([_quantised(x[r], "e3m0") for r in range(world)])
+    residual[f] = x - sent
+    total = sent[0].clone()
+    for r in range(1, world):
+        total = total + sent[r]
+    mean, out, at = total / world, {}, 0
+    for k in order:
+        numel = deltas[k][0].numel()
+        out[k] = mean[at : at + numel].view(deltas[k].shape[1:])
+        at += numel
+    return out
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_diloco_equals_a_one_process_simulator_of_every_worker(name, _diloco_runs):
     sim = _simulate(name, K)
@@ -384,12 +422,14 @@ def test_diloco_equals_a_one_process_simulator_of_every_worker(name, _diloco_run
                 torch.testing.assert_close(snap[k], snap_sim[k], **tol, msg=lambda m: f"step {t + 1}, snapshot {k}: {m}")
     final = _diloco_runs[name][0][-1][1]
     assert all(torch.equal(final[k], _diloco_runs[name][1][-1][1][k]) for k in final), "snapshots differ between ranks"
+    if CONFIGS[name].get("extrapolate"):
+        assert max(_diloco_runs[name + " gains"][0]) > 1.2, _diloco_runs[name + " gains"]  # the gain was exercised
 
 
 @pytest.fixture(scope="module")
 def _diloco_runs():
     outs = run(_diloco_worker, K, list(CONFIGS))
-    return {name: [o[name] for o in outs] for name in CONFIGS}
+    return {name: [o[name] for o in outs] for name in outs[0]}
 
 
 # --- checkpoints: mid-round and between a fragment's launch and its merge ---------------------------

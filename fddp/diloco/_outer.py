@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 import weakref
 from typing import Any, NamedTuple, Sequence
@@ -89,6 +90,8 @@ class OuterInfo(NamedTuple):
             all-gathers of the new shards).
         wait_s: seconds this step spent waiting for synchronisations to arrive (0 when each had
             landed during the inner steps it overlapped).
+        gains: with ``extrapolate=True``, the factor each received mean pseudo-gradient was scaled by
+            before the outer step (1 without).
 
     Example:
         >>> params, state, info = outer.step(params, state, return_info=True)
@@ -100,6 +103,38 @@ class OuterInfo(NamedTuple):
     syncs: tuple[SyncInfo, ...]
     bytes_sent: int
     wait_s: float
+    gains: tuple[float, ...] = ()
+
+
+class _Extrapolating:
+    """A synchronisation in flight with, beside it, the all-reduce of the ranks' squared norms of
+    their pseudo-gradients (float64, one value: what ``extrapolate=True`` needs)."""
+
+    __slots__ = ("mean", "norms")
+
+    def __init__(self, mean: InFlight, pseudo: dict, group: Any) -> None:
+        sq = torch.zeros(1, dtype=torch.float64)
+        for v in pseudo.values():
+            sq += v.detach().double().square().sum()
+        self.mean = mean
+        self.norms = start({"norm": sq}, {"norm": sq}, what=_WHAT, group=group)  # the mean of the squared norms
+
+    def wait(self) -> tuple[Any, SyncInfo]:
+        return self.mean.wait()
+
+
+def _extrapolated(mean: Any, pending: Any) -> tuple[Any, float]:
+    """The mean pseudo-gradient times FedExP's gain (Jhunjhunwala et al. 2023), and the gain:
+    ``max(1, mean_r |delta_r|^2 / (2 |mean|^2 + eps))``; the same on every rank (every rank holds
+    the same mean and the same all-reduced norms). The mean itself where nothing was measured."""
+    if not isinstance(pending, _Extrapolating):
+        return mean, 1.0
+    ranks_sq = float(pending.norms.wait()[0]["norm"][0])
+    mean_sq = sum(float(v.detach().double().square().sum()) for v in mean.values())
+    gain = max(1.0, ranks_sq / (2.0 * mean_sq + 1e-30))
+    if not math.isfinite(gain):
+        gain = 1.0
+    return {k: v * gain for k, v in mean.items()} if gain != 1.0 else mean, gain
 
 
 def _no_flight() -> Flight:
@@ -165,6 +200,7 @@ class DiLoCo:
     first_bucket_mb: float = 1.0
     warmup: int = 0
     eager: bool = False
+    extrapolate: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.fragments, int):
@@ -187,6 +223,13 @@ class DiLoCo:
             raise ValueError(f"fddp.diloco: mixing must be in [0, 1], got {self.mixing!r}")
         if not isinstance(self.eager, bool):
             raise ValueError(f"fddp.diloco: eager must be a bool, got {self.eager!r}")
+        if not isinstance(self.extrapolate, bool):
+            raise ValueError(f"fddp.diloco: extrapolate must be a bool, got {self.extrapolate!r}")
+        if self.extrapolate and self.shard:
+            raise ValueError(
+                "fddp.diloco: extrapolate=True reads the whole mean pseudo-gradient's norm on every rank; with shard=True "
+                "each rank holds a shard of it. Drop one of them"
+            )
         if self.eager and (self.delay or self.mixing or self.shard):
             raise ValueError(
                 f"fddp.diloco: eager=True overlaps each synchronisation with the whole next round and applies this "
@@ -200,7 +243,8 @@ class DiLoCo:
     def __repr__(self) -> str:
         return (
             f"DiLoCo(every={self.every}, fragments={self.fragments}, delay={self.delay}, mixing={self.mixing}, "
-            f"compression={self.compression!r}, shard={self.shard}, warmup={self.warmup}, eager={self.eager})"
+            f"compression={self.compression!r}, shard={self.shard}, warmup={self.warmup}, eager={self.eager}, "
+            f"extrapolate={self.extrapolate})"
         )
 
     @property
@@ -334,14 +378,18 @@ class DiLoCo:
         origin = list(state.origin)
         weights = list(weights)
         syncs: list[SyncInfo] = []
+        gains: list[float] = []
         wait_s, gathered = 0.0, 0
 
-        def receive(p: int, pending: InFlight, average: bool = False) -> None:
+        def receive(p: int, pending: Any, average: bool = False) -> None:
             nonlocal wait_s, gathered
             t0 = time.perf_counter()
             mean, info = pending.wait()
             wait_s += time.perf_counter() - t0
             syncs.append(info)
+            if not average:
+                mean, gain = _extrapolated(mean, pending)
+                gains.append(gain)
             gathered += self._apply(p, frags[p], mean, info, snap, outer, comp, average)
 
         def merge(p: int) -> None:
@@ -369,6 +417,8 @@ class DiLoCo:
                 first_bucket_mb=self.first_bucket_mb, weight=weights[p] if weighted else None,
                 compression=_hook(self.compression, self.shard), compression_state=comp[p],
             )  # fmt: skip
+            if self.extrapolate and not warming:
+                pending = _Extrapolating(pending, pseudo, self.group)
             weights[p] = torch.zeros((), dtype=torch.float64)
             if warming:  # the local values become the ranks' mean, whatever the mixing
                 receive(p, pending, average=True)
@@ -399,7 +449,7 @@ class DiLoCo:
             return new_params, new_state
         merged = () if self.eager and not warming else tuple(due_merge)
         info = OuterInfo(tuple(due_launch), merged + (tuple(due_launch) if (self.delay == 0 and not self.eager) or warming else ()),
-                         tuple(syncs), sum(s.bytes_sent for s in syncs) + gathered, wait_s)  # fmt: skip
+                         tuple(syncs), sum(s.bytes_sent for s in syncs) + gathered, wait_s, tuple(gains))  # fmt: skip
         return new_params, new_state, info
 
     def settle(self, state: DiLoCoState, /) -> DiLoCoState:
@@ -429,6 +479,7 @@ class DiLoCo:
             for p, f in enumerate(flights):
                 if f.pending is not None:
                     mean, info = f.pending.wait()
+                    mean, _ = _extrapolated(mean, f.pending)
                     self._apply(p, frags[p], mean, info, snap, outer, comp)
                     flights[p] = f._replace(pending=None)
         return state._replace(snapshot=optree.tree_unflatten(spec, snap), outer_state=tuple(outer),
@@ -478,6 +529,7 @@ class DiLoCo:
             ("option diloco compression", describe(self.compression), None),
             ("option diloco warmup", str(self.warmup), None),
             ("option diloco eager", str(self.eager), None),
+            ("option diloco extrapolate", str(self.extrapolate), None),
             ("option diloco optimizer", describe(self.optimizer), None),
         ]
 
@@ -757,6 +809,7 @@ def diloco(
     first_bucket_mb: float = 1.0,
     warmup: int = 0,
     eager: bool = False,
+    extrapolate: bool = False,
 ) -> DiLoCo:
     """DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): an outer optimizer on averaged
     pseudo-gradients every ``every`` inner steps.
@@ -791,6 +844,11 @@ def diloco(
             mean lands, at the fragment's next launch, it steps the snapshot and the outer state.
             The snapshot is then one round behind the ranks (``settle`` applies the last round).
             Not with ``delay``, ``mixing``, ``shard`` or ``weight=``.
+        extrapolate: scale each mean pseudo-gradient by FedExP's gain before the outer step
+            (Jhunjhunwala, Wang and Joshi 2023): ``max(1, mean_r |delta_r|^2 / (2 |mean|^2))``,
+            1 while the ranks' pseudo-gradients agree, more as they cancel out (up to ``N / 2``
+            for orthogonal ones on ``N`` ranks). One more all-reduce of one float64 per
+            synchronisation, beside it. Not with ``shard``.
 
     Returns:
         A :class:`DiLoCo`: ``init(params)``, ``step(params, state)``, ``settle(state)``.
@@ -802,7 +860,8 @@ def diloco(
     """
     if optimizer is None:
         optimizer = optim.sgd(1.0)
-    return DiLoCo(every, optimizer, compression, fragments, delay, mixing, shard, group, bucket_cap_mb, first_bucket_mb, warmup, eager)
+    return DiLoCo(every, optimizer, compression, fragments, delay, mixing, shard, group, bucket_cap_mb, first_bucket_mb, warmup, eager,
+                  extrapolate)  # fmt: skip
 
 
 def local_sgd(

@@ -30,10 +30,13 @@ then flat; lowcomm_tasks.BATCH samples per rank per step):
     ddp             torch DDP (gloo) + torch.optim.AdamW: the reference
     fddp            fddp.ddp_step every step (plain, bf16, powersgd)
     diloco_H<h>     fddp.diloco.diloco(every=h), the library's defaults; _lr<x>_m<y> for outer Nesterov SGD at
-                    learning rate x and momentum y (m0: plain SGD), _w<n> for warmup=n
+                    learning rate x and momentum y (m0: plain SGD), _w<n> for warmup=n, _eager for eager=True
+                    (the outer step that never waits), _fedexp for extrapolate=True (FedExP's gain)
     local_H<h>      fddp.diloco.local_sgd(every=h)
     stream_H<h>     the same, streaming: fragments, delay, mixing (--fragments, --delay, --mixing)
-    ..._int8        pseudo-gradients sent as int8 with error feedback (fddp.Int8)
+    ..._int8        pseudo-gradients sent as int8 with error feedback (fddp.Int8); _e3m0, _int4, _int2: 4 and
+                    2 bits (fddp.diloco.Quantize), _topk<f>: the top fraction f (fddp.diloco.TopK), each with
+                    error feedback
     paired_...      the same for --paired-steps, each step preceded by a floor step on a copy of its own:
                     the inner step between syncs against the no-communication floor, under the same load
 
@@ -95,6 +98,8 @@ def _outer(mode: str, args: argparse.Namespace) -> Any:
         kw["compression"] = fddp.diloco.TopK(k)
     if "eager" in tokens:
         kw["eager"] = True
+    if "fedexp" in tokens:
+        kw["extrapolate"] = True
     if "stream" in tokens or "stream" in mode:
         kw.update(fragments=args.fragments, delay=args.delay, mixing=args.mixing)
     if "local" in tokens:

@@ -32,7 +32,7 @@ Example:
     >>> params, state = outer.step(params, state)
 """
 
-from fddp.diloco._compress import Quantize, Residual, TopK
+from fddp.diloco._compress import Quantize, ResidualState, TopK
 from fddp.diloco._outer import DiLoCo, DiLoCoState, Flight, OuterInfo, diloco, local_sgd
 
-__all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "Quantize", "Residual", "TopK", "diloco", "local_sgd"]
+__all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "Quantize", "ResidualState", "TopK", "diloco", "local_sgd"]

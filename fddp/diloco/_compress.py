@@ -6,7 +6,7 @@ indices and values of its top ``k``), every rank decodes every rank's and sums t
 in the bucket's dtype. The mean is then bitwise the same on every rank, from one all-gather per
 bucket (two with the scales or the indices), with no second quantisation. What a rank did not send
 (its input minus what it sent) is kept in the hook's state and added to its next input (error
-feedback): a pure function of the state, which is a :class:`Residual` of tensors that
+feedback): a pure function of the state, which is a :class:`ResidualState` of tensors that
 :mod:`fddp.checkpoint` saves.
 
 The formats:
@@ -37,7 +37,7 @@ import torch
 
 from fddp.sync.hooks import CommHook, GradBucket, nth
 
-__all__ = ["Quantize", "TopK", "Residual", "encode", "decode", "pack", "unpack", "FORMATS", "SCALES"]
+__all__ = ["Quantize", "TopK", "ResidualState", "encode", "decode", "pack", "unpack", "FORMATS", "SCALES"]
 
 FORMATS = ("e3m0", "int")
 _E3M0_LEVELS = 7  # nonzero magnitudes 2**-6 .. 2**0; code 0 is zero
@@ -47,7 +47,7 @@ _MEAN_SCALE = 1.5
 SCALES = ("max", "mean")
 
 
-class Residual(NamedTuple):
+class ResidualState(NamedTuple):
     """The error-feedback state of :class:`Quantize` and :class:`TopK`: what this rank has not sent yet.
 
     Attributes:
@@ -140,7 +140,7 @@ class _Call:
         self.error, self.spec = None, None
         self.finite = True
         if hook.error_feedback:
-            if not isinstance(state, Residual):
+            if not isinstance(state, ResidualState):
                 raise ValueError(
                     f"fddp.{comm.what}: compression={hook!r} needs compression_state= (from its init(params), then "
                     f"each step's info.compression_state), got {type(state).__name__}"
@@ -181,7 +181,7 @@ class _Call:
             # A synchronisation that is not finite gets skipped: its residuals must not carry the
             # NaN on, so the state it was given is the state it returns (fddp.Int8's rule).
             return self.state
-        return Residual(optree.tree_unflatten(self.spec, self.new_error))
+        return ResidualState(optree.tree_unflatten(self.spec, self.new_error))
 
 
 class _Gathering(CommHook):
@@ -193,7 +193,7 @@ class _Gathering(CommHook):
     def stateful(self) -> bool:
         return self.error_feedback
 
-    def init(self, params: Any, /) -> Residual | None:
+    def init(self, params: Any, /) -> ResidualState | None:
         """Return the state before the first synchronisation: zero residuals shaped like ``params``.
 
         Example:
@@ -201,7 +201,7 @@ class _Gathering(CommHook):
         """
         if not self.error_feedback:
             return None
-        return Residual(optree.tree_map(torch.zeros_like, params))
+        return ResidualState(optree.tree_map(torch.zeros_like, params))
 
     def signature(self, state: Any) -> str:
         return repr(self)

@@ -438,7 +438,7 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
         "protocol": "held out" if args.task in lowcomm_tasks.HELD_OUT else "tuned" if args.task in lowcomm_tasks.TUNED else "teacher",
         "cluster": {"hosts": args.hosts, "rate": format_rate(rate_bps), "rate_bps": rate_bps, "tcp_bps": max(tcps), "tcp_bps_all": tcps},
         "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
-        "values": res["results"]["ddp"]["values"],
+        "values": next(iter(res["results"].values()))["values"],
         "results": res["results"],
         "summary": summarise(res["results"], args.steps, args.target_loss),
     }

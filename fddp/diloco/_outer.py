@@ -173,6 +173,7 @@ class DiLoCo:
             whole next round; meanwhile this rank goes on from the snapshot stepped with its own
             share of its pseudo-gradient (``delta / N`` through the outer optimizer), and the mean
             steps the snapshot one round late.
+        extrapolate: scale each mean pseudo-gradient by FedExP's gain (see :func:`diloco`).
         shard: keep the outer optimizer's state sharded over the ranks (reduce-scatter the
             pseudo-gradients, step this rank's shard, all-gather: ``fddp.zero``'s cut).
         group: the process group to average over (``None``: the default group).
@@ -303,7 +304,9 @@ class DiLoCo:
         parameters become the new global values (mixed with the local ones by ``mixing``). Every
         rank must call ``step`` once per inner step. If a synchronisation fails (a peer lost, a
         timeout, a hook's error) the error propagates and ``params`` and ``state`` are as they
-        were: nothing was written in place.
+        were: nothing was written in place. Such a failure is fatal to the process group (its
+        peers may be inside the synchronisation's collectives): every rank's next fddp call
+        raises :class:`fddp.PeerError`, and the run restarts from its last checkpoint.
 
         Args:
             params: this rank's parameters after its inner step.

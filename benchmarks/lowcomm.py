@@ -3,13 +3,20 @@
     python benchmarks/lowcomm.py --hosts 4 --rate 100mbit
     python benchmarks/lowcomm.py --task vision --hosts 2 --rate 100mbit --modes ddp diloco_H20 --tag _run1
     python benchmarks/lowcomm.py local --task lm --nproc 2 --modes ddp diloco_H20 local_H20_w20   # quality only
+    python benchmarks/lowcomm.py --task text --hosts 4 --rate 100mbit --diloco-steps 450 \
+        --modes ddp diloco_H20 diloco_H20_lr0.7_m0.9 diloco_H20_fedexp diloco_H20_eager_e3m0 --tag _r3_run1
+    python benchmarks/lowcomm.py --task lm --hosts 2 --rate 10mbit --target-loss 3.3462 --diloco-steps 450 \
+        --modes diloco_H20 stream_H20 diloco_H20_eager stream_H20_e3m0 diloco_H20_eager_e3m0 --tag _r3_run1
     python benchmarks/lowcomm.py report          # medians of the _run<k> repeats, held-out and tuned tasks apart
     python benchmarks/lowcomm.py memory          # outer state per rank, 2 and 4 ranks, no test bed
 
 The tasks (``--task``) are in ``benchmarks/lowcomm_tasks.py``: DiLoCo's defaults were chosen on
 ``lowcomm_tasks.TUNED`` (``lm``, ``noniid``) with ``local`` runs, then run unchanged on
-``lowcomm_tasks.HELD_OUT`` (``vision``, ``regression``); ``report`` keeps the two apart. What
-follows describes the default task, ``teacher``.
+``lowcomm_tasks.HELD_OUT`` (``vision``, ``regression``, and from round three ``text``, ``shift``);
+``report`` keeps the two apart. Without a ``ddp`` mode (10 Mbit/s, where DDP's 300 steps would
+take most of an hour) ``--target-loss`` gives DDP's final eval loss from another run: the same
+seeds and arithmetic give the same loss at any rate. What follows describes the default task,
+``teacher``.
 
 Makes a test bed (tools/cluster.py: network namespaces on a bridge, each host's link capped at
 ``--rate`` both ways; needs root), measures the link, and runs every mode, one after the other, in

@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
+from fddp import _caches
 from fddp.sync.hooks import CommHook, GradBucket, nth
 
 __all__ = ["Quantize", "TopK", "ResidualState", "encode", "decode", "pack", "unpack", "FORMATS", "SCALES"]
@@ -87,13 +88,15 @@ def encode(x: torch.Tensor, bits: int, format: str, block: int, scale: str = "ma
         levels = 2 ** (bits - 1) - 1
         q = torch.round(u * levels).clamp_(-levels, levels)
         return (q + levels).to(torch.uint8).reshape(-1), scales
-    # e3m0: |u| = m * 2**e with m in [0.5, 1) (exact); the nearest power of two is 2**e for
-    # m >= 0.75, else 2**(e - 1); below 2**-7 (halfway to the smallest, 2**-6) it is zero.
-    mantissa, exponent = torch.frexp(u.abs())
-    level = (exponent - (mantissa < 0.75).to(exponent.dtype) + _E3M0_LEVELS).clamp_(1, _E3M0_LEVELS)
-    level = torch.where(u.abs() >= 2.0**-_E3M0_LEVELS, level, 0)
+    # e3m0: the nearest of 0 and 2**-6 .. 2**0 in value, ties to the larger: the level is the
+    # number of midpoints at or below |u| (2**-7 between 0 and 2**-6, then 0.75 * 2**k between
+    # 2**(k-1) and 2**k; exact comparisons), counted in uint8 (faster than frexp or bucketize).
+    magnitude = u.abs()
+    level = torch.zeros(magnitude.shape, dtype=torch.uint8, device=u.device)
+    for midpoint in _e3m0_midpoints(u.dtype, u.device):
+        level += magnitude >= midpoint
     sign = (u < 0).to(torch.uint8) << 3
-    return (sign | level.to(torch.uint8)).reshape(-1), scales
+    return (sign | level).reshape(-1), scales
 
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, bits: int, format: str) -> torch.Tensor:
@@ -104,10 +107,21 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, bits: int, format: str) ->
         levels = 2 ** (bits - 1) - 1
         step = scales / levels
         return ((grid.to(scales.dtype) - levels) * step[:, None]).reshape(-1)
-    level = (grid & 7).to(torch.int32)
-    magnitude = torch.where(level > 0, torch.ldexp(torch.ones(level.shape, dtype=scales.dtype), level - _E3M0_LEVELS), 0.0)
-    signed = torch.where((grid & 8) != 0, -magnitude, magnitude)
-    return (signed * scales[:, None]).reshape(-1)
+    values = torch.take(_e3m0_values(scales.dtype, scales.device), grid.long())  # one gather from the 16 codes' values
+    return (values * scales[:, None]).reshape(-1)
+
+
+@_caches.cached(maxsize=16)
+def _e3m0_midpoints(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 7 boundaries between E3M0's magnitudes 0, 2**-6, ..., 2**0 (exact in any float dtype)."""
+    return torch.tensor([2.0**-7] + [0.75 * 2.0**k for k in range(-5, 1)], dtype=dtype, device=device)
+
+
+@_caches.cached(maxsize=16)
+def _e3m0_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What each of the 16 codes stands for: level ``l`` (the low 3 bits) is 0 or ``2**(l - 7)``; bit 3 the sign."""
+    magnitudes = [0.0] + [2.0 ** (level - _E3M0_LEVELS) for level in range(1, _E3M0_LEVELS + 1)]
+    return torch.tensor(magnitudes + [-m for m in magnitudes], dtype=dtype, device=device)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1041,3 +1041,10 @@ def test_a_failure_inside_an_eager_sync_reaches_every_rank():
     # next synchronisation, from the error channel, within seconds, not at the group's timeout.
     assert outs[0][0] == "PeerError" and "rank 1" in outs[0][1], outs[0]
     assert outs[0][2] < 15, outs[0]
+
+
+def test_fault_tolerance_refuses_an_outer_step_that_keeps_a_sync_in_flight():
+    ft = pytest.importorskip("fddp.ft")
+    replicas = type("Replicas", (), {"group": None})()  # the checks come before the replicas are used
+    with pytest.raises(NotImplementedError, match="eager=True"):
+        ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(4, eager=True))

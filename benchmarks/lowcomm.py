@@ -153,6 +153,7 @@ def worker(args: argparse.Namespace) -> None:
         pair_ratios: list[float] = []  # paired modes: this mode's step over the floor's, step by step
         sent = 0
         syncs_in = [0, 0, 0]  # eager modes: syncs landed, their bytes, syncs launched
+        charged = [0.0]  # --eval-settled: waits for a round in flight at an evaluation, charged to the clock
 
         @torch.no_grad()
         def evaluate(p: Any) -> float:
@@ -252,7 +253,17 @@ def worker(args: argparse.Namespace) -> None:
                         pair_ratios.append((t2 - t0) / floor)
 
                 def global_params() -> Any:
-                    return box["o"].snapshot if outer is not None else box["p"]
+                    if outer is None:
+                        return box["p"]
+                    if args.eval_settled and outer.eager:
+                        # The snapshot with the round in flight landed (every sample so far counted);
+                        # the wait for it is charged to the clock, though the next inner steps would
+                        # have hidden some of it (conservative). The state kept is not settled.
+                        t0 = time.perf_counter()
+                        settled = outer.settle(box["o"])
+                        charged[0] += time.perf_counter() - t0
+                        return settled.snapshot
+                    return box["o"].snapshot
 
         dist.barrier()
         wire_before, wire_at_n = _wire_bytes(), None
@@ -269,6 +280,10 @@ def worker(args: argparse.Namespace) -> None:
                 record["samples"].append((t + 1) * args.batch * world)
                 record["time_s"].append(clock)
                 record["eval_loss"].append(evaluate(global_params()))
+                if charged[0]:
+                    clock += charged[0]
+                    charged[0] = 0.0
+                    record["time_s"][-1] = clock
         dist.barrier()
         wire_at_n = wire_at_n if wire_at_n is not None else _wire_bytes()
         wire = None if wire_before is None or wire_at_n is None else (wire_at_n - wire_before) / min(steps, args.steps)
@@ -460,7 +475,7 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
 def _worker_args(args: argparse.Namespace) -> list[str]:
     keys = ["task", "steps", "diloco_steps", "paired_steps", "batch", "lr", "warmup", "final_lr", "eval_every", "seed",
             "fragments", "delay", "mixing", "powersgd_rank"]  # fmt: skip
-    out = ["--modes", *args.modes]
+    out = ["--modes", *args.modes, *(["--eval-settled"] if args.eval_settled else [])]
     for k in keys:
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     return out
@@ -618,6 +633,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--tag", default="", help="appended to the result's file name (repeats: _run2)")
+    p.add_argument("--eval-settled", action="store_true",
+                   help="eager modes: evaluate the snapshot with the round in flight landed (its wait charged to the clock)")
     p.add_argument("--target-loss", type=float, default=None,
                    help="without a ddp mode: DDP's final eval loss from another run of the task (the same at any rate)")
     args = p.parse_args()

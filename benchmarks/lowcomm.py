@@ -528,6 +528,7 @@ def run_report(args: argparse.Namespace) -> None:
                     hit = [m["time_to_target_s"] for m in ms]
                     row = {
                         "protocol": protocol, "task": task, "hosts": c["hosts"], "rate": c["rate"], "mode": mode, "runs": len(ms),
+                        "files": f"{path_glob}_run*.json",
                         "time_ratio_median": med(ratio), "time_ratio_each": ratio,
                         "time_to_target_s_median": med(hit), "total_s_median": med([m.get("total_s") for m in ms]),
                         "loss_ratio_median": None if None in loss else 1 + statistics.median(loss), "loss_vs_ddp_each": loss,

@@ -3,13 +3,20 @@
     python benchmarks/lowcomm.py --hosts 4 --rate 100mbit
     python benchmarks/lowcomm.py --task vision --hosts 2 --rate 100mbit --modes ddp diloco_H20 --tag _run1
     python benchmarks/lowcomm.py local --task lm --nproc 2 --modes ddp diloco_H20 local_H20_w20   # quality only
+    python benchmarks/lowcomm.py --task text --hosts 4 --rate 100mbit --diloco-steps 450 \
+        --modes ddp diloco_H20 diloco_H20_lr0.7_m0.9 diloco_H20_fedexp diloco_H20_eager_e3m0 --tag _r3_run1
+    python benchmarks/lowcomm.py --task lm --hosts 2 --rate 10mbit --target-loss 3.3462 --diloco-steps 450 \
+        --modes diloco_H20 stream_H20 diloco_H20_eager stream_H20_e3m0 diloco_H20_eager_e3m0 --tag _r3_run1
     python benchmarks/lowcomm.py report          # medians of the _run<k> repeats, held-out and tuned tasks apart
     python benchmarks/lowcomm.py memory          # outer state per rank, 2 and 4 ranks, no test bed
 
 The tasks (``--task``) are in ``benchmarks/lowcomm_tasks.py``: DiLoCo's defaults were chosen on
 ``lowcomm_tasks.TUNED`` (``lm``, ``noniid``) with ``local`` runs, then run unchanged on
-``lowcomm_tasks.HELD_OUT`` (``vision``, ``regression``); ``report`` keeps the two apart. What
-follows describes the default task, ``teacher``.
+``lowcomm_tasks.HELD_OUT`` (``vision``, ``regression``, and from round three ``text``, ``shift``);
+``report`` keeps the two apart. Without a ``ddp`` mode (10 Mbit/s, where DDP's 300 steps would
+take most of an hour) ``--target-loss`` gives DDP's final eval loss from another run: the same
+seeds and arithmetic give the same loss at any rate. What follows describes the default task,
+``teacher``.
 
 Makes a test bed (tools/cluster.py: network namespaces on a bridge, each host's link capped at
 ``--rate`` both ways; needs root), measures the link, and runs every mode, one after the other, in
@@ -30,10 +37,13 @@ then flat; lowcomm_tasks.BATCH samples per rank per step):
     ddp             torch DDP (gloo) + torch.optim.AdamW: the reference
     fddp            fddp.ddp_step every step (plain, bf16, powersgd)
     diloco_H<h>     fddp.diloco.diloco(every=h), the library's defaults; _lr<x>_m<y> for outer Nesterov SGD at
-                    learning rate x and momentum y (m0: plain SGD), _w<n> for warmup=n
+                    learning rate x and momentum y (m0: plain SGD), _w<n> for warmup=n, _eager for eager=True
+                    (the outer step that never waits), _fedexp for extrapolate=True (FedExP's gain)
     local_H<h>      fddp.diloco.local_sgd(every=h)
     stream_H<h>     the same, streaming: fragments, delay, mixing (--fragments, --delay, --mixing)
-    ..._int8        pseudo-gradients sent as int8 with error feedback (fddp.Int8)
+    ..._int8        pseudo-gradients sent as int8 with error feedback (fddp.Int8); _e3m0, _int4, _int2: 4 and
+                    2 bits (fddp.diloco.Quantize), _topk<f>: the top fraction f (fddp.diloco.TopK), each with
+                    error feedback
     paired_...      the same for --paired-steps, each step preceded by a floor step on a copy of its own:
                     the inner step between syncs against the no-communication floor, under the same load
 
@@ -64,8 +74,10 @@ import lowcomm_tasks  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 
-# DDP's best peak learning rate per task (AdamW, of 1e-3, 2e-3, 3e-3 and 5e-3, by DDP's final eval loss).
-LR = {"teacher": 3e-3, "lm": 3e-3, "noniid": 3e-3, "vision": 2e-3, "regression": 1e-3}
+# DDP's best peak learning rate per task (AdamW, of 1e-3, 2e-3, 3e-3 and 5e-3, by DDP's final eval loss; text:
+# 2.4366, 2.3756, 2.3634, 2.3687, results/lowcomm_local_text_2_lr*.json). shift takes regression's (the same model and
+# teacher), not swept.
+LR = {"teacher": 3e-3, "lm": 3e-3, "noniid": 3e-3, "vision": 2e-3, "regression": 1e-3, "text": 3e-3, "shift": 1e-3}
 
 
 def _outer(mode: str, args: argparse.Namespace) -> Any:
@@ -87,11 +99,27 @@ def _outer(mode: str, args: argparse.Namespace) -> Any:
         kw["warmup"] = w
     if "int8" in tokens:
         kw["compression"] = fddp.Int8()
+    for name in ("e3m0", "int4", "int2"):
+        if name in tokens:
+            kw["compression"] = name
+    k = next((float(t[4:]) for t in tokens if t.startswith("topk")), None)
+    if k is not None:
+        kw["compression"] = fddp.diloco.TopK(k)
+    if "eager" in tokens:
+        kw["eager"] = True
+    if "fedexp" in tokens:
+        kw["extrapolate"] = True
     if "stream" in tokens or "stream" in mode:
         kw.update(fragments=args.fragments, delay=args.delay, mixing=args.mixing)
     if "local" in tokens:
         return fddp.diloco.local_sgd(h, **{k: v for k, v in kw.items() if k in ("compression", "warmup")})
     return fddp.diloco.diloco(h, **kw)
+
+
+def _wire_bytes() -> int | None:
+    """Bytes this host's test-bed interface has sent (``tools/cluster.py``'s eth0), or None elsewhere."""
+    path = Path("/sys/class/net/eth0/statistics/tx_bytes")
+    return int(path.read_text()) if os.environ.get("FDDP_HOST") and path.exists() else None
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -126,6 +154,8 @@ def worker(args: argparse.Namespace) -> None:
         idle_s: list[float] = []  # between syncs, with nothing in flight
         pair_ratios: list[float] = []  # paired modes: this mode's step over the floor's, step by step
         sent = 0
+        syncs_in = [0, 0, 0]  # eager modes: syncs landed, their bytes, syncs launched
+        charged = [0.0]  # --eval-settled: waits for a round in flight at an evaluation, charged to the clock
 
         @torch.no_grad()
         def evaluate(p: Any) -> float:
@@ -201,12 +231,20 @@ def worker(args: argparse.Namespace) -> None:
                     t1 = time.perf_counter()
                     box["p"], box["o"], info = outer.step(box["p"], box["o"], return_info=True)
                     t2 = time.perf_counter()
-                    sent += info.bytes_sent
+                    if outer.eager:
+                        # A sync's bytes are known when it lands, a round after its launch: counted
+                        # at the launch, as the bytes of the syncs landed so far, per sync.
+                        syncs_in[0] += len(info.syncs)
+                        syncs_in[1] += info.bytes_sent
+                        syncs_in[2] += len(info.launched)
+                        sent = syncs_in[1] / max(1, syncs_in[0]) * syncs_in[2]
+                    else:
+                        sent += info.bytes_sent
                     if paired and floor is None:
                         floor = floor_step()
                     if info.launched or info.merged:
                         sync_s.append(t2 - t0)
-                        if info.merged and outer.delay:
+                        if info.syncs and (outer.delay or outer.eager):
                             waits.append(info.wait_s)
                         return
                     step_s.append(t2 - t0)
@@ -217,9 +255,20 @@ def worker(args: argparse.Namespace) -> None:
                         pair_ratios.append((t2 - t0) / floor)
 
                 def global_params() -> Any:
-                    return box["o"].snapshot if outer is not None else box["p"]
+                    if outer is None:
+                        return box["p"]
+                    if args.eval_settled and outer.eager:
+                        # The snapshot with the round in flight landed (every sample so far counted);
+                        # the wait for it is charged to the clock, though the next inner steps would
+                        # have hidden some of it (conservative). The state kept is not settled.
+                        t0 = time.perf_counter()
+                        settled = outer.settle(box["o"])
+                        charged[0] += time.perf_counter() - t0
+                        return settled.snapshot
+                    return box["o"].snapshot
 
         dist.barrier()
+        wire_before, wire_at_n = _wire_bytes(), None
         clock, sent_at_n = 0.0, None
         for t in range(steps):
             t0 = time.perf_counter()
@@ -227,13 +276,25 @@ def worker(args: argparse.Namespace) -> None:
             clock += time.perf_counter() - t0
             if t + 1 == args.steps:
                 sent_at_n = sent
+                wire_at_n = _wire_bytes()
             if (t + 1) % args.eval_every == 0 or t + 1 == steps:
                 record["step"].append(t + 1)
                 record["samples"].append((t + 1) * args.batch * world)
                 record["time_s"].append(clock)
                 record["eval_loss"].append(evaluate(global_params()))
+                if charged[0]:
+                    clock += charged[0]
+                    charged[0] = 0.0
+                    record["time_s"][-1] = clock
         dist.barrier()
+        wire_at_n = wire_at_n if wire_at_n is not None else _wire_bytes()
+        wire = None if wire_before is None or wire_at_n is None else (wire_at_n - wire_before) / min(steps, args.steps)
+        wires: list[Any] = [None] * world
+        dist.all_gather_object(wires, wire)
         record.update(
+            # What each host's interface sent per inner step over DDP's steps (TCP/IP headers and
+            # all), the mean over the hosts: the test bed's wire, not the payload.
+            wire_bytes_per_step=None if None in wires else statistics.mean(wires),
             # Bytes per inner step over DDP's steps, a whole number of rounds of every H here.
             steps=steps, bytes_per_step=(sent if sent_at_n is None else sent_at_n) / min(steps, args.steps), total_s=clock,
             floor_paired_ms_median=1e3 * statistics.median(floor_s) if floor_s else None,
@@ -258,10 +319,16 @@ def worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------- the report
 
 
-def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
-    """Per mode: time to DDP's final eval loss, eval loss at DDP's samples, ratios, bytes."""
-    ddp = res["ddp"]
-    target = ddp["eval_loss"][-1]
+def summarise(res: dict[str, Any], ddp_steps: int, target_loss: float | None = None) -> dict[str, Any]:
+    """Per mode: time to DDP's final eval loss, eval loss at DDP's samples, ratios, bytes.
+
+    Without a ``ddp`` mode in ``res`` (the 10 Mbit/s runs, where DDP would take an hour), the target
+    is ``target_loss`` (DDP's final eval loss from a run at another rate: the same seeds and
+    arithmetic give the same loss) and the ratios to DDP's time and bytes are left out."""
+    ddp = res.get("ddp")
+    if ddp is None and target_loss is None:
+        raise SystemExit("no ddp mode in this run: give --target-loss (DDP's final eval loss from another run)")
+    target = ddp["eval_loss"][-1] if ddp is not None else target_loss
     out = {}
     for mode, r in res.items():
         floor = r["floor_paired_ms_median"]
@@ -273,12 +340,16 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
         at_n = None if mode.startswith("paired") else next((loss for s, loss in zip(r["step"], r["eval_loss"]) if s >= ddp_steps), None)
         out[mode] = {
             "time_to_target_s": hit,
-            "ratio_to_ddp": None if hit is None else hit / ddp["total_s"],
+            "ratio_to_ddp": None if hit is None or ddp is None else hit / ddp["total_s"],
             "eval_loss_at_ddp_samples": at_n,
             "loss_vs_ddp": None if at_n is None else at_n / target - 1,
             "samples_to_target": None if steps_hit is None or mode.startswith("paired") else steps_hit / ddp_steps,
             "bytes_per_step": r["bytes_per_step"],
-            "bytes_ratio_to_ddp": r["bytes_per_step"] / ddp["bytes_per_step"],
+            "bytes_ratio_to_ddp": None if ddp is None else r["bytes_per_step"] / ddp["bytes_per_step"],
+            "wire_bytes_per_step": r.get("wire_bytes_per_step"),
+            "wire_ratio_to_ddp": None if ddp is None or not r.get("wire_bytes_per_step") or not ddp.get("wire_bytes_per_step")
+            else r["wire_bytes_per_step"] / ddp["wire_bytes_per_step"],
+            "total_s": r["total_s"],
             "step_ms_median": r["step_ms_median"],
             "step_vs_floor": None if r["paired_ratio_median"] is None else r["paired_ratio_median"] - 1,
             "floor_paired_ms_median": floor,
@@ -288,7 +359,7 @@ def summarise(res: dict[str, Any], ddp_steps: int) -> dict[str, Any]:
             "step_ms_in_flight": r["step_ms_in_flight"],
             "step_ms_idle": r["step_ms_idle"],
         }
-    return {"target_eval_loss": target, "ddp_total_s": ddp["total_s"], "modes": out}
+    return {"target_eval_loss": target, "ddp_total_s": None if ddp is None else ddp["total_s"], "modes": out}
 
 
 def table(record: dict[str, Any]) -> str:
@@ -297,13 +368,14 @@ def table(record: dict[str, Any]) -> str:
         f"task {record.get('task', 'teacher')} ({record.get('protocol', 'teacher')}); "
         f"{c['hosts']} hosts x 1 rank, links {c['rate']} each way (TCP measured {c['tcp_bps'] / 1e6:.0f} Mbit/s); "
         f"{record['values'] / 1e6:.2f}M values ({4 * record['values'] / 2**20:.2f} MiB); target = DDP's final eval loss "
-        f"{s['target_eval_loss']:.4f} after {record['args']['steps']} steps ({s['ddp_total_s']:.1f} s); "
+        f"{s['target_eval_loss']:.4f} after {record['args']['steps']} steps "
+        f"({'from --target-loss' if s['ddp_total_s'] is None else format(s['ddp_total_s'], '.1f') + ' s'}); "
         f"load average before {', '.join(f'{x:.2f}' for x in record['load_avg']['before'])}, after "
         f"{', '.join(f'{x:.2f}' for x in record['load_avg']['after'])} on {record['load_avg']['cpus']} CPUs "
         f"({c['hosts']} ranks share them)",
         "",
         f"  {'mode':<20}{'steps':>6}{'time s':>9}{'to target s':>12}{'x DDP':>7}{'loss @N':>9}{'vs DDP':>8}"
-        f"{'kB/step':>10}{'x bytes':>9}{'step ms':>9}{'vs floor':>9}{'outer us':>9}{'sync ms':>9}{'max wait':>9}",
+        f"{'kB/step':>10}{'x bytes':>9}{'x wire':>9}{'step ms':>9}{'vs floor':>9}{'outer us':>9}{'sync ms':>9}{'max wait':>9}",
     ]
     def fmt(v: Any, f: str, scale: float = 1.0, unit: str = "") -> str:
         return "" if v is None else format(scale * v, f) + unit
@@ -314,17 +386,19 @@ def table(record: dict[str, Any]) -> str:
             f"{r['steps']:6d}", f"{r['total_s']:9.1f}", f"{fmt(m['time_to_target_s'], '.1f'):>12}",
             f"{fmt(m['ratio_to_ddp'], '.3f'):>7}", f"{fmt(m['eval_loss_at_ddp_samples'], '.4f'):>9}",
             f"{fmt(m['loss_vs_ddp'], '+.1f', 100, '%'):>8}", f"{m['bytes_per_step'] / 1e3:10.1f}",
-            f"{m['bytes_ratio_to_ddp']:9.4f}", f"{fmt(m['step_ms_median'], '.2f'):>9}",
+            f"{fmt(m['bytes_ratio_to_ddp'], '.4f'):>9}", f"{fmt(m.get('wire_ratio_to_ddp'), '.4f'):>9}",
+            f"{fmt(m['step_ms_median'], '.2f'):>9}",
             f"{fmt(m['step_vs_floor'], '+.1f', 100, '%'):>9}", f"{fmt(m['outer_step_us_median'], '.0f'):>9}",
             f"{fmt(m['sync_ms_median'], '.1f'):>9}", f"{fmt(m['max_wait_ms'], '.1f'):>9}",
         ]  # fmt: skip
         lines.append(f"  {mode:<20}" + "".join(cells))
     lines.append(
         "\nto target = wall time (eval excluded) until the eval loss first reaches DDP's final one; loss @N = eval "
-        "loss after DDP's number of samples; kB/step = bytes sent per rank per inner step over DDP's steps; step ms = "
+        "loss after DDP's number of samples; kB/step = bytes sent per rank per inner step over DDP's steps (the payload "
+        "handed to collectives); x wire = what each host's interface sent (TCP/IP included) over DDP's; step ms = "
         "median inner step between syncs (vs floor, paired modes: the median over steps of its time over the "
         "no-communication step interleaved with it); outer us = median outer.step call between syncs; max wait = the "
-        "longest a streaming merge waited for its fragment"
+        "longest a streaming or eager merge waited for its fragment"
     )
     return "\n".join(lines)
 
@@ -388,9 +462,9 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
         "protocol": "held out" if args.task in lowcomm_tasks.HELD_OUT else "tuned" if args.task in lowcomm_tasks.TUNED else "teacher",
         "cluster": {"hosts": args.hosts, "rate": format_rate(rate_bps), "rate_bps": rate_bps, "tcp_bps": max(tcps), "tcp_bps_all": tcps},
         "load_avg": {"before": load_before, "after": os.getloadavg(), "cpus": os.cpu_count()},
-        "values": res["results"]["ddp"]["values"],
+        "values": next(iter(res["results"].values()))["values"],
         "results": res["results"],
-        "summary": summarise(res["results"], args.steps),
+        "summary": summarise(res["results"], args.steps, args.target_loss),
     }
     out_json.write_text(json.dumps(record, indent=1))
     plot(record, out_json.with_suffix(".png"))
@@ -403,7 +477,7 @@ def run_cluster(args: argparse.Namespace) -> dict[str, Any]:
 def _worker_args(args: argparse.Namespace) -> list[str]:
     keys = ["task", "steps", "diloco_steps", "paired_steps", "batch", "lr", "warmup", "final_lr", "eval_every", "seed",
             "fragments", "delay", "mixing", "powersgd_rank"]  # fmt: skip
-    out = ["--modes", *args.modes]
+    out = ["--modes", *args.modes, *(["--eval-settled"] if args.eval_settled else [])]
     for k in keys:
         out += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     return out
@@ -421,7 +495,7 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
            str(ROOT / "benchmarks" / "lowcomm.py"), "worker", "--out", str(out), *_worker_args(args)]  # fmt: skip
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=args.timeout)
     res = json.loads(out.read_text())["results"]
-    summary = summarise(res, args.steps)
+    summary = summarise(res, args.steps, args.target_loss)
     print(f"task {args.task}, {args.nproc} local processes, target = DDP's final eval loss {summary['target_eval_loss']:.4f}")
     for mode, m in summary["modes"].items():
         at = m["eval_loss_at_ddp_samples"]
@@ -432,7 +506,14 @@ def run_local(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_report(args: argparse.Namespace) -> None:
-    """Medians over the repeats (``--tag _run<k>``) of each task's test-bed runs, tuned and held-out apart."""
+    """Medians over the repeats (``--tag _run<k>``) of each task's test-bed runs, held-out and tuned apart.
+
+    Prints one line per task, hosts, rate and mode, and writes them to
+    ``benchmarks/results/lowcomm_report.json``: time to DDP's final eval loss over DDP's time, the
+    eval loss at DDP's samples over DDP's, the payload bytes and the interface's bytes over DDP's.
+    """
+    rows = []
+    med = lambda xs: statistics.median([math.inf if x is None else x for x in xs]) if xs else None  # noqa: E731
     for protocol, tasks in (("held out", lowcomm_tasks.HELD_OUT), ("tuned", lowcomm_tasks.TUNED)):
         for task in tasks:
             for path_glob in sorted({p.name.rsplit("_run", 1)[0] for p in Path(args.out_dir).glob(f"lowcomm_{task}_*_run*.json")}):
@@ -441,15 +522,32 @@ def run_report(args: argparse.Namespace) -> None:
                 loads = ", ".join(f"{r['load_avg']['before'][0]:.1f}-{r['load_avg']['after'][0]:.1f}" for r in runs)
                 print(f"{protocol}: {task}, {c['hosts']} hosts x 1 rank (sharing {runs[0]['load_avg']['cpus']} cores), "
                       f"{c['rate']}, {len(runs)} runs, load average {loads}")  # fmt: skip
-                for mode in runs[0]["summary"]["modes"]:
+                modes = list(dict.fromkeys(m for r in runs for m in r["summary"]["modes"]))
+                for mode in modes:
                     ms = [r["summary"]["modes"][mode] for r in runs if mode in r["summary"]["modes"]]
                     ratio = [m["ratio_to_ddp"] for m in ms]
                     loss = [m["loss_vs_ddp"] for m in ms]
-                    med = statistics.median([math.inf if x is None else x for x in ratio])
-                    each = ", ".join("-" if x is None else f"{x:.3f}" for x in ratio)
-                    each_loss = ", ".join(f"{100 * x:+.1f}%" for x in loss)
-                    print(f"  {mode:<24} time to DDP's loss / DDP's: median {med:.3f} ({each}); "
-                          f"loss @N vs DDP: median {100 * statistics.median(loss):+.1f}% ({each_loss})")  # fmt: skip
+                    hit = [m["time_to_target_s"] for m in ms]
+                    row = {
+                        "protocol": protocol, "task": task, "hosts": c["hosts"], "rate": c["rate"], "mode": mode, "runs": len(ms),
+                        "files": f"{path_glob}_run*.json",
+                        "time_ratio_median": med(ratio), "time_ratio_each": ratio,
+                        "time_to_target_s_median": med(hit), "total_s_median": med([m.get("total_s") for m in ms]),
+                        "loss_ratio_median": None if None in loss else 1 + statistics.median(loss), "loss_vs_ddp_each": loss,
+                        "bytes_ratio": med([m["bytes_ratio_to_ddp"] for m in ms if m["bytes_ratio_to_ddp"] is not None]),
+                        "wire_ratio_median": med([m.get("wire_ratio_to_ddp") for m in ms if m.get("wire_ratio_to_ddp") is not None]),
+                        "load_avg": loads,
+                    }  # fmt: skip
+                    rows.append(row)
+                    fx = lambda x, f: "-" if x is None else "not reached" if x == math.inf else format(x, f)  # noqa: E731
+                    each = ", ".join(fx(x, ".3f") for x in ratio)
+                    each_loss = ", ".join("-" if x is None else f"{100 * x:+.1f}%" for x in loss)
+                    print(f"  {mode:<28} time to DDP's loss / DDP's: {fx(row['time_ratio_median'], '.3f')} ({each}); "
+                          f"loss @N / DDP's: {fx(row['loss_ratio_median'], '.3f')} ({each_loss}); "
+                          f"bytes / DDP's: {fx(row['bytes_ratio'], '.5f')}, wire {fx(row['wire_ratio_median'], '.5f')}")  # fmt: skip
+    path = Path(args.out_dir) / "lowcomm_report.json"
+    path.write_text(json.dumps({"command": "python benchmarks/lowcomm.py report", "rows": rows}, indent=1, default=str))
+    print(f"wrote {path}")
 
 
 # ------------------------------------------------------------------------------- memory
@@ -538,6 +636,10 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--out-dir", default=str(RESULTS))
     p.add_argument("--tag", default="", help="appended to the result's file name (repeats: _run2)")
+    p.add_argument("--eval-settled", action="store_true",
+                   help="eager modes: evaluate the snapshot with the round in flight landed (its wait charged to the clock)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="without a ddp mode: DDP's final eval loss from another run of the task (the same at any rate)")
     args = p.parse_args()
     if args.lr is None:
         args.lr = LR[args.task]

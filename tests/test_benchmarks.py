@@ -85,7 +85,7 @@ def test_checkpoint_benchmark_records_every_call(tmp_path: Path) -> None:
 
 def test_lowcomm_benchmark_counts_one_hth_of_ddps_bytes(tmp_path: Path) -> None:
     out = tmp_path / "lowcomm.json"
-    modes = ["ddp", "fddp_bf16", "diloco_H10_w0", "stream_H10_w0_int8"]
+    modes = ["ddp", "fddp_bf16", "diloco_H10_w0", "stream_H10_w0_int8", "diloco_H10_e3m0", "diloco_H10_eager_int2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(BENCHMARKS / "lowcomm.py")]
     cmd += ["worker", "--out", str(out), "--modes", *modes, "--steps", "30", "--diloco-steps", "30", "--eval-every", "10",
             "--fragments", "2", "--delay", "2", "--task", "regression"]  # fmt: skip
@@ -100,4 +100,7 @@ def test_lowcomm_benchmark_counts_one_hth_of_ddps_bytes(tmp_path: Path) -> None:
     assert res["diloco_H10_w0"]["bytes_per_step"] / ddp == 0.1  # one all-reduce of the pseudo-gradients per 10 steps
     # Three rounds of two fragments in int8 (1 byte a value, a 4-byte scale per 256): 1/10 of a quarter.
     assert abs(res["stream_H10_w0_int8"]["bytes_per_step"] / ddp / (0.1 * (1 + 4 / 256) / 4) - 1) < 0.01
+    # 4 and 2 bits a value and a 4-byte scale per 128 (eager: the syncs launched, counted as those landed).
+    assert abs(res["diloco_H10_e3m0"]["bytes_per_step"] / ddp / (0.1 * (0.5 + 4 / 128) / 4) - 1) < 0.01
+    assert abs(res["diloco_H10_eager_int2"]["bytes_per_step"] / ddp / (0.1 * (0.25 + 4 / 128) / 4) - 1) < 0.01
     assert all(len(r["eval_loss"]) == 3 for r in res.values())

@@ -137,7 +137,7 @@ def test_bad_configurations_say_what_is_wrong():
     with pytest.raises(ValueError, match="fragments=5 > every=4"):
         fddp.diloco.diloco(4, fragments=5)
     with pytest.raises(ValueError, match="compression must be None, 'bf16'"):
-        fddp.diloco.diloco(4, compression="int4")
+        fddp.diloco.diloco(4, compression="int3")
     with pytest.raises(ValueError, match="mixing must be in"):
         fddp.diloco.diloco(4, mixing=1.5)
     with pytest.raises(TypeError, match="fddp.optim transformation"):
@@ -258,6 +258,8 @@ CONFIGS = {
     "int8": dict(every=3, steps=7, compression="int8"),
     "warm": dict(every=3, warmup=4, steps=11),
     "prefixes": dict(every=4, fragments=[["2"], ["0"]], delay=1, mixing=0.5, steps=11),
+    "extrapolate": dict(every=3, steps=8, extrapolate=True),
+    "extrapolate_4bit": dict(every=3, steps=8, extrapolate=True, compression="e3m0"),
 }
 LR_OUT, MOMENTUM = 0.7, 0.9
 
@@ -273,20 +275,31 @@ def _diloco_worker(names: list[str]):
         steps, weighted = cfg.pop("steps"), cfg.pop("weighted", False)
         if cfg.get("compression") == "int8":
             cfg["compression"] = fddp.Int8(block=16)
+        elif cfg.get("compression") == "e3m0":
+            cfg["compression"] = fddp.diloco.Quantize(bits=4, block=16)
         apply_fn, params = fddp.functionalize(_mlp(torch.float64))
         params = {k: v.detach().clone() for k, v in params.items()}
         inner = fddp.optim.adamw(0.05, weight_decay=0.01)
         outer = fddp.diloco.diloco(optimizer=fddp.optim.sgd(LR_OUT, momentum=MOMENTUM, nesterov=True), **cfg)
         p, s, o = params, inner.init(params), outer.init(params)
         ws = _weights(fddp.rank(), steps)
-        history = []
-        for t, (x, y) in enumerate(_data(fddp.rank(), steps, torch.float64)):
+        history, gains = [], []
+        for t, (x, y) in enumerate(_config_data(cfg, fddp.rank(), steps)):
             g = torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y)
             p, s = fddp.optim.apply_gradients(inner, g, s, p)
-            p, o = outer.step(p, o, weight=ws[t] if weighted else None)
+            p, o, info = outer.step(p, o, weight=ws[t] if weighted else None, return_info=True)
             history.append((p, o.snapshot))
+            gains += info.gains
         out[name] = history
+        out[name + " gains"] = gains
     return out
+
+
+def _config_data(cfg: dict, rank: int, steps: int) -> list:
+    if not cfg.get("extrapolate"):
+        return _data(rank, steps, torch.float64)
+    # The same inputs, opposite targets: pseudo-gradients that partly cancel, so FedExP's gain exceeds 1.
+    return [(x, y if rank == 0 else -y) for x, y in _data(0, steps, torch.float64)]
 
 
 def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
@@ -304,7 +317,7 @@ def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
     inner = fddp.optim.adamw(0.05, weight_decay=0.01)
     local = {k: v.expand(world, *v.shape).clone() for k, v in params.items()}
     state = torch.func.vmap(inner.init)(local)
-    data = [_data(r, steps, torch.float64) for r in range(world)]
+    data = [_config_data(cfg, r, steps) for r in range(world)]
     weights = torch.tensor([_weights(r, steps) for r in range(world)], dtype=torch.float64)
 
     def inner_step(p, s, x, y):
@@ -336,10 +349,17 @@ def _simulate(name: str, world: int) -> list[tuple[dict, dict]]:
                 _, w, deltas = pseudo.pop(f)
                 if cfg.get("compression") == "int8":
                     means = _int8_mean(deltas, frag, residual, f, world)
+                elif cfg.get("compression") == "e3m0":
+                    means = _e3m0_mean(deltas, frag, residual, f, world)
                 elif w is not None:
                     means = {k: (w.view(-1, *[1] * (deltas[k].dim() - 1)) * deltas[k]).sum(0) / w.sum() for k in frag}
                 else:
                     means = {k: deltas[k].sum(0) / world for k in frag}
+                if cfg.get("extrapolate"):  # FedExP's gain: the ranks' mean squared norm over twice the mean's
+                    ranks_sq = sum(float(deltas[k].double().square().sum()) for k in frag) / world
+                    mean_sq = sum(float(means[k].double().square().sum()) for k in frag)
+                    gain = max(1.0, ranks_sq / (2 * mean_sq + 1e-30))
+                    means = {k: means[k] * gain for k in frag}
                 for k in frag:
                     mean = means[k]
                     momentum[k] = mean.clone() if momentum[k] is None else MOMENTUM * momentum[k] + mean
@@ -372,6 +392,24 @@ def _int8_mean(deltas: dict, frag: list, residual: list, f: int, world: int, blo
     return out
 
 
+def _e3m0_mean(deltas: dict, frag: list, residual: list, f: int, world: int) -> dict:
+    """fddp.diloco.Quantize(bits=4, block=16) written out: one bucket (the fragment's leaves, last
+    first), each worker's values plus its residual quantised, the decoded values summed and halved."""
+    order = frag[::-1]
+    x = torch.cat([deltas[k].reshape(world, -1) for k in order], 1) + residual[f]
+    sent = torch.stack([_quantised(x[r], "e3m0") for r in range(world)])
+    residual[f] = x - sent
+    total = sent[0].clone()
+    for r in range(1, world):
+        total = total + sent[r]
+    mean, out, at = total / world, {}, 0
+    for k in order:
+        numel = deltas[k][0].numel()
+        out[k] = mean[at : at + numel].view(deltas[k].shape[1:])
+        at += numel
+    return out
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_diloco_equals_a_one_process_simulator_of_every_worker(name, _diloco_runs):
     sim = _simulate(name, K)
@@ -384,12 +422,14 @@ def test_diloco_equals_a_one_process_simulator_of_every_worker(name, _diloco_run
                 torch.testing.assert_close(snap[k], snap_sim[k], **tol, msg=lambda m: f"step {t + 1}, snapshot {k}: {m}")
     final = _diloco_runs[name][0][-1][1]
     assert all(torch.equal(final[k], _diloco_runs[name][1][-1][1][k]) for k in final), "snapshots differ between ranks"
+    if CONFIGS[name].get("extrapolate"):
+        assert max(_diloco_runs[name + " gains"][0]) > 1.2, _diloco_runs[name + " gains"]  # the gain was exercised
 
 
 @pytest.fixture(scope="module")
 def _diloco_runs():
     outs = run(_diloco_worker, K, list(CONFIGS))
-    return {name: [o[name] for o in outs] for name in CONFIGS}
+    return {name: [o[name] for o in outs] for name in outs[0]}
 
 
 # --- checkpoints: mid-round and between a fragment's launch and its merge ---------------------------
@@ -404,12 +444,15 @@ def _train(apply_fn, inner, outer, p, s, o, data, steps):
     return p, s, o
 
 
-def _resume_worker(directory: str, first: int, total: int):
+def _resume_worker(directory: str, first: int, total: int, eager: bool = False):
     apply_fn, params = fddp.functionalize(_mlp())
     params = {k: v.detach().clone() for k, v in params.items()}
     data = _data(fddp.rank(), total)
     inner = fddp.optim.adamw(0.05)
-    outer = fddp.diloco.diloco(4, fragments=2, delay=1, mixing=0.5, compression=fddp.Int8(block=16))
+    if eager:  # the residuals of 4-bit pseudo-gradients and each rank's round origins are per-rank state
+        outer = fddp.diloco.diloco(4, fragments=2, eager=True, compression=fddp.diloco.Quantize(bits=4, block=16))
+    else:
+        outer = fddp.diloco.diloco(4, fragments=2, delay=1, mixing=0.5, compression=fddp.Int8(block=16))
     p, s, o = _train(apply_fn, inner, outer, params, inner.init(params), outer.init(params), data, range(first))
     in_flight = [f.pending is not None for f in o.flights]
     # The local parameters, the inner state and the residuals differ between ranks: each rank
@@ -431,21 +474,25 @@ def _resume_worker(directory: str, first: int, total: int):
     like = {"params": params, "inner": inner.init(params), "outer": outer.init(params)}
     loaded = ckpt.load(path, like=like)
     resumed = _train(apply_fn, inner, outer, loaded["params"], loaded["inner"], loaded["outer"], data, range(first, total))
-    return in_flight, refused, straight, resumed
+    settled = lambda run: (*run[:2], outer.settle(run[2]))  # noqa: E731 - an eager round is always in flight
+    return in_flight, refused, settled(straight), settled(resumed)
 
 
-@pytest.mark.parametrize("first", [5, 6])
-def test_a_checkpoint_between_launch_and_merge_resumes_bitwise(first):
+@pytest.mark.parametrize("first, eager", [(5, False), (6, False), (5, True)])
+def test_a_checkpoint_between_launch_and_merge_resumes_bitwise(first, eager):
     # Fragment 0 launches at steps 1, 5, 9 and merges one step later; fragment 1 launches at 3, 7.
-    # After step 5 it is in flight; after step 6 nothing is, mid-round.
+    # After step 5 it is in flight; after step 6 nothing is, mid-round. Eager: fragment 0 launches
+    # at 2, 6, 10, fragment 1 at 4, 8, 12, each in flight for a whole round.
     with tempfile.TemporaryDirectory() as d:
-        outs = run(_resume_worker, K, d, first, 12)
+        outs = run(_resume_worker, K, d, first, 12, eager)
     for in_flight, refused, straight, resumed in outs:
-        assert in_flight == ([True, False] if first == 5 else [False, False])
+        assert in_flight == ([True, True] if eager else [True, False] if first == 5 else [False, False])
         if first == 5:
             assert refused is not None and "flights" in refused and "InFlight" in refused
         assert _equal(straight, resumed)
     assert not torch.equal(outs[0][2][2].compression_state[0].error["0.weight"], outs[1][2][2].compression_state[0].error["0.weight"])
+    if eager:
+        assert not torch.equal(outs[0][2][2].origin[1]["2.weight"], outs[1][2][2].origin[1]["2.weight"])
 
 
 # --- bad input: ranks that disagree, syncs that fail ------------------------------------------------
@@ -484,7 +531,10 @@ def _bad_input_worker():
             errors[name] = str(e)
     failed = {}
     for delay in (0, 1):
-        outer = fddp.diloco.diloco(2, compression=_Fails(), delay=delay)
+        # A failure inside a synchronisation is fatal (the peers may be inside its collectives):
+        # the process's groups carry no more fddp calls. Each case runs on a group of its own.
+        group = tdist.new_group()
+        outer = fddp.diloco.diloco(2, compression=_Fails(), delay=delay, group=group)
         p, s, o = _train(apply_fn, inner, outer, params, inner.init(params), outer.init(params), data, range(1))
         if delay:  # the launch at step 1 goes out; its merge at step 2 fails
             assert o.flights[0].pending is not None
@@ -492,10 +542,13 @@ def _bad_input_worker():
         try:
             outer.step(p, o)
         except RuntimeError as e:
-            failed[delay] = (str(e), all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a is b
-                                         for a, b in zip(before, _tensors((p, o)))))  # fmt: skip
-    # The group still works: a sync after the failures.
-    fddp.ddp_step(params, params)
+            unchanged = all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a is b for a, b in zip(before, _tensors((p, o))))
+            try:  # every rank is told to restart, not left to wait at the next call
+                fddp.ddp_step(params, params, group=group)
+                refused = None
+            except fddp.PeerError as refusal:
+                refused = str(refusal)
+            failed[delay] = (str(e), unchanged, refused)
     return errors, failed
 
 
@@ -506,8 +559,9 @@ def test_ranks_that_disagree_raise_mismatch_and_a_failed_sync_changes_nothing():
         assert "Option diloco fragments: rank 0 has 1, rank 1 has 2" in errors["fragments"]
         assert "Option diloco optimizer" in errors["optimizer"] and "lr=0.7" in errors["optimizer"]
         for delay in (0, 1):
-            message, unchanged = failed[delay]
+            message, unchanged, refused = failed[delay]
             assert "injected failure" in message and unchanged
+            assert refused is not None and "carries no more fddp calls" in refused
 
 
 # --- composition: ZeRO inside each worker, DiLoCo across workers -----------------------------------
@@ -548,7 +602,7 @@ def _hybrid_worker(steps: int):
 
 
 def test_zero_inside_each_worker_and_diloco_across_equals_one_rank_per_worker():
-    for p, q in run(_hybrid_worker, 4, 7):
+    for p, q in run(_hybrid_worker, 4, 7, timeout=240):  # 4 ranks on 2 shared cores: 76-91 s at load 30-56
         for k in q:
             torch.testing.assert_close(p[k], q[k], rtol=1e-4, atol=1e-5)
 
@@ -689,3 +743,308 @@ def test_stale_or_mismatched_state_is_an_error_on_every_rank_naming_what_differs
         assert errors["shard"][0] == "TypeError" and "fddp.zero.shard" in errors["shard"][1]
     same = {k: v for k, v in outs[0].items() if k != "resized on one rank"}
     assert same == {k: v for k, v in outs[1].items() if k != "resized on one rank"}  # word for word on every rank
+
+
+# --- pseudo-gradients in 4 and 2 bits, and top k, with error feedback: against the arithmetic written out ---
+
+_HOOKS = {
+    "e3m0": lambda: fddp.diloco.Quantize(bits=4, format="e3m0", block=16),
+    "int4": lambda: fddp.diloco.Quantize(bits=4, format="int", block=16),
+    "int2": lambda: fddp.diloco.Quantize(bits=2, block=16),
+    "topk": lambda: fddp.diloco.TopK(0.1),
+}
+
+
+def _grads(rank: int, steps: int) -> list[dict]:
+    """Values of a wide range of sizes (so that blocks round differently), per rank."""
+    g = torch.Generator().manual_seed(50 + rank)
+    return [
+        {k: torch.randn(shape, generator=g) * torch.exp(3 * torch.randn(shape, generator=g)) for k, shape in (("a", (3, 7)), ("b", (20,)))}
+        for _ in range(steps)
+    ]
+
+
+def _hook_worker(names: list[str], steps: int):
+    params = {"a": torch.zeros(3, 7), "b": torch.zeros(20)}
+    out = {}
+    for name in names:
+        hook = _HOOKS[name]()
+        state = hook.init(params)
+        history = []
+        for grads in _grads(fddp.rank(), steps):
+            mean, info = fddp.ddp_step(params, grads, compression=hook, compression_state=state, return_info=True)
+            state = info.compression_state
+            history.append(({k: v.clone() for k, v in mean.items()}, state.error, info.bytes_sent))
+        out[name] = history
+    return out
+
+
+def _quantised(x: torch.Tensor, name: str, block: int = 16) -> torch.Tensor:
+    """What one rank sends of ``x`` (1-D), decoded: the formats of fddp.diloco.Quantize written out."""
+    n = x.numel()
+    grid = torch.zeros(-(-n // block) * block, dtype=x.dtype)
+    grid[:n] = x
+    grid = grid.view(-1, block)
+    if name == "int2":  # ternary, 1.5 x the block's mean |x|, larger values clipped
+        scale = grid.abs().mean(1) * 1.5
+    else:
+        scale = grid.abs().amax(1)
+    u = grid / scale.clamp_min(torch.finfo(x.dtype).tiny)[:, None]
+    if name == "e3m0":  # the nearest of 0 and 2**-6 .. 2**0 (ties to the larger), the sign apart
+        grid_values = torch.tensor([2.0**-k for k in range(7)] + [0.0], dtype=torch.float64)  # largest first: ties go up
+        nearest = grid_values[(u.abs().double()[..., None] - grid_values).abs().argmin(-1)].to(x.dtype)
+        values = torch.where(u < 0, -nearest, nearest) * scale[:, None]
+    else:
+        levels = 7 if name == "int4" else 1
+        q = torch.round(u * levels).clamp(-levels, levels)
+        values = q * (scale / levels)[:, None]
+    return values.reshape(-1)[:n]
+
+
+def _simulate_hook(name: str, world: int, steps: int) -> list:
+    grads = [_grads(r, steps) for r in range(world)]
+    order = ["b", "a"]  # one bucket, filled in reverse definition order
+    residual = [torch.zeros(41) for _ in range(world)]
+    history = []
+    for t in range(steps):
+        x = [torch.cat([grads[r][t][k].reshape(-1) for k in order]) + residual[r] for r in range(world)]
+        if name == "topk":
+            k = 5  # ceil(0.1 * 41)
+            sent = []
+            for r in range(world):
+                keep = torch.zeros(41, dtype=torch.bool)
+                keep[torch.argsort(x[r].abs(), descending=True)[:k]] = True
+                sent.append(torch.where(keep, x[r], 0.0))
+            nbytes = k * 4 + k * 4
+        else:
+            sent = [_quantised(v, name) for v in x]
+            blocks = 3  # 41 values in blocks of 16
+            nbytes = (blocks * 16 * (2 if name == "int2" else 4)) // 8 + blocks * 4
+        total = sent[0].clone()
+        for r in range(1, world):
+            total = total + sent[r]
+        mean = total / world
+        residual = [x[r] - sent[r] for r in range(world)]
+        split = lambda v: {"b": v[:20], "a": v[20:].view(3, 7)}  # noqa: E731
+        history.append((split(mean), [split(r) for r in residual], nbytes))
+    return history
+
+
+@pytest.fixture(scope="module")
+def _hook_runs():
+    outs = run(_hook_worker, K, list(_HOOKS), 4)
+    return {name: [o[name] for o in outs] for name in _HOOKS}
+
+
+@pytest.mark.parametrize("name", list(_HOOKS))
+def test_compressed_pseudo_gradients_are_the_arithmetic_written_out_to_the_bit(name, _hook_runs):
+    sim = _simulate_hook(name, K, 4)
+    for r, history in enumerate(_hook_runs[name]):
+        for t, ((mean, error, nbytes), (mean_sim, errors_sim, nbytes_sim)) in enumerate(zip(history, sim)):
+            for k in ("a", "b"):
+                assert torch.equal(mean[k], mean_sim[k]), f"{name}, step {t + 1}, rank {r}: the mean of {k} differs"
+                assert torch.equal(error[k], errors_sim[r][k]), f"{name}, step {t + 1}, rank {r}: the residual of {k} differs"
+            # What each rank hands to the gathers: the packed codes and the scales, or k indices and values.
+            assert nbytes == nbytes_sim, (name, nbytes, nbytes_sim)
+    # Error feedback at work: what was not sent is carried, so the residual is not zero.
+    assert any(bool(e.abs().sum() > 0) for e in _hook_runs[name][0][-1][1].values())
+
+
+def test_compressions_say_what_is_wrong():
+    with pytest.raises(ValueError, match="format='e3m0' takes bits in"):
+        fddp.diloco.Quantize(bits=2, format="e3m0")
+    with pytest.raises(ValueError, match="format must be one of"):
+        fddp.diloco.Quantize(format="fp4")
+    with pytest.raises(ValueError, match="fraction must be in"):
+        fddp.diloco.TopK(0.0)
+    assert fddp.diloco.Quantize(bits=2).format == "int" and fddp.diloco.Quantize(bits=2).scale == "mean"
+    with pytest.raises(ValueError, match="eager=True .* takes no delay"):
+        fddp.diloco.diloco(4, eager=True, delay=1)
+
+
+# --- the outer step that never waits (eager updates): against its one-process simulator, to the bit ---
+
+EAGER = {
+    "mean": dict(every=3, steps=11),  # the default outer step: the ranks' mean
+    "nesterov": dict(every=3, steps=11, outer="nesterov"),
+    "fragments": dict(every=4, steps=13, fragments=2, outer="nesterov"),
+    "e3m0": dict(every=3, steps=11, compression="e3m0"),
+    "warm": dict(every=3, steps=11, warmup=2, outer="nesterov"),
+}
+
+
+def _eager_outer(cfg: dict):
+    opt = fddp.optim.sgd(LR_OUT, momentum=MOMENTUM, nesterov=True) if cfg.get("outer") == "nesterov" else fddp.optim.sgd(1.0)
+    compression = fddp.diloco.Quantize(bits=4, block=16) if cfg.get("compression") == "e3m0" else None
+    return opt, compression
+
+
+def _eager_worker(names: list[str]):
+    out = {}
+    for name in names:
+        cfg = EAGER[name]
+        opt, compression = _eager_outer(cfg)
+        apply_fn, params = fddp.functionalize(_mlp())
+        params = {k: v.detach().clone() for k, v in params.items()}
+        inner = fddp.optim.adamw(0.05, weight_decay=0.01)
+        outer = fddp.diloco.diloco(cfg["every"], opt, eager=True, fragments=cfg.get("fragments", 1), compression=compression,
+                                   warmup=cfg.get("warmup", 0))  # fmt: skip
+        p, s, o = params, inner.init(params), outer.init(params)
+        history, waits = [], []
+        for x, y in _data(fddp.rank(), cfg["steps"]):
+            g = torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y)
+            p, s = fddp.optim.apply_gradients(inner, g, s, p)
+            p, o, info = outer.step(p, o, return_info=True)
+            history.append((p, o.snapshot))
+            waits.append(bool(info.syncs))
+        o = outer.settle(o)
+        out[name] = (history, o.snapshot, waits)
+    return out
+
+
+def _simulate_eager(name: str, world: int):
+    """Every worker in turn, with the same kernels; the eager schedule written out: at a fragment's
+    launch, last round's mean steps the snapshot and the outer state; each worker then goes on from
+    the snapshot stepped with its own delta / N (the outer state left as it is)."""
+    cfg = EAGER[name]
+    every, steps, count, warmup = cfg["every"], cfg["steps"], cfg.get("fragments", 1), cfg.get("warmup", 0)
+    opt, _ = _eager_outer(cfg)
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    keys = list(params)
+    fragments = [keys[:2], keys[2:]] if count == 2 else [keys]
+    inner = fddp.optim.adamw(0.05, weight_decay=0.01)
+    data = [_data(r, steps) for r in range(world)]
+    local = [dict(params) for _ in range(world)]
+    states = [inner.init(params) for _ in range(world)]
+    snapshot = dict(params)
+    outer_state = [opt.init({k: snapshot[k] for k in frag}) for frag in fragments]
+    origin = [[{k: snapshot[k] for k in frag} for frag in fragments] for _ in range(world)]
+    residual = [[torch.zeros(sum(params[k].numel() for k in frag)) for frag in fragments] for _ in range(world)]
+    in_flight: list = [None] * count
+    history = [[] for _ in range(world)]
+    snapshots = []
+
+    def mean_of(deltas: list[dict], f: int) -> dict:
+        if cfg.get("compression") != "e3m0":
+            # fddp's mean on 2 ranks: each scaled by 1/2 as it is copied into the bucket, then summed
+            total = {k: deltas[0][k] * 0.5 for k in deltas[0]}
+            return {k: total[k] + deltas[r][k] * 0.5 for r in range(1, world) for k in total}
+        order = fragments[f][::-1]  # one bucket, filled in reverse definition order
+        sent = []
+        for r in range(world):
+            x = torch.cat([deltas[r][k].reshape(-1) for k in order]) + residual[r][f]
+            sent.append(_quantised(x, "e3m0"))
+            residual[r][f] = x - sent[-1]
+        total = sent[0].clone()
+        for r in range(1, world):
+            total = total + sent[r]
+        flat, out, at = total / world, {}, 0
+        for k in order:
+            out[k] = flat[at : at + params[k].numel()].view(params[k].shape)
+            at += params[k].numel()
+        return out
+
+    for t in range(1, steps + 1):
+        for r in range(world):
+            x, y = data[r][t - 1]
+            g = torch.func.grad(_loss, argnums=1)(apply_fn, local[r], x, y)
+            local[r], states[r] = fddp.optim.apply_gradients(inner, g, states[r], local[r])
+        if t <= warmup:  # synchronous: every worker's parameters become their mean, origins too
+            deltas = [{k: snapshot[k] - local[r][k] for k in keys} for r in range(world)]
+            mean = mean_of(deltas, 0)
+            snapshot = {k: snapshot[k] - mean[k] for k in keys}
+            for r in range(world):
+                local[r] = dict(snapshot)
+                origin[r] = [{k: snapshot[k] for k in frag} for frag in fragments]
+        else:
+            for f, frag in enumerate(fragments):
+                if (t - warmup - (f + 1) * every // count % every) % every:
+                    continue
+                if in_flight[f] is not None:  # last round's mean, one round late
+                    new, outer_state[f] = fddp.optim.apply_gradients(opt, in_flight[f], outer_state[f], {k: snapshot[k] for k in frag})
+                    snapshot.update(new)
+                deltas = [{k: origin[r][f][k] - local[r][k] for k in frag} for r in range(world)]
+                in_flight[f] = mean_of(deltas, f)  # what lands next round (the residual is kept at launch)
+                for r in range(world):
+                    share = {k: torch.div(deltas[r][k], world) for k in frag}
+                    start_tree, _ = fddp.optim.apply_gradients(opt, share, outer_state[f], {k: snapshot[k] for k in frag})
+                    local[r] = {**local[r], **start_tree}
+                    origin[r][f] = dict(start_tree)
+        for r in range(world):
+            history[r].append((dict(local[r]), dict(snapshot)))
+        snapshots.append(dict(snapshot))
+    for f, frag in enumerate(fragments):  # settle: the last round lands
+        if in_flight[f] is not None:
+            new, outer_state[f] = fddp.optim.apply_gradients(opt, in_flight[f], outer_state[f], {k: snapshot[k] for k in frag})
+            snapshot.update(new)
+    return history, snapshot
+
+
+@pytest.fixture(scope="module")
+def _eager_runs():
+    outs = run(_eager_worker, K, list(EAGER))
+    return {name: [o[name] for o in outs] for name in EAGER}
+
+
+@pytest.mark.parametrize("name", list(EAGER))
+def test_eager_outer_step_equals_its_one_process_simulator_to_the_bit(name, _eager_runs):
+    sim, sim_final = _simulate_eager(name, K)
+    for r, (history, final, _) in enumerate(_eager_runs[name]):
+        assert len(history) == len(sim[r])
+        for t, ((p, snap), (p_sim, snap_sim)) in enumerate(zip(history, sim[r])):
+            for k in p:
+                assert torch.equal(p[k], p_sim[k]), f"step {t + 1}, rank {r}, params {k}: {(p[k] - p_sim[k]).abs().max()}"
+                assert torch.equal(snap[k], snap_sim[k]), f"step {t + 1}, snapshot {k}: {(snap[k] - snap_sim[k]).abs().max()}"
+        assert all(torch.equal(final[k], sim_final[k]) for k in final), "the settled snapshot differs"
+        # The ranks' own parameters differ (each applied its own share); the snapshot is the same everywhere.
+        other = _eager_runs[name][1 - r][0][-1][0]
+        assert any(not torch.equal(history[-1][0][k], other[k]) for k in other)
+    if name == "mean":  # launches at steps 3, 6, 9: each mean is received at the next launch, never at its own
+        assert [t for t, received in enumerate(_eager_runs[name][0][2], 1) if received] == [6, 9]
+
+
+def _eager_failure_worker():
+    import datetime
+    import time
+
+    group = tdist.new_group(timeout=datetime.timedelta(seconds=20))  # this case leaves its group unusable
+    base = fddp.optim.sgd(1.0)
+    calls = [0]
+
+    def update(grads, state, params=None, **extra):
+        calls[0] += 1
+        if fddp.rank() == 1 and calls[0] == 2:  # rank 1, when last round's mean lands (after its collectives)
+            raise RuntimeError("injected outer failure")
+        return base.update(grads, state, params)
+
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()}, group=group)
+    outer = fddp.diloco.diloco(3, fddp.optim.GradientTransformation(base.init, update), eager=True, group=group)
+    inner = fddp.optim.sgd(0.1)
+    p, s, o = params, inner.init(params), outer.init(params)
+    t0 = time.monotonic()
+    try:
+        for x, y in _data(fddp.rank(), 12):
+            g = torch.func.grad(_loss, argnums=1)(apply_fn, p, x, y)
+            p, s = fddp.optim.apply_gradients(inner, g, s, p)
+            p, o = outer.step(p, o)
+        return ("ok", int(o.count), time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001 - the test reports what each rank saw
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+
+
+def test_a_failure_inside_an_eager_sync_reaches_every_rank():
+    outs = run(_eager_failure_worker, K)
+    assert outs[1][0] == "RuntimeError" and "injected outer failure" in outs[1][1]
+    # Rank 0 is past that step (its own share applied, its next round running): it learns at its
+    # next synchronisation, from the error channel, within seconds, not at the group's timeout.
+    assert outs[0][0] == "PeerError" and "rank 1" in outs[0][1], outs[0]
+    assert outs[0][2] < 15, outs[0]
+
+
+def test_fault_tolerance_refuses_an_outer_step_that_keeps_a_sync_in_flight():
+    ft = pytest.importorskip("fddp.ft")
+    replicas = type("Replicas", (), {"group": None})()  # the checks come before the replicas are used
+    with pytest.raises(NotImplementedError, match="eager=True"):
+        ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(4, eager=True))

@@ -196,6 +196,8 @@ CACHES = {
     "fddp.diloco._outer._split_of",
     "fddp.diloco._outer._started",
     "fddp.diloco._outer._last_snapshot",
+    "fddp.diloco._compress._e3m0_midpoints",
+    "fddp.diloco._compress._e3m0_values",
 }
 
 

@@ -18,8 +18,11 @@ minus their parameters) with fddp's bucketed all-reduce and any comm hook, and a
 makes the first ``W`` inner steps synchronous. Streaming DiLoCo (``fragments=F, delay=tau,
 mixing=alpha``) synchronises ``F`` groups of leaves at staggered steps, each overlapping ``tau``
 inner steps; ``fragments=[["embed", "blocks.0"], ["blocks.1", "head"]]`` names them by leaf prefix.
-Before every synchronisation the ranks agree on the configuration, the step count and checksums of
-the snapshot: stale or mismatched state is an error on every rank. The state (:class:`DiLoCoState`) is a
+``compression=fddp.diloco.Quantize(bits=4)`` (or ``bits=2``, or ``fddp.diloco.TopK(0.01)``) sends the
+pseudo-gradients in 4 or 2 bits, or their top 1%, with error feedback; ``eager=True`` never waits
+for a synchronisation (it overlaps the whole next round). Before every synchronisation the ranks
+agree on the configuration, the step count and checksums of the snapshot: stale or mismatched
+state is an error on every rank. The state (:class:`DiLoCoState`) is a
 pytree of tensors: :mod:`fddp.checkpoint` saves it, after :meth:`DiLoCo.settle` when a fragment
 is in flight, and a resumed run continues bitwise.
 
@@ -29,6 +32,7 @@ Example:
     >>> params, state = outer.step(params, state)
 """
 
+from fddp.diloco._compress import Quantize, ResidualState, TopK
 from fddp.diloco._outer import DiLoCo, DiLoCoState, Flight, OuterInfo, diloco, local_sgd
 
-__all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "diloco", "local_sgd"]
+__all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "Quantize", "ResidualState", "TopK", "diloco", "local_sgd"]

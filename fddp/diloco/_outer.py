@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 import weakref
 from typing import Any, NamedTuple, Sequence
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist, _layout, _tree, optim, zero
+from fddp.diloco._compress import Quantize
 from fddp.diloco._plan import Fragment, describe, launches, split, split_by, warm
 from fddp.optim import GradientTransformation
 from fddp.sync import Cast, SyncInfo, hooks
@@ -22,6 +24,8 @@ __all__ = ["DiLoCo", "DiLoCoState", "Flight", "OuterInfo", "diloco", "local_sgd"
 
 _WHAT = "diloco.step"
 _CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Compressions by name (compression="e3m0"): each with error feedback, its residual in the outer state.
+_NAMED = {"e3m0": Quantize(bits=4, format="e3m0"), "int4": Quantize(bits=4, format="int"), "int2": Quantize(bits=2)}
 
 
 class Flight(NamedTuple):
@@ -58,6 +62,10 @@ class DiLoCoState(NamedTuple):
         weight: per fragment, this rank's ``weight=`` summed since the fragment's last launch
             (float64 scalars; zeros when no weights are given).
         flights: per fragment, its :class:`Flight`.
+        origin: with ``eager=True``, per fragment, where this rank's current round started (the
+            fragment's tree: the snapshot stepped with this rank's own share of its last
+            pseudo-gradient), or ``None`` before its first round; ``None`` per fragment otherwise.
+            Per rank, like the residuals: every rank saves its own.
     """
 
     count: torch.Tensor
@@ -66,6 +74,7 @@ class DiLoCoState(NamedTuple):
     compression_state: tuple
     weight: tuple
     flights: tuple
+    origin: tuple = ()
 
 
 class OuterInfo(NamedTuple):
@@ -80,6 +89,8 @@ class OuterInfo(NamedTuple):
             all-gathers of the new shards).
         wait_s: seconds this step spent waiting for synchronisations to arrive (0 when each had
             landed during the inner steps it overlapped).
+        gains: with ``extrapolate=True``, the factor each received mean pseudo-gradient was scaled by
+            before the outer step (1 without).
 
     Example:
         >>> params, state, info = outer.step(params, state, return_info=True)
@@ -91,6 +102,38 @@ class OuterInfo(NamedTuple):
     syncs: tuple[SyncInfo, ...]
     bytes_sent: int
     wait_s: float
+    gains: tuple[float, ...] = ()
+
+
+class _Extrapolating:
+    """A synchronisation in flight with, beside it, the all-reduce of the ranks' squared norms of
+    their pseudo-gradients (float64, one value: what ``extrapolate=True`` needs)."""
+
+    __slots__ = ("mean", "norms")
+
+    def __init__(self, mean: InFlight, pseudo: dict, group: Any) -> None:
+        sq = torch.zeros(1, dtype=torch.float64)
+        for v in pseudo.values():
+            sq += v.detach().double().square().sum()
+        self.mean = mean
+        self.norms = start({"norm": sq}, {"norm": sq}, what=_WHAT, group=group)  # the mean of the squared norms
+
+    def wait(self) -> tuple[Any, SyncInfo]:
+        return self.mean.wait()
+
+
+def _extrapolated(mean: Any, pending: Any) -> tuple[Any, float]:
+    """The mean pseudo-gradient times FedExP's gain (Jhunjhunwala et al. 2023), and the gain:
+    ``max(1, mean_r |delta_r|^2 / (2 |mean|^2 + eps))``; the same on every rank (every rank holds
+    the same mean and the same all-reduced norms). The mean itself where nothing was measured."""
+    if not isinstance(pending, _Extrapolating):
+        return mean, 1.0
+    ranks_sq = float(pending.norms.wait()[0]["norm"][0])
+    mean_sq = sum(float(v.detach().double().square().sum()) for v in mean.values())
+    gain = max(1.0, ranks_sq / (2.0 * mean_sq + 1e-30))
+    if not math.isfinite(gain):
+        gain = 1.0
+    return {k: v * gain for k, v in mean.items()} if gain != 1.0 else mean, gain
 
 
 def _no_flight() -> Flight:
@@ -125,6 +168,11 @@ class DiLoCo:
             prefixes of its leaves (``(("embed", "blocks.0"), ("blocks.1",), ("head",))``).
         delay: ``tau``, inner steps a fragment's all-reduce overlaps, ``0 <= tau < every``.
         mixing: the weight of the local values at a merge (``alpha``); 0 replaces them.
+        eager: never wait (eager updates, Kale et al. 2025): a fragment's all-reduce overlaps the
+            whole next round; meanwhile this rank goes on from the snapshot stepped with its own
+            share of its pseudo-gradient (``delta / N`` through the outer optimizer), and the mean
+            steps the snapshot one round late.
+        extrapolate: scale each mean pseudo-gradient by FedExP's gain (see :func:`diloco`).
         shard: keep the outer optimizer's state sharded over the ranks (reduce-scatter the
             pseudo-gradients, step this rank's shard, all-gather: ``fddp.zero``'s cut).
         group: the process group to average over (``None``: the default group).
@@ -151,6 +199,8 @@ class DiLoCo:
     bucket_cap_mb: float = 25.0
     first_bucket_mb: float = 1.0
     warmup: int = 0
+    eager: bool = False
+    extrapolate: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.fragments, int):
@@ -171,6 +221,21 @@ class DiLoCo:
             )
         if not 0.0 <= self.mixing <= 1.0:
             raise ValueError(f"fddp.diloco: mixing must be in [0, 1], got {self.mixing!r}")
+        if not isinstance(self.eager, bool):
+            raise ValueError(f"fddp.diloco: eager must be a bool, got {self.eager!r}")
+        if not isinstance(self.extrapolate, bool):
+            raise ValueError(f"fddp.diloco: extrapolate must be a bool, got {self.extrapolate!r}")
+        if self.extrapolate and self.shard:
+            raise ValueError(
+                "fddp.diloco: extrapolate=True reads the whole mean pseudo-gradient's norm on every rank; with shard=True "
+                "each rank holds a shard of it. Drop one of them"
+            )
+        if self.eager and (self.delay or self.mixing or self.shard):
+            raise ValueError(
+                f"fddp.diloco: eager=True overlaps each synchronisation with the whole next round and applies this "
+                f"rank's own share at once; it takes no delay= (got {self.delay}), mixing= (got {self.mixing}) or "
+                f"shard=True (got {self.shard}): drop them"
+            )
         if not isinstance(self.optimizer, GradientTransformation):
             raise TypeError(f"fddp.diloco: optimizer must be an fddp.optim transformation, got {type(self.optimizer).__name__}")
         _hook(self.compression, False)  # raise now for a compression the sync would refuse
@@ -178,7 +243,8 @@ class DiLoCo:
     def __repr__(self) -> str:
         return (
             f"DiLoCo(every={self.every}, fragments={self.fragments}, delay={self.delay}, mixing={self.mixing}, "
-            f"compression={self.compression!r}, shard={self.shard}, warmup={self.warmup})"
+            f"compression={self.compression!r}, shard={self.shard}, warmup={self.warmup}, eager={self.eager}, "
+            f"extrapolate={self.extrapolate})"
         )
 
     @property
@@ -217,7 +283,7 @@ class DiLoCo:
         weights = tuple(torch.zeros((), dtype=torch.float64) for _ in frags)
         return DiLoCoState(
             torch.tensor(0, dtype=torch.int64), optree.tree_unflatten(spec, snapshot), tuple(outer), comp, weights,
-            tuple(_no_flight() for _ in frags),
+            tuple(_no_flight() for _ in frags), tuple(tree if self.eager else None for tree in trees),
         )  # fmt: skip
 
     def step(self, params: Any, state: DiLoCoState, /, *, weight: float | torch.Tensor | None = None,
@@ -237,7 +303,9 @@ class DiLoCo:
         parameters become the new global values (mixed with the local ones by ``mixing``). Every
         rank must call ``step`` once per inner step. If a synchronisation fails (a peer lost, a
         timeout, a hook's error) the error propagates and ``params`` and ``state`` are as they
-        were: nothing was written in place.
+        were: nothing was written in place. Such a failure is fatal to the process group (its
+        peers may be inside the synchronisation's collectives): every rank's next fddp call
+        raises :class:`fddp.PeerError`, and the run restarts from its last checkpoint.
 
         Args:
             params: this rank's parameters after its inner step.
@@ -257,6 +325,12 @@ class DiLoCo:
             ...     params, state = outer.step(params, state)
         """
         self._check_state(state)
+        if self.eager and weight is not None:
+            with _dist.call(self.group, _WHAT):  # announced: the peers raise at their next synchronisation
+                raise ValueError(
+                    f"fddp.{_WHAT}: eager=True applies this rank's own share of its pseudo-gradient before the others' "
+                    "arrive, 1/N of it; with weight= that share is unknown until then. Drop weight= or eager=True"
+                )
         leaves, spec, snap_leaves, snap_spec, problem = _against(params, state.snapshot)
         t = int(state.count) + 1
         weights = state.weight
@@ -289,19 +363,35 @@ class DiLoCo:
             self._agree(t, state.snapshot, snap_leaves, snap_spec, sorted(checked), problem)
         if problem is not None:
             raise ValueError(f"fddp.{_WHAT}: {problem}")  # on every rank: the agreement passed
+        # From here on the peers are inside this synchronisation's collectives: a failure on this
+        # rank is fatal to the group (posted on its error channel, which their waits read).
+        with _dist.call(self.group, _WHAT, headerless=True):
+            return self._sync(params, state, leaves, spec, snap_leaves, frags, due_merge, due_launch, warming,
+                              count, weights, weight is not None, return_info)  # fmt: skip
+
+    def _sync(self, params: Any, state: DiLoCoState, leaves: list, spec: Any, snap_leaves: list, frags: tuple,
+              due_merge: list, due_launch: list, warming: bool, count: torch.Tensor, weights: tuple, weighted: bool,
+              return_info: bool) -> Any:  # fmt: skip
+        """The synchronisations due at step ``count``: receive, merge, launch (see :meth:`step`)."""
+        t = int(count)
         out = list(leaves)
         snap = list(snap_leaves)
         outer, comp, flights = list(state.outer_state), list(state.compression_state), list(state.flights)
+        origin = list(state.origin)
         weights = list(weights)
         syncs: list[SyncInfo] = []
+        gains: list[float] = []
         wait_s, gathered = 0.0, 0
 
-        def receive(p: int, pending: InFlight, average: bool = False) -> None:
+        def receive(p: int, pending: Any, average: bool = False) -> None:
             nonlocal wait_s, gathered
             t0 = time.perf_counter()
             mean, info = pending.wait()
             wait_s += time.perf_counter() - t0
             syncs.append(info)
+            if not average:
+                mean, gain = _extrapolated(mean, pending)
+                gains.append(gain)
             gathered += self._apply(p, frags[p], mean, info, snap, outer, comp, average)
 
         def merge(p: int) -> None:
@@ -310,35 +400,58 @@ class DiLoCo:
             flights[p] = _no_flight()
 
         for p in due_merge:
+            if self.eager:
+                continue  # received at its next launch, this very step (below)
             if flights[p].pending is not None:
                 receive(p, flights[p].pending)
             merge(p)
         for p in due_launch:
+            eager = self.eager and not warming
+            if eager and flights[p].pending is not None:
+                receive(p, flights[p].pending)  # last round's mean steps the snapshot, one round late
             tree = _fragment_tree(frags[p], snap)
-            pseudo = {path: torch.sub(snap[i], out[i].detach()) for path, i in zip(frags[p].paths, frags[p].indices)}
+            # The pseudo-gradient: where this rank started the round minus where it is. Eager
+            # rounds start from this rank's own origin, the others' from the snapshot.
+            base = origin[p] if eager else tree
+            pseudo = {path: torch.sub(base[path], out[i].detach()) for path, i in zip(frags[p].paths, frags[p].indices)}
             pending = start(
                 tree, pseudo, what=_WHAT, group=self.group, bucket_cap_mb=self.bucket_cap_mb,
-                first_bucket_mb=self.first_bucket_mb, weight=weights[p] if weight is not None else None,
+                first_bucket_mb=self.first_bucket_mb, weight=weights[p] if weighted else None,
                 compression=_hook(self.compression, self.shard), compression_state=comp[p],
             )  # fmt: skip
+            if self.extrapolate and not warming:
+                pending = _Extrapolating(pending, pseudo, self.group)
             weights[p] = torch.zeros((), dtype=torch.float64)
             if warming:  # the local values become the ranks' mean, whatever the mixing
                 receive(p, pending, average=True)
                 for i in frags[p].indices:
                     out[i] = snap[i].clone()
+                if self.eager:
+                    origin[p] = _fragment_tree(frags[p], snap)
+            elif eager:
+                # This rank's own share, delta / N, through the outer optimizer from its committed
+                # state (which stays as it is: the mean steps it when it lands); the round goes on
+                # from there while the all-reduce travels.
+                share = {path: torch.div(d, _dist.size(self.group)) for path, d in pseudo.items()}
+                start_tree, _ = optim.apply_gradients(self.optimizer, share, outer[p], tree)
+                for path, i in zip(frags[p].paths, frags[p].indices):
+                    out[i] = start_tree[path].clone()  # the caller may donate its params: not the origin's
+                origin[p] = dict(start_tree)
+                flights[p] = Flight(count, torch.tensor(t + self.every, dtype=torch.int64), pending)
             elif self.delay == 0:
                 receive(p, pending)
                 merge(p)
             else:
                 flights[p] = Flight(count, torch.tensor(t + self.delay, dtype=torch.int64), pending)
         new_state = DiLoCoState(
-            count, optree.tree_unflatten(spec, snap), tuple(outer), tuple(comp), tuple(weights), tuple(flights)
+            count, optree.tree_unflatten(spec, snap), tuple(outer), tuple(comp), tuple(weights), tuple(flights), tuple(origin)
         )
         new_params = optree.tree_unflatten(spec, out)
         if not return_info:
             return new_params, new_state
-        info = OuterInfo(tuple(due_launch), tuple(due_merge) + (tuple(due_launch) if self.delay == 0 or warming else ()),
-                         tuple(syncs), sum(s.bytes_sent for s in syncs) + gathered, wait_s)  # fmt: skip
+        merged = () if self.eager and not warming else tuple(due_merge)
+        info = OuterInfo(tuple(due_launch), merged + (tuple(due_launch) if (self.delay == 0 and not self.eager) or warming else ()),
+                         tuple(syncs), sum(s.bytes_sent for s in syncs) + gathered, wait_s, tuple(gains))  # fmt: skip
         return new_params, new_state, info
 
     def settle(self, state: DiLoCoState, /) -> DiLoCoState:
@@ -362,11 +475,15 @@ class DiLoCo:
         frags = self._fragments(state.snapshot)
         snap = list(snap_leaves)
         outer, comp, flights = list(state.outer_state), list(state.compression_state), list(state.flights)
-        for p, f in enumerate(flights):
-            if f.pending is not None:
-                mean, info = f.pending.wait()
-                self._apply(p, frags[p], mean, info, snap, outer, comp)
-                flights[p] = f._replace(pending=None)
+        # The peers wait for the same synchronisations: a failure here is fatal to the group, so
+        # that they raise instead of waiting for this rank's next call.
+        with _dist.call(self.group, "diloco.settle", headerless=True):
+            for p, f in enumerate(flights):
+                if f.pending is not None:
+                    mean, info = f.pending.wait()
+                    mean, _ = _extrapolated(mean, f.pending)
+                    self._apply(p, frags[p], mean, info, snap, outer, comp)
+                    flights[p] = f._replace(pending=None)
         return state._replace(snapshot=optree.tree_unflatten(spec, snap), outer_state=tuple(outer),
                               compression_state=tuple(comp), flights=tuple(flights))  # fmt: skip
 
@@ -413,6 +530,8 @@ class DiLoCo:
             ("option diloco shard", str(self.shard), None),
             ("option diloco compression", describe(self.compression), None),
             ("option diloco warmup", str(self.warmup), None),
+            ("option diloco eager", str(self.eager), None),
+            ("option diloco extrapolate", str(self.extrapolate), None),
             ("option diloco optimizer", describe(self.optimizer), None),
         ]
 
@@ -487,14 +606,20 @@ class DiLoCo:
                 )
 
     def _check_state(self, state: Any) -> None:
-        if type(state) is DiLoCoState and len(state.flights) == self._n == len(state.outer_state):
-            return
+        if type(state) is DiLoCoState and len(state.flights) == self._n == len(state.outer_state) == len(state.origin):
+            if not self.eager or all(o is not None for o in state.origin):
+                return
         if not isinstance(state, tuple) or getattr(type(state), "_fields", None) != DiLoCoState._fields:
             raise TypeError(f"fddp.{_WHAT}: state must be the DiLoCoState from outer.init(params), got {type(state).__name__}")
-        if len(state.flights) != self.count or len(state.outer_state) != self.count:
+        if len(state.flights) != self.count or len(state.outer_state) != self.count or len(state.origin) != self.count:
             raise ValueError(
                 f"fddp.{_WHAT}: the state has {len(state.flights)} fragments, this outer step {self.count}; "
                 "make the state with the same outer step's init(params)"
+            )
+        if self.eager and any(o is None for o in state.origin):
+            raise ValueError(
+                f"fddp.{_WHAT}: this outer step is eager but the state was made without eager=True (it holds no "
+                "round origins); make the state with this outer step's init(params)"
             )
 
 
@@ -651,9 +776,11 @@ def _hook(compression: Any, shard: bool) -> Any:
     """The comm hook the synchronisations use; with ``shard``, wrapped to return this rank's shards."""
     if isinstance(compression, str) and compression in _CASTS:
         compression = Cast(_CASTS[compression])
+    elif isinstance(compression, str) and compression in _NAMED:
+        compression = _NAMED[compression]
     elif compression is not None and not isinstance(compression, hooks.CommHook):
         raise ValueError(
-            f"fddp.diloco: compression must be None, 'bf16', 'fp16' or an fddp.hooks.CommHook (fddp.Int8, "
+            f"fddp.diloco: compression must be None, 'bf16', 'fp16', 'e3m0', 'int4', 'int2' or an fddp.hooks.CommHook (fddp.Int8, "
             f"fddp.PowerSGD, ...), got {compression!r}"
         )
     if compression is not None and compression.shards:
@@ -687,6 +814,8 @@ def diloco(
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
     warmup: int = 0,
+    eager: bool = False,
+    extrapolate: bool = False,
 ) -> DiLoCo:
     """DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (2025): an outer optimizer on averaged
     pseudo-gradients every ``every`` inner steps.
@@ -714,6 +843,18 @@ def diloco(
         warmup: synchronous inner steps at the start: after each, the ranks average their
             parameters (post-local SGD's warm start; ``PeriodicModelAverager``'s ``warmup_steps``,
             with averaging instead of a separate DDP phase); the rounds start after them.
+        eager: never wait for a synchronisation (eager updates, Kale, Douillard and Donchev 2025):
+            each fragment's all-reduce runs during the whole next round; at its launch this rank
+            steps the snapshot with its own share of its pseudo-gradient (``delta / N``, through
+            the outer optimizer, whose state is left as it is) and trains on from there; when the
+            mean lands, at the fragment's next launch, it steps the snapshot and the outer state.
+            The snapshot is then one round behind the ranks (``settle`` applies the last round).
+            Not with ``delay``, ``mixing``, ``shard`` or ``weight=``.
+        extrapolate: scale each mean pseudo-gradient by FedExP's gain before the outer step
+            (Jhunjhunwala, Wang and Joshi 2023): ``max(1, mean_r |delta_r|^2 / (2 |mean|^2))``,
+            1 while the ranks' pseudo-gradients agree, more as they cancel out (up to ``N / 2``
+            for orthogonal ones on ``N`` ranks). One more all-reduce of one float64 per
+            synchronisation, beside it. Not with ``shard``.
 
     Returns:
         A :class:`DiLoCo`: ``init(params)``, ``step(params, state)``, ``settle(state)``.
@@ -725,7 +866,8 @@ def diloco(
     """
     if optimizer is None:
         optimizer = optim.sgd(1.0)
-    return DiLoCo(every, optimizer, compression, fragments, delay, mixing, shard, group, bucket_cap_mb, first_bucket_mb, warmup)
+    return DiLoCo(every, optimizer, compression, fragments, delay, mixing, shard, group, bucket_cap_mb, first_bucket_mb, warmup, eager,
+                  extrapolate)  # fmt: skip
 
 
 def local_sgd(

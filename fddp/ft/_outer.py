@@ -55,10 +55,11 @@ class FaultTolerantOuter:
             raise ValueError(
                 "fddp.ft.FaultTolerantOuter: make the outer step with group=replicas.group (it averages across the replica groups)"
             )
-        if outer.fragments != 1 or outer.delay != 0:
+        if outer.fragments != 1 or outer.delay != 0 or outer.eager:
             raise NotImplementedError(
-                f"fddp.ft.FaultTolerantOuter: fragments={outer.fragments}, delay={outer.delay}: streaming DiLoCo keeps a "
-                "synchronisation in flight across inner steps, which a quorum change would cut; use fragments=1, delay=0"
+                f"fddp.ft.FaultTolerantOuter: fragments={outer.fragments}, delay={outer.delay}, eager={outer.eager}: "
+                "streaming and eager DiLoCo keep a synchronisation in flight across inner steps, which a quorum change "
+                "would cut; use fragments=1, delay=0, eager=False"
             )
         self.replicas, self.outer = replicas, outer
 

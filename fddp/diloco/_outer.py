@@ -286,6 +286,7 @@ class DiLoCo:
             tuple(_no_flight() for _ in frags), tuple(tree if self.eager else None for tree in trees),
         )  # fmt: skip
 
+    @_dist.entry(_WHAT, lambda self, *args, **kwargs: self.group)
     def step(self, params: Any, state: DiLoCoState, /, *, weight: float | torch.Tensor | None = None,
              return_info: bool = False) -> Any:  # fmt: skip
         """Count one inner step; synchronise the fragments that are due. Pure: nothing is modified.

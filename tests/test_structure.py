@@ -192,10 +192,12 @@ CACHES = {
     "fddp.zero._layout.leaf_pieces",
     "fddp.checkpoint._temp._host_id",
     "fddp.optim._kernels._kernel_items",
+    "fddp.optim._slices._meta_leaves",
+    "fddp.optim._slices._runs",
     "fddp.scaling._alone",
     "fddp.diloco._outer._split_of",
     "fddp.diloco._outer._started",
-    "fddp.diloco._outer._last_snapshot",
+    "fddp.diloco._checks._last_snapshot",
     "fddp.diloco._compress._e3m0_midpoints",
     "fddp.diloco._compress._e3m0_values",
 }

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist, _layout, _tree, optim, zero
+from fddp.diloco import _checks
 from fddp.diloco._compress import Quantize
 from fddp.diloco._plan import Fragment, describe, launches, split, split_by, warm
 from fddp.optim import GradientTransformation
@@ -268,7 +269,7 @@ class DiLoCo:
             >>> outer = fddp.diloco.diloco(every=50)
             >>> state = outer.init(params)
         """
-        leaves, spec = _leaves(params, "diloco.init")
+        leaves, spec = _checks.leaves_of(params, "diloco.init")
         self._refuse_split(spec, "diloco.init")
         frags = self._fragments(params)
         snapshot = [t.detach().clone() for t in leaves]
@@ -332,11 +333,11 @@ class DiLoCo:
                     f"fddp.{_WHAT}: eager=True applies this rank's own share of its pseudo-gradient before the others' "
                     "arrive, 1/N of it; with weight= that share is unknown until then. Drop weight= or eager=True"
                 )
-        leaves, spec, snap_leaves, snap_spec, problem = _against(params, state.snapshot)
+        leaves, spec, snap_leaves, snap_spec, problem = _checks.against(params, state.snapshot)
         t = int(state.count) + 1
         weights = state.weight
         if weight is not None:
-            w = _as_weight(weight)
+            w = _checks.as_weight(weight)
             weights = tuple(a + w for a in weights)
         n = self._n
         due_merge = [p for p, f in enumerate(state.flights) if int(f.merge_at) == t]
@@ -352,7 +353,7 @@ class DiLoCo:
             return (params, new_state, OuterInfo((), (), (), 0, 0.0)) if return_info else (params, new_state)
 
         with _dist.call(self.group, _WHAT):  # a refusal here is announced in place of this call's header
-            leaves, spec = _leaves(params, _WHAT)
+            leaves, spec = _checks.leaves_of(params, _WHAT)
             self._refuse_split(spec, _WHAT)
         frags = self._fragments(params) if problem is None else ()
         if first or due_launch:
@@ -518,7 +519,7 @@ class DiLoCo:
         return sent
 
     def _fragments(self, params: Any) -> tuple[Fragment, ...]:
-        return _split_of(optree.tree_structure(params, none_is_leaf=True), _specs(params), self.fragments)
+        return _split_of(optree.tree_structure(params, none_is_leaf=True), _checks.specs(params), self.fragments)
 
     @functools.cached_property
     def _rows(self) -> list[tuple[str, str, None]]:
@@ -559,7 +560,7 @@ class DiLoCo:
         With the agreement off (``fddp.set_checks(agreement=False)``) only the configuration and the
         tree are compared, once, as every fddp call's signature is.
         """
-        key = ("diloco.tree", spec, _specs_of(leaves))
+        key = ("diloco.tree", spec, _checks.specs_of(leaves))
         tree = _dist.signature_digest(key, lambda: _tree.structure_rows(snapshot))
         paths = _tree.paths(spec)
         if not _dist.checks().agreement:
@@ -584,7 +585,7 @@ class DiLoCo:
     def _agree_on(self, signature: int, rows: Any) -> None:
         with _dist.call(self.group, _WHAT):
             _dist.count_call(self.group, _WHAT)
-            _dist.agree(self.group, _WHAT, rows, signature=signature, names=_name_difference)
+            _dist.agree(self.group, _WHAT, rows, signature=signature, names=_checks.name_difference)
 
     def _refuse_split(self, spec: Any, what: str) -> None:
         """Raise unless every rank of the group holds the same slices: ZeRO's shards on the group
@@ -631,14 +632,6 @@ def _split_of(spec: Any, specs: tuple, fragments: int | tuple) -> tuple[Fragment
     return split(like, fragments, _WHAT) if isinstance(fragments, int) else split_by(like, fragments, _WHAT)
 
 
-def _specs(params: Any) -> tuple:
-    return _specs_of(optree.tree_leaves(params, none_is_leaf=True))
-
-
-def _specs_of(leaves: Sequence[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in leaves)
-
-
 def _prefixes(fragments: Any) -> tuple[tuple[str, ...], ...]:
     """``fragments=`` as the user's groups of leaf prefixes: a sequence of prefixes or of lists of them."""
     bad = ValueError(
@@ -656,58 +649,6 @@ def _prefixes(fragments: Any) -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
-def _against(params: Any, snapshot: Any) -> tuple[list, Any, list, Any, str | None]:
-    """Both trees' leaves and structures, and :func:`_mismatch`'s words (a few microseconds for
-    trees that match: this runs at every step)."""
-    leaves, spec = _tree.flatten(params)
-    snap_leaves, snap_spec = _tree.flatten(snapshot)
-    try:
-        if spec == snap_spec and _shapes(leaves) == _snapshot_shapes(snap_leaves):
-            return leaves, spec, snap_leaves, snap_spec, None
-    except AttributeError:  # a leaf that is not a tensor: _leaves names it
-        _leaves(params, _WHAT)
-    return leaves, spec, snap_leaves, snap_spec, _mismatch(leaves, spec, snap_leaves, snap_spec)
-
-
-def _shapes(leaves: list) -> list:
-    return [(t.shape, t.dtype) for t in leaves]
-
-
-# The last snapshot's shapes, while its first and last leaves live (weakly held): between two
-# syncs the state carries the same snapshot, so its shapes are read once per sync, not per step.
-_last_snapshot: list[Any] = [None, None, None]
-
-
-def _snapshot_shapes(leaves: list) -> list:
-    refs, n, shapes = _last_snapshot
-    if refs is not None and n == len(leaves) and refs[0]() is leaves[0] and refs[1]() is leaves[-1]:
-        return shapes
-    shapes = _shapes(leaves)
-    _last_snapshot[:] = [(weakref.ref(leaves[0]), weakref.ref(leaves[-1])) if leaves else None, len(leaves), shapes]
-    return shapes
-
-
-_caches.register("fddp.diloco._outer._last_snapshot", lambda: _last_snapshot.__setitem__(slice(None), [None, None, None]))
-
-
-def _mismatch(leaves: list, spec: Any, snap_leaves: list, snap_spec: Any) -> str | None:
-    """Words for how ``params`` differ from the state's snapshot in structure, shapes or dtypes, or ``None``."""
-    advice = "make the state with outer.init(params) for these params (or load the checkpoint of this model)"
-    if spec != snap_spec:
-        mine, theirs = _tree.paths(spec), _tree.paths(snap_spec)
-        diff = next((f"params have {a!r} where the state has {b!r}" for a, b in zip(mine, theirs) if a != b), None)
-        diff = diff or f"params have {len(mine)} leaves, the state {len(theirs)}"
-        return f"params do not match the DiLoCo state's structure: {diff}; {advice}"
-    for i, (a, b) in enumerate(zip(leaves, snap_leaves)):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return (
-                f"params do not match the DiLoCo state at leaf {_tree.paths(spec)[i]!r}: params have shape "
-                f"{tuple(a.shape)} and dtype {a.dtype}, the state {tuple(b.shape)} and {b.dtype}; {advice}"
-            )
-    return None
-
-
-# The (group, configuration) pairs that have made their first step in this process.
 _started: "weakref.WeakKeyDictionary[Any, set[int]]" = weakref.WeakKeyDictionary()
 _generation = [0]
 
@@ -718,54 +659,6 @@ def _forget_started() -> None:
 
 
 _caches.register("fddp.diloco._outer._started", _forget_started)
-
-
-def _name_difference(per_rank: Sequence[list[tuple]]) -> str:
-    """Words for the first row where a rank's DiLoCo state differs from rank 0's, with the fix."""
-    ref = per_rank[0]
-    for r, rows in enumerate(per_rank[1:], start=1):
-        diff = _tree.first_difference(ref, rows, "rank 0", f"rank {r}")
-        if diff is None:
-            continue
-        at = next(i for i, (a, b) in enumerate(zip(ref, rows)) if a != b) if len(ref) == len(rows) else None
-        name = ref[at][0] if at is not None else ""
-        if name == "option diloco step":
-            return (
-                f"The ranks are at different inner steps of their DiLoCo state: rank 0 at step {ref[at][1]}, rank {r} "
-                f"at step {rows[at][1]}. A rank resumed from another checkpoint than the others (an older file), or "
-                "made more outer.step calls: load every rank's state saved at the same step, and call outer.step "
-                "once per inner step on every rank."
-            )
-        if name == "option diloco params":
-            bad = next(q for q, x in enumerate(per_rank) if x[at][1] != "match the state's shapes")
-            return f"Rank {bad}'s {per_rank[bad][at][1]}."
-        if name.startswith("snapshot "):
-            differ = [a[0][len("snapshot ") :] for a, b in zip(ref, rows) if a[0].startswith("snapshot ") and a != b]
-            more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
-            step = int(next(x[1] for x in ref if x[0] == "option diloco step"))
-            why = (
-                "The ranks started from different parameters: call params = fddp.broadcast(params) on every rank "
-                "before outer.init(params)."
-                if step == 1
-                else "A rank's state comes from another run or another checkpoint than the others', or the ranks "
-                "started from different parameters (params = fddp.broadcast(params) before outer.init(params))."
-            )
-            return (
-                f"The ranks hold different global parameters (state.snapshot, which every rank must hold alike) at "
-                f"leaf {differ[0]!r}{more}: rank {r}'s differ from rank 0's. {why}"
-            )
-        return diff[0].upper() + diff[1:] + ". Every rank must run the same outer step on the same model."
-    return "The DiLoCo states hash differently but compare equal."  # pragma: no cover
-
-
-def _leaves(params: Any, what: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
-    for i, t in enumerate(leaves):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            path = "/".join(str(k) for k in optree.tree_paths(params, none_is_leaf=True)[i]) or "<root>"
-            got = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.dtype} tensor"
-            raise TypeError(f"fddp.{what}: every leaf must be a floating-point tensor, but leaf {path!r} is {got}")
-    return leaves, spec
 
 
 def _fragment_tree(frag: Fragment, leaves: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -791,15 +684,6 @@ def _hook(compression: Any, shard: bool) -> Any:
 
 def _stateful(hook: Any) -> bool:
     return hook is not None and hook.stateful
-
-
-def _as_weight(weight: Any) -> torch.Tensor:
-    if isinstance(weight, torch.Tensor) and weight.requires_grad:
-        raise ValueError(f"fddp.{_WHAT}: weight must not require grad")
-    w = torch.as_tensor(weight, dtype=torch.float64).detach().cpu()
-    if w.numel() != 1 or not bool(w >= 0):
-        raise ValueError(f"fddp.{_WHAT}: weight must be a non-negative scalar (this step's sample count), got {weight!r}")
-    return w.reshape(())
 
 
 def diloco(

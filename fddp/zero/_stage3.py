@@ -16,7 +16,7 @@ differentiable gather whose backward reduce-scatters). torch.func has no saved-t
   forward (its storage resized to nothing) and an identity Function on the unit's outputs gathers
   the bucket back into that memory before the unit's backward: autograd's saved views read the
   same values again, and nothing is recomputed (FSDP's way, without module hooks);
-- ``remat="unit"``: the unit's call is one Function (:class:`_Remat`) that keeps only its inputs
+- ``remat="unit"``: the unit's call is one Function (:class:`Remat`) that keeps only its inputs
   and shards; its backward gathers again and differentiates the recomputed unit (autograd, or
   ``torch.func.vjp`` where a transform wraps the tensors), its forward-mode rule the same with
   ``torch.func.jvp``, its vmap rule functorch's (every collective inside has its own);
@@ -42,17 +42,17 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
-import torch.utils.checkpoint as checkpoint
 from torch import nn
-from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from torch.autograd import forward_ad
 
 from fddp import _dist, _layout
 from fddp._tree import paths
 from fddp.sync._differentiable import active_transforms, transform_stack
-from fddp.zero import _gather, _units, _window
+from fddp.zero import _autograd, _gather, _units, _window
 from fddp.zero import _layout as shard_layout
-from fddp.zero._gather import Counters, GatherCall, Pipeline, Precision
+from fddp.zero._autograd import GatherCall
+from fddp.zero._gather import Counters, Pipeline, Precision
+from fddp.zero._unit_call import Remat, UnitCall, flatten_call
 from fddp.zero._units import Unit, UnitLayout
 
 __all__ = ["FullyShardedForward", "fully_shard", "unshard"]
@@ -97,223 +97,6 @@ def _agree_on(
         rows = lambda: [*kind, *lay.describe(), *precision.rows(), ("shard rank", str(lay.rank), None)]  # noqa: E731
         segments += _agree(what, (lay, kind, precision, "replica"), rows, [lay.replica_group], sequenced)
     return segments
-
-
-# ----------------------------------------------------------------------------- the unit as a Function
-
-
-def _forward_mode() -> bool:
-    """Whether forward-mode AD is on (a dual level, or a torch.func.jvp transform): save for jvp."""
-    if forward_ad._current_level >= 0:
-        return True
-    return torch._C._are_functorch_transforms_active() and _functorch.TransformType.Jvp in active_transforms()
-
-
-@dataclasses.dataclass(eq=False)
-class _UnitCall:
-    """One call of one unit: the non-tensor arguments, the output's structure, the RNG state."""
-
-    owner: "FullyShardedForward"
-    unit: Unit
-    calls: tuple[GatherCall, ...]
-    in_spec: Any
-    in_leaves: list[Any]
-    in_pos: tuple[int, ...]
-    out_spec: Any = None
-    out_leaves: list[Any] | None = None
-    out_pos: tuple[int, ...] = ()
-    rng: "_RngState | None" = None
-
-    @property
-    def nb(self) -> int:
-        return len(self.calls)
-
-    def run(self, fulls: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The unit's forward on these full buckets and tensor arguments; its output's tensors."""
-        leaves = list(self.in_leaves)
-        for p, t in zip(self.in_pos, tensors):
-            leaves[p] = t
-        args, kwargs = _unflatten_call(leaves, self.in_spec)
-        with self.owner._swapped(self.unit, fulls):
-            out = self.unit.forward(*args, **kwargs)
-        out_leaves, self.out_spec = _flatten_out(out)
-        self.out_pos = tuple(i for i, t in enumerate(out_leaves) if isinstance(t, torch.Tensor))
-        self.out_leaves = [None if i in self.out_pos else t for i, t in enumerate(out_leaves)]
-        return tuple(out_leaves[i] for i in self.out_pos)
-
-    def rebuild(self, outs: Sequence[torch.Tensor]) -> Any:
-        leaves = list(self.out_leaves)
-        for p, t in zip(self.out_pos, outs):
-            leaves[p] = t
-        return _unflatten_out(leaves, self.out_spec)
-
-
-# A unit's arguments and results, flattened to find their tensors: directly when they are flat
-# (tensors and plain constants: the common case, a tenth of torch's pytree's cost), else by pytree.
-_FLAT = (torch.Tensor, type(None), bool, int, float, str)
-
-
-def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
-    if all(isinstance(a, _FLAT) for a in args) and all(isinstance(v, _FLAT) for v in kwargs.values()):
-        return [*args, *kwargs.values()], (len(args), tuple(kwargs))
-    return torch_pytree.tree_flatten((args, kwargs))
-
-
-def _unflatten_call(leaves: list[Any], spec: Any) -> tuple[tuple, dict]:
-    if type(spec) is tuple:
-        n, keys = spec
-        return tuple(leaves[:n]), dict(zip(keys, leaves[n:]))
-    return torch_pytree.tree_unflatten(leaves, spec)
-
-
-def _flatten_out(out: Any) -> tuple[list[Any], Any]:
-    if isinstance(out, torch.Tensor):
-        return [out], None
-    if type(out) is tuple and all(isinstance(o, _FLAT) for o in out):
-        return list(out), len(out)
-    return torch_pytree.tree_flatten(out)
-
-
-def _unflatten_out(leaves: list[Any], spec: Any) -> Any:
-    if spec is None:
-        return leaves[0]
-    if type(spec) is int:
-        return tuple(leaves)
-    return torch_pytree.tree_unflatten(leaves, spec)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _RngState:
-    """The random states a unit's forward drew from: the CPU generator's and, as
-    ``torch.utils.checkpoint`` saves them, each accelerator's its tensors live on."""
-
-    cpu: torch.Tensor
-    device_type: str
-    devices: tuple[int, ...]
-    states: tuple[torch.Tensor, ...]
-
-
-def _save_rng(tensors: Sequence[torch.Tensor]) -> _RngState:
-    one_each = list({t.device: t for t in tensors}.values())  # a device's state once, however many tensors live there
-    devices, states = checkpoint.get_device_states(*one_each)
-    device_type = checkpoint._infer_device_type(*one_each) if devices else "cpu"
-    return _RngState(torch.get_rng_state(), device_type, tuple(devices), tuple(states))
-
-
-@contextlib.contextmanager
-def _rng(state: _RngState | None):
-    """Run with the random states the forward saw (a unit with dropout recomputes the same mask on
-    every device), leaving the surrounding states as they were."""
-    if state is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=list(state.devices), device_type=state.device_type if state.devices else "cuda"):
-        torch.set_rng_state(state.cpu)
-        if state.devices:
-            checkpoint.set_device_states(list(state.devices), list(state.states), device_type=state.device_type)
-        yield
-
-
-class _Remat(torch.autograd.Function):
-    """A unit's call that keeps neither its full parameters nor its activations for backward.
-
-    ``apply(ucall, *shards, *fulls, *tensors)``: ``fulls`` are the gathered buckets (the gradient
-    flows to them, and from there through the gather's backward to the shards); ``shards`` ride
-    along only to be gathered again in backward.
-    """
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(ucall: _UnitCall, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        nb = ucall.nb
-        ucall.rng = _save_rng(args)
-        outs = ucall.run(args[nb : 2 * nb], args[2 * nb :])
-        # An output that is an input would make autograd treat it as a view of it: a copy instead.
-        return tuple(o.clone() if any(o is a for a in args) else o for o in outs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ucall = inputs[0]
-        nb = ucall.nb
-        ctx.ucall = ucall
-        ctx.set_materialize_grads(False)
-        saved = (*inputs[1 : 1 + nb], *inputs[1 + 2 * nb :])
-        ctx.save_for_backward(*saved)
-        if _forward_mode():
-            ctx.save_for_forward(*saved)
-
-    @staticmethod
-    def backward(ctx: Any, *cts: torch.Tensor | None) -> tuple:
-        ucall = ctx.ucall
-        nb = ucall.nb
-        saved = ctx.saved_tensors
-        shards, tensors = saved[:nb], list(saved[nb:])
-        live = [j for j, ct in enumerate(cts) if ct is not None]
-        if not live:
-            return (None,) * (1 + 2 * nb + len(tensors))
-        # Gathered again: plainly when nothing wraps the shards; else through the Function, whose
-        # jvp carries an outer forward-mode level's tangents (forward-over-reverse).
-        plain = _gather.constants((*shards, *cts))
-        fulls = tuple(
-            _gather.gather_plain(c.again(), _gather.plain(s)) if plain else _gather.gather(c.again(), s)
-            for c, s in zip(ucall.calls, shards)
-        )
-        needs = ctx.needs_input_grad[1 + 2 * nb :]
-        diff = [i for i, t in enumerate(tensors) if needs[i] and (t.is_floating_point() or t.is_complex())]
-
-        def f(fulls_: tuple, diff_: tuple) -> tuple:
-            ts = list(tensors)
-            for i, t in zip(diff, diff_):
-                ts[i] = t
-            with _rng(ucall.rng):
-                outs = ucall.run(fulls_, ts)
-            return tuple(outs[j] for j in live)
-
-        primals = tuple(tensors[i] for i in diff)
-        if plain:
-            # Plain tensors, constants for every active transform (torch.func.grad's backward runs
-            # below its own level, and so does .backward()): autograd itself, eagerly, without
-            # torch.func.vjp's wrapping of every op (a third of the step on the benchmark transformer).
-            with temporarily_clear_interpreter_stack(), torch.enable_grad():
-                ins = [t.detach().requires_grad_() for t in (*fulls, *primals)]
-                outs = f(tuple(ins[:nb]), tuple(ins[nb:]))
-                got = torch.autograd.grad(outs, ins, [cts[j].detach() for j in live], allow_unused=True)
-            got = [torch.zeros_like(t) if g is None else g for t, g in zip(ins, got)]
-            g_fulls, g_diff = got[:nb], got[nb:]
-        else:
-            with torch.enable_grad():
-                _, vjp_fn = torch.func.vjp(f, fulls, primals)
-                g_fulls, g_diff = vjp_fn(tuple(cts[j] for j in live))
-        grads: list[Any] = [None] * len(tensors)
-        for i, g in zip(diff, g_diff):
-            grads[i] = g
-        return (None, *([None] * nb), *g_fulls, *grads)
-
-    @staticmethod
-    def jvp(ctx: Any, _ucall_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
-        ucall = ctx.ucall
-        nb = ucall.nb
-        saved = ctx.saved_tensors
-        shards, tensors = saved[:nb], list(saved[nb:])
-        fulls = tuple(_gather.gather(c.plain_call(), s) for c, s in zip(ucall.calls, shards))
-        t_fulls = tuple(torch.zeros_like(f) if t is None else t for f, t in zip(fulls, tangents[nb : 2 * nb]))
-        diff = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
-        t_tensors = tangents[2 * nb :]
-        t_diff = tuple(torch.zeros_like(tensors[i]) if t_tensors[i] is None else t_tensors[i] for i in diff)
-
-        def f(fulls_: tuple, diff_: tuple) -> tuple:
-            ts = list(tensors)
-            for i, t in zip(diff, diff_):
-                ts[i] = t
-            with _rng(ucall.rng):
-                return ucall.run(fulls_, ts)
-
-        _, t_out = torch.func.jvp(f, (fulls, tuple(tensors[i] for i in diff)), (t_fulls, t_diff))
-        return tuple(t if t.is_floating_point() or t.is_complex() else None for t in t_out)
-
-
-# -------------------------------------------------------------------------------- the sharded forward
 
 
 def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
@@ -587,7 +370,7 @@ class FullyShardedForward:
             release=backward and self.remat == "params" and not keep, precision=self._precision, segments=segments,
             window=window,
         )  # fmt: skip
-        leaves = _gather.boundary(pipe, shards.shards) if backward else tuple(shards.shards)
+        leaves = _autograd.boundary(pipe, shards.shards) if backward else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated, backward)
         patched = [u for u in self._units if u.name]
         if self.param_dtype is not None:  # the model's inputs in the compute dtype, as every unit's
@@ -637,8 +420,8 @@ class _Call:
     def gather(self, k: int) -> torch.Tensor:
         call = GatherCall(self.pipe, k, self.owner.invariant)
         if not self.differentiated:
-            return _gather.gather_plain(call, _gather.plain(self.leaves[k]))
-        return _gather.gather(call, self.leaves[k])
+            return _autograd.gather_plain(call, _gather.plain(self.leaves[k]))
+        return _autograd.gather(call, self.leaves[k])
 
 
 def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., Any]:
@@ -647,19 +430,19 @@ def _patched_forward(owner: FullyShardedForward, unit: Unit) -> Callable[..., An
         if run is None:  # called outside apply_fn (the module's own forward is patched only during it)
             return unit.forward(*args, **kwargs)
         run.entered.add(unit.name)
-        flat, spec = _flatten_call(args, kwargs)
+        flat, spec = flatten_call(args, kwargs)
         pos = tuple(i for i, t in enumerate(flat) if isinstance(t, torch.Tensor))
         calls = tuple(GatherCall(run.pipe, k, owner.invariant) for k in unit.buckets)
-        ucall = _UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
+        ucall = UnitCall(owner, unit, calls, spec, [None if i in pos else t for i, t in enumerate(flat)], pos)
         fulls = [run.gather(k) for k in unit.buckets]
         tensors = [owner._precision.cast(flat[i]) for i in pos]  # mixed precision: inputs in the compute dtype
         if run.backward and owner.remat == "unit":
             shards = [run.leaves[k] for k in unit.buckets]
-            outs = _Remat.apply(ucall, *shards, *fulls, *tensors)
+            outs = Remat.apply(ucall, *shards, *fulls, *tensors)
         elif run.backward and owner.remat == "params":
             outs = ucall.run(fulls, tensors)
             if outs:
-                outs = _gather.refill_before_backward(run.pipe, unit.buckets, outs)
+                outs = _autograd.refill_before_backward(run.pipe, unit.buckets, outs)
             for k, full in zip(unit.buckets, fulls):
                 run.pipe.release(k, _gather.plain(full))
         else:
@@ -937,10 +720,10 @@ def unshard(shards: shard_layout.Sharded, /, *, invariant: bool = False) -> Any:
     n = len(lay.cuts)
     differentiated = _differentiated(shards.shards)
     pipe = Pipeline(lay, "zero.unshard", shards.shards, n, range(n), _UNSHARD)
-    leaves = _gather.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
+    leaves = _autograd.boundary(pipe, shards.shards) if differentiated else tuple(shards.shards)
     fulls = []
     for k in range(n):
         call = GatherCall(pipe, k, invariant)
-        fulls.append(_gather.gather(call, leaves[k]) if differentiated else _gather.gather_plain(call, _gather.plain(leaves[k])))
+        fulls.append(_autograd.gather(call, leaves[k]) if differentiated else _autograd.gather_plain(call, _gather.plain(leaves[k])))
     pipe.end_forward(will_backward=False)
     return optree.tree_unflatten(lay.spec, _layout.unflatten(lay.plan, fulls))

@@ -36,6 +36,7 @@ import optree
 import torch
 
 from fddp import _caches
+from fddp.sync._int8 import residual_leaves
 from fddp.sync.hooks import CommHook, GradBucket, nth
 
 __all__ = ["Quantize", "TopK", "ResidualState", "encode", "decode", "pack", "unpack", "FORMATS", "SCALES"]
@@ -151,20 +152,8 @@ class _Call:
 
     def __init__(self, hook: Any, state: Any, comm: Any) -> None:
         self.comm, self.hook, self.state = comm, hook, state
-        self.error, self.spec = None, None
         self.finite = True
-        if hook.error_feedback:
-            if not isinstance(state, ResidualState):
-                raise ValueError(
-                    f"fddp.{comm.what}: compression={hook!r} needs compression_state= (from its init(params), then "
-                    f"each step's info.compression_state), got {type(state).__name__}"
-                )
-            self.error, self.spec = optree.tree_flatten(state.error, none_is_leaf=True)
-            if len(self.error) != comm.plan.num_leaves:
-                raise ValueError(
-                    f"fddp.{comm.what}: compression_state.error has {len(self.error)} leaves, but the tree has "
-                    f"{comm.plan.num_leaves}; make the state with {type(hook).__name__}.init(params) of the same tree"
-                )
+        self.error, self.spec = residual_leaves(hook, state, ResidualState, comm)
         self.new_error: list[Any] = [None] * comm.plan.num_leaves
 
     def add_residual(self, bucket: GradBucket) -> torch.Tensor:

@@ -19,7 +19,7 @@ import torch
 
 from fddp.sync.hooks import CommHook, GradBucket
 
-__all__ = ["Int8", "Int8State"]
+__all__ = ["Int8", "Int8State", "residual_leaves"]
 
 
 
@@ -39,6 +39,26 @@ class Int8State(NamedTuple):
     error: Any
 
 
+
+def residual_leaves(hook: Any, state: Any, kind: type, comm: Any) -> tuple[list | None, Any]:
+    """The error-feedback residual's leaves and structure from a compressing hook's ``state`` (a
+    ``kind``, as the hook's ``init(params)`` made it), checked against the call's tree; ``(None,
+    None)`` for a hook without error feedback."""
+    if not hook.error_feedback:
+        return None, None
+    if not isinstance(state, kind):
+        raise ValueError(
+            f"fddp.{comm.what}: compression={hook!r} needs compression_state= (from its init(params), then "
+            f"each step's info.compression_state), got {type(state).__name__}"
+        )
+    error, spec = optree.tree_flatten(state.error, none_is_leaf=True)
+    if len(error) != comm.plan.num_leaves:
+        raise ValueError(
+            f"fddp.{comm.what}: compression_state.error has {len(error)} leaves, but the tree has "
+            f"{comm.plan.num_leaves}; make the state with {type(hook).__name__}.init(params) of the same tree"
+        )
+    return error, spec
+
 class _Call:
     """One synchronisation's working state: the residual leaves in, the new residual leaves out."""
 
@@ -47,20 +67,8 @@ class _Call:
             raise ValueError(f"fddp.Int8: the sum of {comm.world_size} int8 values can overflow; use at most 127 ranks")
         self.comm, self.hook, self.state = comm, hook, state
         self.levels = 127 // comm.world_size
-        self.error, self.spec = None, None
         self.bad: torch.Tensor | None = None  # some block of some bucket was not finite on some rank
-        if hook.error_feedback:
-            if not isinstance(state, Int8State):
-                raise ValueError(
-                    f"fddp.{comm.what}: compression={hook!r} needs compression_state= (from its init(params), then "
-                    f"each step's info.compression_state), got {type(state).__name__}"
-                )
-            self.error, self.spec = optree.tree_flatten(state.error, none_is_leaf=True)
-            if len(self.error) != comm.plan.num_leaves:
-                raise ValueError(
-                    f"fddp.{comm.what}: compression_state.error has {len(self.error)} leaves, but the tree has "
-                    f"{comm.plan.num_leaves}; make the state with Int8.init(params) of the same tree"
-                )
+        self.error, self.spec = residual_leaves(hook, state, Int8State, comm)
         self.new_error: list[Any] = [None] * comm.plan.num_leaves
 
     def launch(self, bucket: GradBucket) -> Any:

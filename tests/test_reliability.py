@@ -390,6 +390,7 @@ try:
     fddp.ddp_step(p, p)
 except RuntimeError as e:
     print("ERROR:", e, flush=True)
+    time.sleep(2)  # rank 0 hosts the store (no torchrun agent here): the other survivor reads the dead rank there
     os._exit(3)  # skip teardown: gloo may abort() at exit with a broken connection, hiding the code
 """
 

@@ -56,13 +56,14 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
         st = state(group)
         if st.failed is not None and not st.mine:  # the watcher aborted the group for a peer's failure
             raise peer_error(what, st.failed) from e
-        text = str(e)
-        if "timed out" not in text.lower() and any(w in text.lower() for w in _LOST):
+        text = str(e).lower()
+        timed_out = "timed out" in text or "timeout" in text  # gloo: "Timed out waiting ...", "Application timeout caused pair closure"
+        if not timed_out and any(w in text for w in _LOST):
             raise _lost(group, what, doing, e) from e
         r, w = dist.get_rank(), dist.get_world_size()
         n = call_count(group, what)
         where = f" (call {n} to fddp.{what} in this process)" if n else ""
-        verb = "timed out" if "timed out" in text.lower() else "failed"
+        verb = "timed out" if timed_out else "failed"
         raise RuntimeError(
             f"fddp.{what}: rank {r} of {w} {verb} during {doing}{where}: {e}. A peer may have crashed, "
             "be stuck, or have skipped or reordered this call (every rank must make the same fddp "

@@ -79,7 +79,7 @@ def main() -> None:
             xb, yb = batch()
             params, inner_state = fddp.optim.apply_gradients(opt, grad(params, xb, yb), inner_state, params)
             before, size = replicas.committed_steps, replicas.size
-            params, ostate = outer.step(params, ostate, weight=len(xb), inner_state=inner_state)  # a quorum every H steps
+            params, ostate, inner_state = outer.step(params, ostate, weight=len(xb), inner_state=inner_state)  # a quorum every H steps
             if replicas.committed_steps > before and (replicas.size != size or replicas.committed_steps % args.log_every == 0):
                 report("synchronised")
             time.sleep(args.pace)

@@ -100,14 +100,14 @@ def block_numpy() -> None:
 
 def arm_phases(a: argparse.Namespace, replicas: fddp.ft.Replicas) -> None:
     """Wrap the vote, the state transfer and the checkpoint write so that $FT_DIE kills in them."""
-    vote = replicas.manager.should_commit
+    vote = replicas._vote
 
-    def should_commit(*args, **kwargs):
+    def vote_then_die():
         if os.environ.get("FT_DIE") == "vote":
             os.kill(os.getpid(), signal.SIGKILL)
-        return vote(*args, **kwargs)
+        return vote()
 
-    replicas.manager.should_commit = should_commit
+    replicas._vote = vote_then_die
     transport = replicas._transport
     recv = transport.recv_checkpoint
     received = [0]

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import ft_worker  # noqa: E402
 
 WORKER = Path(__file__).with_name("ft_worker.py")
-DEADLINE_S = 180.0  # a whole run; each wait below is far shorter
+DEADLINE_S = 300.0  # a whole run (on a loaded machine: a process start alone took 60 s once); each wait below is shorter
 slow = pytest.mark.slow_ft
 
 
@@ -78,7 +78,7 @@ class Run:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
-    def until(self, what: str, ok, timeout: float = 90.0) -> None:
+    def until(self, what: str, ok, timeout: float = 150.0) -> None:
         end = time.monotonic() + timeout
         while not ok():
             for p in self.procs:
@@ -298,7 +298,9 @@ def kill_and_rejoin(run: Run, phase: str, *, die_at: int = 3, extra: tuple[str, 
     ``phase`` of its ``die_at``-th step; restarted (a new process, a fresh random init), it rejoins.
     The lost step is voted down on group 0 (a ``StepFailed``) and retried without group 1; the job's
     history has no gap; both end bitwise equal, where the replay of the committed steps ends."""
-    common = ["--steps", "12", "--want", "2", "--after", "3", "--pace", "0.03", "--no-numpy", *extra]
+    # Group 0 runs until the last 6 steps had both groups: past the step group 1 dies in (with a
+    # death in the vote or after it, group 0 commits that step and loses the next one).
+    common = ["--steps", "12", "--want", "2", "--after", "6", "--pace", "0.03", "--no-numpy", *extra]
     (a,) = run.spawn(0, 0, *common)
     run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
     (b,) = run.spawn(1, 0, *common, "--die-at", str(die_at), "--phase", phase)
@@ -310,7 +312,8 @@ def kill_and_rejoin(run: Run, phase: str, *, die_at: int = 3, extra: tuple[str, 
     run.finish(a, b2)
 
     lost = [r for r in run.steps(0) if not r["committed"]]
-    assert len(lost) == 1 and lost[0]["size"] == 2 and lost[0]["error"].startswith("StepFailed"), lost  # fddp's own class
+    assert 1 <= len(lost) <= 2 and lost[0]["size"] == 2, lost  # the step it died in, or the next (a second: the quorum after)
+    assert all(r["error"].startswith("StepFailed") for r in lost), lost  # fddp's own class, whatever gloo said
     assert lost[0]["before"] == lost[0]["after"]  # a step that did not commit leaves the state as it was
     rejoined = started(run, 1, 1)
     assert rejoined["step"] > lost[0]["step"] and rejoined["members"] == ["replica_0", "replica_1"]
@@ -453,8 +456,10 @@ def test_diloco_takes_a_quorum_only_to_synchronise_and_a_restarted_group_joins_a
 @slow
 def test_a_group_stopped_past_the_heartbeat_timeout_comes_back_behind_and_is_healed(run):
     """SIGSTOP group 1 for 3 s (heartbeat timeout 1 s): group 0's step times out or fails, it goes on
-    alone; SIGCONT: group 1's step fails, it meets group 0 at its next quorum, is behind with a
-    history that is a prefix of group 0's (no split) and takes its state."""
+    alone; SIGCONT: group 1 meets group 0 at its next quorum, behind, and takes its state. If group
+    1 was stopped with its side of an all-reduce complete, it commits that step while group 0 votes
+    it down (torchft's vote is per group): the check sees the step group 0 never committed, names
+    the split and heals it."""
     common = ["--steps", "30", "--want", "2", "--after", "3", "--pace", "0.03", "--timeout", "2"]
     (a,) = run.spawn(0, 0, *common)
     run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
@@ -466,8 +471,11 @@ def test_a_group_stopped_past_the_heartbeat_timeout_comes_back_behind_and_is_hea
     b.send_signal(signal.SIGCONT)
     run.finish(a, b)
     assert any(r["committed"] and r["size"] == 1 for r in run.steps(0)[stopped:])  # group 0 went on alone
-    assert "committed steps apart" not in run.output(b) + run.output(a)  # a prefix, not a split
-    steps = history(run, [(0, 0), (1, 0)])
+    steps = history(run, [(0, 0)])  # group 0 was there throughout: its history is the job's
+    mine = {r["step"]: r["members"] for r in steps}
+    apart = [r for r in run.steps(1) if r["committed"] and mine.get(r["step"]) != r["members"]]
+    if apart:  # stopped after its all-reduce had completed on its side only: it committed a step group 0 voted down
+        assert "committed steps apart" in Path(run.outputs[a]).read_text() + Path(run.outputs[b]).read_text(), apart
     assert_bitwise_equal(run.final(0), run.final(1))
     assert_replayed(run.final(0), replay_replicated(steps))
 
@@ -520,23 +528,26 @@ def test_two_groups_of_two_ranks_one_rank_killed_in_the_all_reduce(run):
 
 @slow
 def test_a_group_that_commits_alone_past_the_bound_warns_on_every_such_step(run):
+    """warn_alone_after=0.5 s: every step committed alone after the first half second warns, and none before."""
     (a,) = run.spawn(0, 0, "--steps", "30", "--pace", "0.05", "--warn-alone-after", "0.5")
     run.finish(a)
     steps = run.steps(0)
-    warned = run.output(a).count("committed step")
+    warned = run.outputs[a].read_text().count("committed step")
     late = [r for r in steps if r["t1"] - steps[0]["t1"] > 0.7]
     assert warned >= len(late) > 5 and warned < len(steps), (warned, len(late), len(steps))
 
 
-def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_the_merge(run):
+@pytest.mark.parametrize("on_divergence", ["heal", pytest.param("raise", marks=slow)])
+def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_the_merge(run, on_divergence):
     """torchft 0.2.0 lets two groups that each committed steps alone (a Lighthouse restarted with
     min_replicas=1 while one was unreachable) merge with different states, healing the one with fewer
     steps silently. Here: the Lighthouse restarts, group 1 is stopped (SIGSTOP) while group 0 commits
     steps 10-19 alone, then group 0 is stopped while group 1 commits its own 10-19; at the merge the
     check finds that their histories split: the one behind (at equal steps, group 1) takes the
-    other's state with a warning naming the split, and they end bitwise equal."""
-    common = ["--steps", "25", "--pace", "0.02", "--timeout", "2", "--pause", f"3:{run.tmp / 'p0'}", "--pause", f"10:{run.tmp / 'p1'}",
-              "--pause", f"20:{run.tmp / 'p2'}"]  # fmt: skip
+    other's state with a warning naming the split, and they end bitwise equal; with
+    on_divergence="raise", both raise DivergedError there."""
+    common = ["--on-divergence", on_divergence, "--steps", "25", "--pace", "0.02", "--timeout", "2",
+              "--pause", f"3:{run.tmp / 'p0'}", "--pause", f"10:{run.tmp / 'p1'}", "--pause", f"20:{run.tmp / 'p2'}"]  # fmt: skip
     (a,) = run.spawn(0, 0, *common)
     run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
     (b,) = run.spawn(1, 0, *common)
@@ -557,6 +568,12 @@ def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_th
     run.until("group 1 alone at step 20", lambda: paused(1, 20))
     a.send_signal(signal.SIGCONT)
     (run.tmp / "p2").touch()
+    if on_divergence == "raise":
+        run.finish(a, b, rc=3)
+        for r in (0, 1):
+            e = run.error(r)
+            assert e["kind"] == "DivergedError" and "committed steps apart" in e["error"], e
+        return
     run.finish(a, b)
 
     logs = [run.steps(r) for r in (0, 1)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import importlib.metadata
 import itertools
 import logging
 import os
@@ -59,6 +60,7 @@ _RING = 8192  # committed steps whose history digest a group remembers (to judge
 _STEP, _SUM, _INTENT, _BAD, _PRE, _HIST, _HOLDS, _SPEC = range(8)
 _FIELDS = 8
 _instances = itertools.count()
+_TORCHFT = importlib.metadata.version("torchft")
 
 
 class DivergedError(RuntimeError):
@@ -410,6 +412,7 @@ class Replicas:
             quorum_retries=quorum_retries,
         )
         self.manager.register_state_dict_fn(_KEY, self._load, self._state)
+        self._vote_locally = dist.get_world_size() == 1 and _TORCHFT == "0.2.0"
         # Registered with torch.distributed (as torchft does for DeviceMesh) so that fddp's waits
         # can tell its backend: gloo, waited for in slices that watch the error channel.
         self.group.register(f"fddp_ft_{os.getpid()}_{next(_instances)}")
@@ -551,7 +554,7 @@ class Replicas:
             error = getattr(errored, "original_exception", errored) or RuntimeError("a member could not use the quorum")
             self._fail(error)
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(str(error)))
-            self.manager.should_commit()  # votes no: the next quorum is a new one (torchft bumps its id)
+            self._vote()  # no (an error is reported): the next quorum is a new one (torchft bumps its id)
 
     def _fail(self, error: BaseException) -> None:
         self._failures += 1
@@ -795,10 +798,10 @@ class Replicas:
             error = e
             self.manager.report_error(e)
             if not _transient(e):
-                self.manager.should_commit()
+                self._vote()
                 self._stale_quorum = True
                 raise
-        if self.manager.should_commit():
+        if self._vote():
             self._failures = 0
             self._committed_one()
             return True, result, None
@@ -808,6 +811,36 @@ class Replicas:
         _dist.fail(self.group, "ft.step", error)
         self._fail(error)
         return False, None, error
+
+    def _vote(self) -> bool:
+        """The Manager's vote on this step: whether every rank of this replica group finished it.
+
+        Across the replica groups there is no vote (torchft's Manager aggregates only the group's
+        own ranks: the members of a quorum agree through their collectives, which fail on every
+        member when one dies). A group of one rank therefore votes alone, and its Manager's round
+        trip to its own server (0.8 ms a step here) decides nothing: the same bookkeeping is done
+        here, as ``Manager.should_commit`` does it, for torchft 0.2.0 (the version fddp pins).
+        """
+        m = self.manager
+        if not self._vote_locally:
+            return m.should_commit()
+        if m._recovery_event is not None:
+            m._recovery_event.synchronize()
+            m._recovery_event = None
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        if err := m._pg.errored():
+            m.report_error(err)
+        if m._healing:
+            m._apply_pending_state_dict()
+        ok = m.num_participants() >= m._min_replica_size and m._errored is None
+        if ok:
+            m._step += 1
+            m._batches_committed += m.num_participants()
+            m._commit_failures = 0
+        else:
+            m._commit_failures += 1
+        return ok
 
     def _committed_one(self) -> None:
         """Advance the history by the step just committed; warn if this group has been alone too long."""

@@ -537,7 +537,8 @@ def test_a_group_that_commits_alone_past_the_bound_warns_on_every_such_step(run)
     assert warned >= len(late) > 5 and warned < len(steps), (warned, len(late), len(steps))
 
 
-@pytest.mark.parametrize("on_divergence", ["heal", pytest.param("raise", marks=slow)])
+@slow
+@pytest.mark.parametrize("on_divergence", ["heal", "raise"])
 def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_the_merge(run, on_divergence):
     """torchft 0.2.0 lets two groups that each committed steps alone (a Lighthouse restarted with
     min_replicas=1 while one was unreachable) merge with different states, healing the one with fewer

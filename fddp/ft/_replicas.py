@@ -589,6 +589,10 @@ class Replicas:
         self._members = names = tuple(_name_of(r[_FIELDS:]) for r in rows)
         intents = [r[_INTENT] for r in rows]
         holders = [r for r in range(n) if rows[r][_HOLDS]]
+        if q.id == 1:
+            # The job's first quorum: its members hold the job's start (the primary's state, which
+            # torchft gives every member), even if this quorum fails and another must be taken.
+            self._holds = True
         self._refuse_misfits(rows, holders, names)
         if not holders and q.id > 1:
             raise self._leave(StateLostError(

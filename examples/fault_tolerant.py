@@ -72,7 +72,7 @@ def main() -> None:
 
     if args.diloco:
         outer = fddp.ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(args.diloco, group=replicas.group))
-        params, ostate, inner_state = outer.start(params, inner_state=opt.init(params))  # a late group takes a peer's
+        params, ostate, inner_state = outer.start(params, inner_state=opt.init(params), config={"inner": opt})  # a late group: a peer's
         grad = torch.func.grad(loss_fn)
         report("joined")
         while int(ostate.count) < args.steps:
@@ -92,7 +92,7 @@ def main() -> None:
             p, o = fddp.optim.apply_gradients(opt, grads, state["opt"], state["params"])
             return {"params": p, "opt": o}, loss
 
-        state = replicas.start({"params": params, "opt": opt.init(params)})  # a late group gets a peer's state
+        state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt})  # a late group gets a peer's state
         params = state["params"]
         report("joined")
         while replicas.committed_steps < args.steps:

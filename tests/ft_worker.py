@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+import optree
 import torch
 import torch.distributed as dist
 
@@ -138,7 +139,7 @@ def main() -> None:
     ap.add_argument("--incarnation", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10, help="committed steps (replicated) or synchronisations (diloco) to reach")
-    ap.add_argument("--mode", choices=["replicated", "diloco"], default="replicated")
+    ap.add_argument("--mode", choices=["replicated", "zero2", "diloco"], default="replicated")
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--fragments", type=int, default=1)
     ap.add_argument("--delay", type=int, default=0)
@@ -165,7 +166,7 @@ def main() -> None:
     ap.add_argument("--pause", action="append", default=[], help="STEP:FILE: before that step, wait for FILE")
     ap.add_argument("--want", type=int, default=0, help="also run until the last --after steps had this many groups")
     ap.add_argument("--after", type=int, default=3)
-    ap.add_argument("--until", default="", help="also run until this file exists")
+    ap.add_argument("--until", default="", help="also run until this file exists (and, if it holds a step, until that step)")
     a = ap.parse_args()
     if a.no_numpy:
         block_numpy()
@@ -197,8 +198,12 @@ def main() -> None:
     sizes: list[int] = []
 
     def more() -> bool:
-        if a.until and not os.path.exists(a.until):
-            return True
+        if a.until:
+            if not os.path.exists(a.until):
+                return True
+            target = open(a.until).read().strip()
+            if target:  # the step to stop at, the same for every group
+                return replicas.committed_steps < int(target)
         return replicas.committed_steps < a.steps or (a.want > 0 and sizes[-a.after :].count(a.want) < a.after)
 
     def pause_at(s: int) -> None:
@@ -216,7 +221,7 @@ def main() -> None:
     cap = a.bucket_kb / 1024
     n = a.batch or batch_size(a.replica, a.rank)
     try:
-        if a.mode == "replicated":
+        if a.mode in ("replicated", "zero2"):
             replicated(a, replicas, params, dtype, n, cap, emit, sizes, more, pause_at, save)
         else:
             diloco(a, replicas, params, dtype, n, cap, emit, sizes, more, pause_at)
@@ -257,6 +262,28 @@ def replicated(a, replicas, params, dtype, n, cap, emit, sizes, more, pause_at, 
             time.sleep(a.pace)
         return {"params": params, "opt": opt_state}, loss
 
+    if a.mode == "zero2":
+        # ZeRO-2 inside the replica group (its own ranks), fault tolerance across the groups: rank i
+        # of every group holds the same slices, so the slices' gradients average across the groups
+        # as any tree does, and a joining rank takes its peer rank's slices and optimizer state.
+        reduce_scatter = fddp.grad_and_value(loss_fn, bucket_cap_mb=cap, first_bucket_mb=cap, compression=fddp.zero.ReduceScatter(),
+                                             return_info=True)  # fmt: skip
+
+        def train_step(state, x, y):  # noqa: F811 - this mode's step
+            shards = state["params"]
+            full = fddp.zero.gather(shards).wait()
+            g, loss, info = reduce_scatter(full, x, y, weight=len(x))  # this rank's slice of the group's mean
+            plain = {str(k): t for k, t in enumerate(g.shards)}
+            mean = fddp.ddp_step({str(k): t for k, t in enumerate(shards.shards)}, plain, group=replicas.group, weight=info.weight,
+                                 bucket_cap_mb=cap, first_bucket_mb=cap, compression=hook)  # fmt: skip
+            g = fddp.zero.Sharded([mean[str(k)] for k in range(len(g.shards))], g.layout)
+            shards, opt_state = fddp.optim.apply_gradients(opt, g, state["opt"], shards)
+            if a.pace:
+                time.sleep(a.pace)
+            return {"params": shards, "opt": opt_state}, loss
+
+        params = fddp.zero.shard(params, bucket_cap_mb=cap, first_bucket_mb=cap)
+
     state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt, "hidden": a.hidden})
     emit(event="started", step=replicas.committed_steps, members=list(replicas.members))
     attempt = 0
@@ -273,12 +300,17 @@ def replicated(a, replicas, params, dtype, n, cap, emit, sizes, more, pause_at, 
         state, loss, info = replicas.step(train_step, state, x, y, return_info=True)
         sizes.append(info.size if info.committed else 0)
         error = None if info.error is None else f"{type(info.error).__name__}: {info.error}"[:300]
-        emit(event="step", step=s, committed=info.committed, members=list(info.members), size=info.size, healed=info.healed,
+        # The step committed (info.step - 1), which is a later one than s when this group healed
+        # inside step(); key: what its batch was drawn for.
+        emit(event="step", step=info.step - 1 if info.committed else s, key=s, committed=info.committed, members=list(info.members),
+             size=info.size, healed=info.healed,
              t0=t0, t1=time.time(), quorum_s=info.quorum_s, loss=None if loss is None else float(loss), before=before,
              after=state_checksum(state), error=error)  # fmt: skip
         if a.save_every and info.committed and replicas.committed_steps % a.save_every == 0:
             save(state)
     suffix = f"-{a.rank}" if a.rank else ""
+    if a.mode == "zero2":  # the full parameters, as the replay has them (and the slices' optimizer state)
+        state = {"params": fddp.zero.gather(state["params"]).wait(), "opt": list(optree.tree_leaves(state["opt"]))}
     fddp.checkpoint.save(os.path.join(a.out, f"final-{a.replica}-{a.incarnation}{suffix}.pt"), state, group=a.own_group)
 
 

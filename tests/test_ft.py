@@ -242,16 +242,25 @@ def _member(name: str) -> int:
     return int(name.rsplit("_", 1)[1])
 
 
-def history(run: Run, groups: list[tuple[int, int]]) -> list[dict]:
+def history(run: Run, groups: list[tuple[int, int]], lineage: list[tuple[int, int]] | None = None) -> list[dict]:
     """The job's committed steps, from the logs of ``groups`` (replica, incarnation): one record per
     step, 0, 1, 2, ... without a gap, each with the members of the quorum that committed it (every
-    group that logged a step must have logged the same members: one job, one history)."""
+    group that logged a step must have logged the same members: one job, one history) and the key
+    of the batch each member drew for it (a group healed inside ``step`` drew its batch for the
+    step it was at, then committed a later one with it). With ``lineage`` (listed first in
+    ``groups``), those groups say what the job committed; another group's step that differs was
+    committed apart, and dropped when that group healed."""
     by_step: dict[int, dict] = {}
     for r, inc in groups:
         for rec in run.steps(r, inc):
             if rec["committed"]:
-                seen = by_step.setdefault(rec["step"], rec)
-                assert seen["members"] == rec["members"], (seen, rec)
+                seen = by_step.setdefault(rec["step"], {**rec, "keys": {}})
+                if lineage is not None and (r, inc) not in lineage:
+                    if seen["members"] != rec["members"]:
+                        continue  # a step this group committed apart (and gave up when it healed)
+                else:
+                    assert seen["members"] == rec["members"], (seen, rec)
+                seen["keys"][r] = rec["key"]
     steps = [by_step[k] for k in sorted(by_step)]
     assert [r["step"] for r in steps] == list(range(len(steps))), [r["step"] for r in steps]  # no step twice, none skipped
     return steps
@@ -265,9 +274,10 @@ def replay_replicated(steps: list[dict], ranks: int = 1, start: int = 1) -> dict
     for rec in steps:
         total, weight = None, 0.0
         for m in [_member(m) for m in rec["members"]]:
+            key = rec["keys"].get(m, rec["step"])  # a member that died before logging it drew for that step
             for rank in range(ranks):
                 n = ft_worker.batch_size(m, rank)
-                x, y = ft_worker.batch(m, rec["step"], n, rank=rank)
+                x, y = ft_worker.batch(m, key, n, rank=rank)
                 g = [gi * float(n) for gi in torch.autograd.grad(ft_worker.loss_fn(params, x, y), list(params.values()))]
                 total = g if total is None else [a + b for a, b in zip(total, g)]
                 weight += n
@@ -463,7 +473,8 @@ def test_a_group_stopped_past_the_heartbeat_timeout_comes_back_behind_and_is_hea
     1 was stopped with its side of an all-reduce complete, it commits that step while group 0 votes
     it down (torchft's vote is per group): the check sees the step group 0 never committed, names
     the split and heals it."""
-    common = ["--steps", "30", "--want", "2", "--after", "3", "--pace", "0.03", "--timeout", "2"]
+    done = run.tmp / "done"
+    common = ["--steps", "10", "--pace", "0.03", "--timeout", "2", "--until", str(done)]
     (a,) = run.spawn(0, 0, *common)
     run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
     (b,) = run.spawn(1, 0, *common)
@@ -472,9 +483,12 @@ def test_a_group_stopped_past_the_heartbeat_timeout_comes_back_behind_and_is_hea
     stopped = len(run.steps(0))
     time.sleep(3.0)
     b.send_signal(signal.SIGCONT)
+    resumed = time.time()
+    run.until("them to meet again", lambda: sum(r["committed"] and r["size"] == 2 and r["t0"] > resumed for r in run.steps(1)) >= 3)
+    done.write_text(str(run.steps(0)[-1]["step"] + 10))  # both stop there
     run.finish(a, b)
     assert any(r["committed"] and r["size"] == 1 for r in run.steps(0)[stopped:])  # group 0 went on alone
-    steps = history(run, [(0, 0)])  # group 0 was there throughout: its history is the job's
+    steps = history(run, [(0, 0), (1, 0)], lineage=[(0, 0)])  # group 0 was there throughout: its history is the job's
     mine = {r["step"]: r["members"] for r in steps}
     apart = [r for r in run.steps(1) if r["committed"] and mine.get(r["step"]) != r["members"]]
     if apart:  # stopped after its all-reduce had completed on its side only: it committed a step group 0 voted down
@@ -526,6 +540,31 @@ def test_two_groups_of_two_ranks_one_rank_killed_in_the_all_reduce(run):
     for rank in (0, 1):
         assert_bitwise_equal(run.final(0, 0, rank), run.final(1, 1, rank))
     assert_bitwise_equal(run.final(0, 0, 0), run.final(0, 0, 1))
+    assert_replayed(run.final(0), replay_replicated(steps, ranks=2))
+
+
+@slow
+def test_zero_stage_2_inside_each_replica_group_survives_a_dead_group(run):
+    """ZeRO-2 inside each group of two ranks (fddp.zero.shard, ReduceScatter), fault tolerance across
+    the groups: rank i of every group holds the same slices and averages their gradients with its
+    peers. Group 1 is SIGKILLed (both ranks) and restarted: each of its ranks takes its peer rank's
+    slices and optimizer state. The gathered parameters equal the replicated replay; rank i of
+    group 1 holds what rank i of group 0 holds, to the bit."""
+    common = ["--mode", "zero2", "--steps", "12", "--want", "2", "--after", "3", "--pace", "0.03"]
+    a = run.spawn(0, 0, *common, ranks=2)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    b = run.spawn(1, 0, *common, ranks=2)
+    run.until("the groups to meet", lambda: committed_with(run, 0, 0, 2))
+    for p in b:
+        p.kill()
+    run.until("group 0 to go on alone", lambda: run.steps(0)[-1]["committed"] and run.steps(0)[-1]["size"] == 1)
+    b2 = run.spawn(1, 1, *common, ranks=2)
+    run.finish(*a, *b2)
+    steps = history(run, [(0, 0), (1, 0), (1, 1)])
+    assert {len(r["members"]) for r in steps} == {1, 2}
+    for rank in (0, 1):
+        assert_bitwise_equal(run.final(0, 0, rank), run.final(1, 1, rank))
+    assert not all(torch.equal(x, y) for x, y in zip(run.final(0, 0, 0)["opt"], run.final(0, 0, 1)["opt"]))  # slices: rank's own
     assert_replayed(run.final(0), replay_replicated(steps, ranks=2))
 
 

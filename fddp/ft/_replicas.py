@@ -419,18 +419,23 @@ class Replicas:
 
     # --- what torchft calls ---------------------------------------------------------------------
 
+    # The state travels as its leaves (each checked against this group's own: shapes, dtypes, the
+    # type of a number), put back into this group's own structure: the structure itself is compared
+    # by the quorum check, and so may hold nodes the wire format does not know (fddp.zero.Sharded).
+
     def _state(self) -> Any:
         with self._lock:
             if self._committed is None:
                 raise RuntimeError("fddp.ft: asked for this group's state before it had one")
-            return {"state": self._committed, "history": self._history}
+            return {"leaves": optree.tree_leaves(self._committed), "history": self._history}
 
     def _load(self, state: Any) -> None:
         with self._lock:
             self._received = state
 
     def _like(self) -> dict:
-        return {"user": {_KEY: {"state": self._like_state, "history": 0}}, "torchft": {"step": 0, "batches_committed": 0}}
+        like = {"leaves": optree.tree_leaves(self._like_state), "history": 0}
+        return {"user": {_KEY: like}, "torchft": {"step": 0, "batches_committed": 0}}
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -490,7 +495,7 @@ class Replicas:
 
     def _adopt(self, received: dict, step: int) -> Any:
         """Take a peer's state (and its history) at ``step``."""
-        state = received["state"]
+        state = optree.tree_unflatten(optree.tree_structure(self._like_state), received["leaves"])
         self._committed = state
         self._step, self._history, self._ring = step, int(received["history"]), {step: int(received["history"])}
         self._holds = True

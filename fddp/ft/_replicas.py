@@ -43,6 +43,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from fddp import _dist, _tree
+from fddp.diloco._plan import describe  # the run's configuration, described as DiLoCo's agreement does
 from fddp.ft._store import BoundedStore
 from fddp.ft._transport import GroupTransport, TransferError
 from fddp.sync._checksum import checksum
@@ -247,8 +248,6 @@ def describe_run(state: Any, config: Any = None) -> list[tuple]:
         >>> describe_run({"w": torch.zeros(2)}, {"lr": 0.1})
         [('<root>', 'dict', ('w',)), ('w', 'tensor shape=(2,) dtype=torch.float32 device=cpu', None), ('option config', '{...}', None)]
     """
-    from fddp.diloco._plan import describe  # the run's configuration, described as DiLoCo's agreement does
-
     rows = [tuple(r) for r in _tree.structure_rows(state)]
     if config is not None:
         rows.append(("option config", describe(config), None))

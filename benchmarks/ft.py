@@ -529,7 +529,7 @@ def cluster_worker(args: argparse.Namespace) -> None:
         x, y = batch(gen)
         params, istate = fddp.optim.apply_gradients(inner, grad(params, x, y), istate, params)
         before = replicas.committed_steps
-        params, ostate = outer.step(params, ostate, weight=float(len(x)), inner_state=istate)
+        params, ostate, istate = outer.step(params, ostate, weight=float(len(x)), inner_state=istate)
         clock += time.perf_counter() - t0
         if replicas.committed_steps > before:  # a synchronisation: evaluate the snapshot (off the clock)
             with torch.no_grad():

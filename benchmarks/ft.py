@@ -225,7 +225,8 @@ def _managers_up(tmp: Path, mode: str, procs: list) -> bool:
 
 def _spawn(lh: str, out: Path, replica: int, incarnation: int, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, str(FT_WORKER), "--lighthouse", lh, "--replica", str(replica), "--incarnation", str(incarnation),
-           "--out", str(out), "--mode", "replicated", "--steps", "100000", "--batch", "16", "--bucket-kb", "25600", *extra]  # fmt: skip
+           "--out", str(out), "--mode", "replicated", "--steps", "100000", "--batch", "16", "--bucket-kb", "25600",
+           "--quorum-every", "10", *extra]  # fmt: skip (Replicas' default quorum_every)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / f"err-{replica}-{incarnation}.txt", "w"),
                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # fmt: skip
 

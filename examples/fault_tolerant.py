@@ -72,14 +72,14 @@ def main() -> None:
 
     if args.diloco:
         outer = fddp.ft.FaultTolerantOuter(replicas, fddp.diloco.diloco(args.diloco, group=replicas.group))
-        params, ostate, inner_state = outer.start(params, inner_state=opt.init(params))  # a late group takes a peer's
+        params, ostate, inner_state = outer.start(params, inner_state=opt.init(params), config={"inner": opt})  # a late group: a peer's
         grad = torch.func.grad(loss_fn)
         report("joined")
         while int(ostate.count) < args.steps:
             xb, yb = batch()
             params, inner_state = fddp.optim.apply_gradients(opt, grad(params, xb, yb), inner_state, params)
             before, size = replicas.committed_steps, replicas.size
-            params, ostate = outer.step(params, ostate, weight=len(xb), inner_state=inner_state)  # a quorum every H steps
+            params, ostate, inner_state = outer.step(params, ostate, weight=len(xb), inner_state=inner_state)  # a quorum every H steps
             if replicas.committed_steps > before and (replicas.size != size or replicas.committed_steps % args.log_every == 0):
                 report("synchronised")
             time.sleep(args.pace)
@@ -92,7 +92,7 @@ def main() -> None:
             p, o = fddp.optim.apply_gradients(opt, grads, state["opt"], state["params"])
             return {"params": p, "opt": o}, loss
 
-        state = replicas.start({"params": params, "opt": opt.init(params)})  # a late group gets a peer's state
+        state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt})  # a late group gets a peer's state
         params = state["params"]
         report("joined")
         while replicas.committed_steps < args.steps:

@@ -1,15 +1,21 @@
-"""Fault tolerance on torchft (fddp.ft): replica groups that die, restart and rejoin, checked
-against a replay of the same batches in one process with torch.optim (the reference).
+"""Fault tolerance on torchft (fddp.ft): replica groups that start at any time, die, restart and
+rejoin, checked against a replay of the same batches in one process with torch.optim (the reference).
 
-Each run is a Lighthouse in this process and one process per replica group
-(``tests/ft_worker.py``), SIGKILLed and restarted for real. The workers log every step; the
-reference replays, from the survivor's log, the steps the job committed, with the groups that took
-part in each and their batches (so the batches lost with a dead group are skipped, as the job
-skipped them), and must land where the job did. Replicas that come back must end bitwise equal.
+Each run is a Lighthouse in this process and one process per replica group (per rank, for groups
+of several ranks: ``tests/ft_worker.py``), started one after the other as a user starts them (no
+group waits for the others), SIGKILLed and restarted for real. The workers log every step; the
+reference replays the steps the job committed, with the groups that took part in each and their
+batches (the batches lost with a dead group are skipped, as the job skipped them), and must land
+where the job did. Replicas that come back must end bitwise equal.
+
+The default run holds a few representative cases; ``pytest -m slow_ft`` runs the rest (a SIGKILL in
+each phase of a step, SIGSTOP, the Lighthouse down and up, two groups rejoining at once, three
+groups, two groups of two ranks, a group committing alone).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -22,23 +28,25 @@ import optree
 import pytest
 import torch
 
-pytest.importorskip("torchft", reason="fault tolerance needs torchft: pip install 'fddp[ft]'")
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip("fault tolerance needs torchft: pip install 'fddp[ft]'", allow_module_level=True)
 
 import fddp  # noqa: E402
-import fddp.ft  # noqa: E402
+import fddp.ft  # noqa: E402  (before torchft itself: fddp.ft quiets its logs)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import ft_worker  # noqa: E402
 
 WORKER = Path(__file__).with_name("ft_worker.py")
-DEADLINE_S = 150.0  # a whole run; each wait below is far shorter
+DEADLINE_S = 300.0  # a whole run (on a loaded machine: a process start alone took 60 s once); each wait below is shorter
+slow = pytest.mark.slow_ft
 
 
 class Run:
     """A Lighthouse here and replica groups as processes; everything is torn down on exit."""
 
     def __init__(self, tmp: Path, **lighthouse: float) -> None:
-        self.tmp, self.options = tmp, dict(min_replicas=1, join_timeout=5.0, heartbeat_timeout=1.0, **lighthouse)
+        self.tmp, self.options = tmp, dict(min_replicas=1, join_timeout=5.0, heartbeat_timeout=1.0) | lighthouse
         self.lh = fddp.ft.lighthouse(**self.options)
         self.procs: list[subprocess.Popen] = []
         self.outputs: dict[subprocess.Popen, Path] = {}
@@ -50,53 +58,64 @@ class Run:
         time.sleep(down_s)
         self.lh = fddp.ft.lighthouse(f"127.0.0.1:{port}", **self.options)
 
-    def spawn(self, replica: int, incarnation: int = 0, *args: str) -> subprocess.Popen:
-        path = self.tmp / f"out-{replica}-{incarnation}.txt"
-        out = open(path, "w")
-        cmd = [sys.executable, str(WORKER), "--lighthouse", self.lh.address, "--replica", str(replica),
-               "--incarnation", str(incarnation), "--out", str(self.tmp), *args]  # fmt: skip
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self.procs.append(p)
-        self.outputs[p] = path
-        return p
+    def spawn(self, replica: int, incarnation: int = 0, *args: str, ranks: int = 1) -> list[subprocess.Popen]:
+        """Start replica group ``replica`` (its ``ranks`` processes); return them by rank."""
+        store = [] if ranks == 1 else ["--ranks", str(ranks), "--store-port", str(ft_worker.free_port())]
+        out = []
+        for rank in range(ranks):
+            path = self.tmp / f"out-{replica}-{incarnation}-{rank}.txt"
+            cmd = [sys.executable, str(WORKER), "--lighthouse", self.lh.address, "--replica", str(replica),
+                   "--incarnation", str(incarnation), "--out", str(self.tmp), *store, "--rank", str(rank), *args]  # fmt: skip
+            p = subprocess.Popen(cmd, stdout=open(path, "w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.procs.append(p)
+            self.outputs[p] = path
+            out.append(p)
+        return out
 
-    def log(self, replica: int, incarnation: int = 0) -> list[dict]:
-        path = self.tmp / f"log-{replica}-{incarnation}.jsonl"
+    def log(self, replica: int, incarnation: int = 0, rank: int = 0) -> list[dict]:
+        path = self.tmp / f"log-{replica}-{incarnation}{f'-{rank}' if rank else ''}.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
-    def until(self, what: str, ok, timeout: float = 60.0) -> None:
+    def until(self, what: str, ok, timeout: float = 150.0) -> None:
         end = time.monotonic() + timeout
         while not ok():
             for p in self.procs:
-                if p.poll() not in (None, 0, -signal.SIGKILL):
+                if p.poll() not in (None, 0, -signal.SIGKILL, -signal.SIGSTOP):
                     raise AssertionError(f"a replica group failed while waiting for {what}:\n{self.output(p)}")
             if time.monotonic() > end:
                 raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(self.output(p) for p in self.procs))
             time.sleep(0.02)
 
-    def has(self, replica: int, incarnation: int, event: str) -> bool:
-        return any(r["event"] == event for r in self.log(replica, incarnation))
+    def has(self, replica: int, incarnation: int, event: str, **match) -> bool:
+        return any(r["event"] == event and all(r.get(k) == v for k, v in match.items()) for r in self.log(replica, incarnation))
 
     def output(self, p: subprocess.Popen) -> str:
-        text = self.outputs[p].read_text()
-        return "\n".join(line for line in text.splitlines() if "INFO" not in line)[-4000:]
+        return self.outputs[p].read_text()[-4000:]
 
-    def finish(self, *procs: subprocess.Popen) -> None:
+    def finish(self, *procs: subprocess.Popen, rc: int = 0) -> None:
         for p in procs:
             left = DEADLINE_S - (time.monotonic() - self.started)
             try:
-                assert p.wait(timeout=max(left, 1.0)) == 0, self.output(p)
+                assert p.wait(timeout=max(left, 1.0)) == rc, self.output(p)
             except subprocess.TimeoutExpired:
                 raise AssertionError("a replica group did not finish:\n" + self.output(p)) from None
 
-    def final(self, replica: int, incarnation: int = 0) -> dict:
-        return fddp.checkpoint.load(str(self.tmp / f"final-{replica}-{incarnation}.pt"))
+    def final(self, replica: int, incarnation: int = 0, rank: int = 0) -> dict:
+        return fddp.checkpoint.load(str(self.tmp / f"final-{replica}-{incarnation}{f'-{rank}' if rank else ''}.pt"))
+
+    def error(self, replica: int, incarnation: int = 0, rank: int = 0) -> dict:
+        (e,) = [r for r in self.log(replica, incarnation, rank) if r["event"] == "error"]
+        return e
+
+    def steps(self, replica: int, incarnation: int = 0, rank: int = 0) -> list[dict]:
+        return [r for r in self.log(replica, incarnation, rank) if r["event"] == "step"]
 
     def close(self) -> None:
         for p in self.procs:
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.kill()
             p.wait()
         self.lh.shutdown()
@@ -188,6 +207,20 @@ def test_a_failure_that_repeats_is_an_error_not_a_silent_retry_loop():
         r._fail(ModuleNotFoundError("No module named 'numpy'"))
 
 
+def test_a_history_digest_tells_steps_committed_together_from_steps_committed_apart():
+    """The quorum check compares histories: two groups that committed every step in the same quorums
+    have the same digest; one that committed a step alone (or in another quorum) does not."""
+    from fddp.ft._replicas import _advance
+
+    both = ("replica_0", "replica_1")
+    a = b = 0
+    for step in range(1, 6):
+        a, b = _advance(a, step, both), _advance(b, step, tuple(reversed(both)))
+    assert a == b  # the members' order does not matter
+    assert _advance(a, 6, ("replica_0",)) != _advance(b, 6, ("replica_1",))  # each alone: apart
+    assert _advance(a, 6, both) != _advance(a, 6, ("replica_0",))
+
+
 # --- replica groups as processes --------------------------------------------------------------------
 
 
@@ -209,59 +242,163 @@ def _member(name: str) -> int:
     return int(name.rsplit("_", 1)[1])
 
 
-def replay_replicated(steps: list[dict]) -> dict:
-    """The job's committed steps, replayed in one process: each step's gradient is the mean over
-    the groups in its quorum, weighted by their batch sizes; torch.optim.SGD applies it."""
-    params = {k: v.clone().requires_grad_() for k, v in ft_worker.init_params(1).items()}  # replica_0's: the primary
+def history(run: Run, groups: list[tuple[int, int]], lineage: list[tuple[int, int]] | None = None) -> list[dict]:
+    """The job's committed steps, from the logs of ``groups`` (replica, incarnation): one record per
+    step, 0, 1, 2, ... without a gap, each with the members of the quorum that committed it (every
+    group that logged a step must have logged the same members: one job, one history) and the key
+    of the batch each member drew for it (a group healed inside ``step`` drew its batch for the
+    step it was at, then committed a later one with it). With ``lineage`` (listed first in
+    ``groups``), those groups say what the job committed; another group's step that differs was
+    committed apart, and dropped when that group healed."""
+    by_step: dict[int, dict] = {}
+    for r, inc in groups:
+        for rec in run.steps(r, inc):
+            if rec["committed"]:
+                seen = by_step.setdefault(rec["step"], {**rec, "keys": {}})
+                if lineage is not None and (r, inc) not in lineage:
+                    if seen["members"] != rec["members"]:
+                        continue  # a step this group committed apart (and gave up when it healed)
+                else:
+                    assert seen["members"] == rec["members"], (seen, rec)
+                seen["keys"][r] = rec["key"]
+    steps = [by_step[k] for k in sorted(by_step)]
+    assert [r["step"] for r in steps] == list(range(len(steps))), [r["step"] for r in steps]  # no step twice, none skipped
+    return steps
+
+
+def replay_replicated(steps: list[dict], ranks: int = 1, start: int = 1) -> dict:
+    """The job's committed steps, replayed in one process: each step's gradient is the mean over the
+    ranks of the groups in its quorum, weighted by their batch sizes; torch.optim.SGD applies it."""
+    params = {k: v.clone().requires_grad_() for k, v in ft_worker.init_params(start).items()}  # the group that started the job
     opt = torch.optim.SGD(params.values(), lr=0.05, momentum=0.5)
     for rec in steps:
-        members = [_member(m) for m in rec["members"]]
-        total = None
-        for m in members:
-            n = ft_worker.batch_size(m)
-            x, y = ft_worker.batch(m, rec["step"], n)
-            g = torch.autograd.grad(ft_worker.loss_fn(params, x, y), list(params.values()))
-            g = [gi * float(n) for gi in g]
-            total = g if total is None else [a + b for a, b in zip(total, g)]
-        weight = float(sum(ft_worker.batch_size(m) for m in members))
+        total, weight = None, 0.0
+        for m in [_member(m) for m in rec["members"]]:
+            key = rec["keys"].get(m, rec["step"])  # a member that died before logging it drew for that step
+            for rank in range(ranks):
+                n = ft_worker.batch_size(m, rank)
+                x, y = ft_worker.batch(m, key, n, rank=rank)
+                g = [gi * float(n) for gi in torch.autograd.grad(ft_worker.loss_fn(params, x, y), list(params.values()))]
+                total = g if total is None else [a + b for a, b in zip(total, g)]
+                weight += n
         for p, g in zip(params.values(), total):
             p.grad = g / weight
         opt.step()
     return {k: v.detach() for k, v in params.items()}
 
 
-def test_replicated_step_survives_a_death_in_the_all_reduce_and_the_restarted_group_rejoins_bitwise(run):
-    """Replica group 1 is SIGKILLed inside the all-reduce of its 4th step (its first bucket sent);
-    group 0 loses that one step, goes on alone, and when group 1 restarts (a new process, a fresh
-    random init) it receives the live state and both end bitwise equal, where the reference ends.
-    numpy is blocked in every process: the live state must not need it (torchft's own transport does)."""
-    common = ["--mode", "replicated", "--steps", "8", "--want", "2", "--after", "3", "--pace", "0.02", "--no-numpy",
-              "--go", str(run.tmp / "go")]  # fmt: skip
-    a = run.spawn(0, 0, *common)
-    b = run.spawn(1, 0, *common, "--die-at", "4")
-    b2 = run.spawn(1, 1, *common, "--wait", str(run.tmp / "restart"))  # imports now, starts when told
-    run.until("both groups' Managers", lambda: run.has(0, 0, "up") and run.has(1, 0, "up"))
-    (run.tmp / "go").touch()
-    assert b.wait(timeout=60) == -signal.SIGKILL
-    run.until("the survivor to step on alone", lambda: any(r.get("size") == 1 and r.get("committed") for r in run.log(0, 0)))
-    (run.tmp / "restart").touch()
+def assert_replayed(final: dict, reference: dict) -> None:
+    for k, v in reference.items():
+        # float64, to rounding: fddp's SGD-with-momentum kernel and torch.optim's round the last bit
+        # differently on some steps (a lost or extra step, or another weighting, is ~1e-3 off)
+        torch.testing.assert_close(final["params"][k], v, rtol=1e-12, atol=1e-14)
+
+
+def started(run: Run, replica: int, incarnation: int) -> dict:
+    (rec,) = [r for r in run.log(replica, incarnation) if r["event"] == "started"]
+    return rec
+
+
+def committed_with(run: Run, replica: int, incarnation: int, size: int) -> bool:
+    return any(r["committed"] and r["size"] == size for r in run.steps(replica, incarnation))
+
+
+def kill_and_rejoin(run: Run, phase: str, *, die_at: int = 3, extra: tuple[str, ...] = ()) -> None:
+    """Group 0 starts and trains alone; group 1 starts a moment later, meets it, and is SIGKILLed in
+    ``phase`` of its ``die_at``-th step; restarted (a new process, a fresh random init), it rejoins.
+    A lost step is voted down on group 0 (a ``StepFailed``) and retried without group 1; the job's
+    history has no gap; both end bitwise equal, where the replay of the committed steps ends."""
+    # Group 0 runs until the last 6 steps had both groups: past the step group 1 dies in (with a
+    # death in the vote or after it, group 0 commits that step and loses the next one).
+    common = ["--steps", "12", "--want", "2", "--after", "6", "--pace", "0.03", "--no-numpy", *extra]
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    (b,) = run.spawn(1, 0, *common, "--die-at", str(die_at), "--phase", phase)
+    assert b.wait(timeout=90) == -signal.SIGKILL, run.output(b)
+    first = started(run, 1, 0)
+    assert first["step"] > 0 and first["members"] == ["replica_0", "replica_1"]  # met at once, and took the live state
+    run.until("group 0 to go on alone", lambda: run.steps(0)[-1]["committed"] and run.steps(0)[-1]["size"] == 1)
+    (b2,) = run.spawn(1, 1, *common)
     run.finish(a, b2)
 
-    steps = [r for r in run.log(0, 0) if r["event"] == "step"]
-    lost = [r for r in steps if not r["committed"]]
-    assert len(lost) == 1 and lost[0]["step"] == 3, lost  # the step group 1 died in, and only that one
-    assert "Connection closed" in lost[0]["error"] or "PeerError" in lost[0]["error"], lost[0]["error"]
-    joined = [r for r in run.log(1, 1) if r["event"] == "started"][0]
-    assert joined["step"] > 3 and joined["members"] == ["replica_0", "replica_1"]  # it took the live state mid-run
-    committed = [r for r in steps if r["committed"]]
-    assert [r["step"] for r in committed] == list(range(len(committed)))  # no step twice, none skipped
-    assert {len(r["members"]) for r in committed} == {1, 2}
+    lost = [r for r in run.steps(0) if not r["committed"]]
+    # Dead before its collectives were done (forward, all-reduce): that step is lost on group 0.
+    # Dead after them (the vote, a checkpoint save): group 0 commits it, and loses the next one
+    # only if it runs on the old quorum (no quorum between them).
+    assert (1 if phase in ("forward", "allreduce") else 0) <= len(lost) <= 2, lost
+    assert all(r["error"].startswith("StepFailed") and r["size"] == 2 for r in lost), lost  # fddp's own class, whatever gloo said
+    assert all(r["before"] == r["after"] for r in lost)  # a step that did not commit leaves the state as it was
+    rejoined = started(run, 1, 1)
+    assert rejoined["step"] > first["step"] and rejoined["members"] == ["replica_0", "replica_1"]
+    steps = history(run, [(0, 0), (1, 0), (1, 1)])
+    assert [len(r["members"]) for r in steps][:1] == [1] and {len(r["members"]) for r in steps} == {1, 2}
+    survivor = run.final(0)
+    assert_bitwise_equal(survivor, run.final(1, 1))
+    assert_replayed(survivor, replay_replicated(steps))
 
-    survivor, rejoined = run.final(0, 0), run.final(1, 1)
-    assert_bitwise_equal(survivor, rejoined)
-    reference = replay_replicated(committed)
-    for k, v in reference.items():
-        torch.testing.assert_close(survivor["params"][k], v, rtol=0, atol=0)  # the same arithmetic, to the bit
+
+def test_groups_started_apart_meet_and_a_group_killed_in_the_all_reduce_rejoins_bitwise(run):
+    """The users' way: group 0 up and training alone (min_replicas=1), group 1 started seconds later
+    meets it at its next quorum (quorums every 3 steps here), dies inside an all-reduce, restarts
+    and rejoins. numpy is blocked in every process: the live state must not need it."""
+    kill_and_rejoin(run, "allreduce", extra=("--quorum-every", "3"))
+
+
+@slow
+@pytest.mark.parametrize("phase", ["forward", "vote", "save"])
+def test_a_group_killed_in_any_phase_of_a_step_rejoins_bitwise(run, phase):
+    kill_and_rejoin(run, phase, extra=("--save-every", "1") if phase == "save" else ())
+
+
+@slow
+def test_a_group_killed_while_it_receives_the_live_state_rejoins_on_its_restart(run):
+    """The joiner dies inside the transfer of a peer's state (the heal); the survivor's step is
+    voted down (or its quorum is), it goes on alone, and the joiner's next incarnation heals."""
+    common = ["--steps", "12", "--want", "2", "--after", "3", "--pace", "0.03"]
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    (b,) = run.spawn(1, 0, *common, "--die-at", "1", "--phase", "heal")
+    assert b.wait(timeout=90) == -signal.SIGKILL, run.output(b)
+    (b2,) = run.spawn(1, 1, *common)
+    run.finish(a, b2)
+    steps = history(run, [(0, 0), (1, 1)])
+    assert_bitwise_equal(run.final(0), run.final(1, 1))
+    assert_replayed(run.final(0), replay_replicated(steps))
+
+
+def test_a_group_started_after_every_holder_of_the_state_left_refuses_to_start_the_job_over(run):
+    """The issue's trial: group 0 trains and leaves (its run is over, or it died) before group 1 is
+    up. torchft would let group 1 start the job over from its own random initialisation (a second
+    model under the same job, in quorums of one). fddp refuses, on group 1, with StateLostError."""
+    (a,) = run.spawn(0, 0, "--steps", "4")
+    run.finish(a)
+    (b,) = run.spawn(1, 0, "--steps", "4")
+    run.finish(b, rc=3)
+    e = run.error(1)
+    assert e["kind"] == "StateLostError" and "holds the job's state" in e["error"], e
+    assert not run.steps(1)  # it committed nothing
+
+
+@pytest.mark.parametrize("change", ["--hidden=17", pytest.param("--dtype=float32", marks=slow), pytest.param("--lr=0.1", marks=slow)])
+def test_a_joiner_that_does_not_fit_is_refused_naming_the_difference_and_the_survivor_goes_on(run, change):
+    """A restarted group with another model (hidden size 17, not 16), another dtype, or another
+    optimizer setting is refused with MismatchError naming what differs; group 0 is untouched: its
+    steps are the replay's, in quorums of one (the joiner never took part)."""
+    common = ["--steps", "8", "--pace", "0.03"]
+    (a,) = run.spawn(0, 0, *common, "--until", str(run.tmp / "done"))
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    (b,) = run.spawn(1, 0, *common, change)
+    run.finish(b, rc=3)
+    (run.tmp / "done").touch()
+    run.finish(a)
+    e = run.error(1)
+    assert e["kind"] == "MismatchError" and "does not fit the job" in e["error"], e
+    expected = {"--hidden=17": "'params/w1': replica_0 (the job's) has tensor shape=(16, 8)",
+                "--dtype=float32": "dtype=torch.float64", "--lr=0.1": "option config"}[change]  # fmt: skip
+    assert expected in e["error"], e["error"]
+    steps = history(run, [(0, 0)])
+    assert {len(r["members"]) for r in steps} == {1}
+    assert_replayed(run.final(0), replay_replicated(steps))
 
 
 def replay_diloco(run: Run, syncs: list[dict], replicas: int) -> dict:
@@ -300,20 +437,19 @@ def replay_diloco(run: Run, syncs: list[dict], replicas: int) -> dict:
 
 
 def test_diloco_takes_a_quorum_only_to_synchronise_and_a_restarted_group_joins_at_the_next_one(run):
-    """DiLoCo every 3 inner steps: group 1 is SIGKILLed inside the all-reduce of its 3rd
-    synchronisation; group 0's synchronisation fails once and goes on; group 1 restarts, waits for
-    group 0's next synchronisation, takes part in it with weight 0 (it trained on nothing), and both
-    end bitwise equal, where the replay of the committed rounds ends."""
-    common = ["--mode", "diloco", "--every", "3", "--steps", "6", "--want", "2", "--after", "3", "--pace", "0.02",
-              "--go", str(run.tmp / "go")]  # fmt: skip
-    a = run.spawn(0, 0, *common)
-    b = run.spawn(1, 0, *common, "--die-at", "3")
-    b2 = run.spawn(1, 1, *common, "--wait", str(run.tmp / "restart"))
-    run.until("both groups' Managers", lambda: run.has(0, 0, "up") and run.has(1, 0, "up"))
-    (run.tmp / "go").touch()
-    assert b.wait(timeout=60) == -signal.SIGKILL
-    (run.tmp / "restart").touch()
+    """DiLoCo every 3 inner steps: group 0 starts alone; group 1 joins it at a synchronisation and is
+    SIGKILLed inside the all-reduce of the next; group 0's synchronisation fails once and goes on; group 1 restarts, waits for
+    group 0's next synchronisation, takes part in it with weight 0 (it trained on nothing), takes a
+    peer's inner optimizer state, and both end bitwise equal, where the replay of the committed
+    rounds ends."""
+    common = ["--mode", "diloco", "--every", "3", "--steps", "8", "--want", "2", "--after", "3", "--pace", "0.03"]
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to synchronise alone", lambda: run.has(0, 0, "sync"))
+    (b,) = run.spawn(1, 0, *common, "--die-at", "2")
+    assert b.wait(timeout=90) == -signal.SIGKILL, run.output(b)
+    (b2,) = run.spawn(1, 1, *common)
     run.finish(a, b2)
+    assert started(run, 1, 1)["members"] == ["replica_0", "replica_1"]
 
     syncs = [r for r in run.log(0, 0) if r["event"] == "sync"]
     failed = [r for r in syncs if r["after"] == r["before"]]
@@ -322,7 +458,7 @@ def test_diloco_takes_a_quorum_only_to_synchronise_and_a_restarted_group_joins_a
     inner = [r for r in run.log(0, 0) if r["event"] == "inner"]
     assert len(inner) == 3 * len(syncs) - len(failed) * 2  # a retry is one inner step later, not a lost round
     survivor, rejoined = run.final(0, 0), run.final(1, 1)
-    assert_bitwise_equal(survivor, rejoined)
+    assert_bitwise_equal(survivor, rejoined)  # the inner optimizer's state too: the joiner took the peer's
     reference = replay_diloco(run, committed, 2)
     for k, v in reference.items():
         # float64, to rounding: fddp's fused Nesterov kernel orders its operations unlike torch.optim's
@@ -330,19 +466,136 @@ def test_diloco_takes_a_quorum_only_to_synchronise_and_a_restarted_group_joins_a
         assert torch.equal(survivor["params"][k], survivor["snapshot"][k])
 
 
-def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_the_merge(run):
+@slow
+def test_a_group_stopped_past_the_heartbeat_timeout_comes_back_behind_and_is_healed(run):
+    """SIGSTOP group 1 for 3 s (heartbeat timeout 1 s): group 0's step times out or fails, it goes on
+    alone; SIGCONT: group 1 meets group 0 at its next quorum, behind, and takes its state. If group
+    1 was stopped with its side of an all-reduce complete, it commits that step while group 0 votes
+    it down (torchft's vote is per group): the check sees the step group 0 never committed, names
+    the split and heals it."""
+    done = run.tmp / "done"
+    common = ["--steps", "10", "--pace", "0.03", "--timeout", "2", "--until", str(done)]
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    (b,) = run.spawn(1, 0, *common)
+    run.until("the groups to meet", lambda: committed_with(run, 1, 0, 2))
+    b.send_signal(signal.SIGSTOP)
+    stopped = len(run.steps(0))
+    time.sleep(3.0)
+    b.send_signal(signal.SIGCONT)
+    resumed = time.time()
+    run.until("them to meet again", lambda: sum(r["committed"] and r["size"] == 2 and r["t0"] > resumed for r in run.steps(1)) >= 3)
+    done.write_text(str(run.steps(0)[-1]["step"] + 10))  # both stop there
+    run.finish(a, b)
+    assert any(r["committed"] and r["size"] == 1 for r in run.steps(0)[stopped:])  # group 0 went on alone
+    steps = history(run, [(0, 0), (1, 0)], lineage=[(0, 0)])  # group 0 was there throughout: its history is the job's
+    mine = {r["step"]: r["members"] for r in steps}
+    apart = [r for r in run.steps(1) if r["committed"] and mine.get(r["step"]) != r["members"]]
+    if apart:  # stopped after its all-reduce had completed on its side only: it committed a step group 0 voted down
+        assert "committed steps apart" in Path(run.outputs[a]).read_text() + Path(run.outputs[b]).read_text(), apart
+    assert_bitwise_equal(run.final(0), run.final(1))
+    assert_replayed(run.final(0), replay_replicated(steps))
+
+
+@slow
+def test_three_groups_two_killed_at_once_rejoin_together(run):
+    """Three groups; groups 1 and 2 are SIGKILLed at the same moment; both restart at once and heal
+    from group 0; all three end bitwise equal, where the replay ends."""
+    common = ["--steps", "14", "--want", "3", "--after", "3", "--pace", "0.03"]
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    b, c = run.spawn(1, 0, *common)[0], run.spawn(2, 0, *common)[0]
+    run.until("the three to meet", lambda: committed_with(run, 0, 0, 3))
+    b.kill()
+    c.kill()
+    run.until("group 0 to go on alone", lambda: run.steps(0)[-1]["committed"] and run.steps(0)[-1]["size"] == 1)
+    b2, c2 = run.spawn(1, 1, *common)[0], run.spawn(2, 1, *common)[0]
+    run.finish(a, b2, c2)
+    steps = history(run, [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1)])
+    assert {len(r["members"]) for r in steps} >= {1, 3}
+    for r in (1, 2):
+        assert_bitwise_equal(run.final(0), run.final(r, 1))
+    assert_replayed(run.final(0), replay_replicated(steps))
+
+
+@slow
+def test_two_groups_of_two_ranks_one_rank_killed_in_the_all_reduce(run):
+    """Groups of two ranks (the gradient averaged inside the group, then across the groups): rank 1
+    of group 1 dies inside the cross-group all-reduce; its group is gone (torchrun would stop the
+    other rank: the test does), group 0's step fails on both its ranks, it goes on alone; group 1
+    restarts (both ranks) and heals rank by rank. Every rank ends bitwise equal to its peer rank
+    of the other group, and the two ranks of a group alike, where the replay of all four ranks'
+    batches ends."""
+    common = ["--steps", "12", "--want", "2", "--after", "3", "--pace", "0.03"]
+    a = run.spawn(0, 0, *common, ranks=2)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    b = run.spawn(1, 0, *common, ranks=2)
+    run.until("the groups to meet", lambda: committed_with(run, 0, 0, 2))
+    b[1].kill()
+    b[0].kill()
+    run.until("group 0 to go on alone", lambda: run.steps(0)[-1]["committed"] and run.steps(0)[-1]["size"] == 1)
+    b2 = run.spawn(1, 1, *common, ranks=2)
+    run.finish(*a, *b2)
+    steps = history(run, [(0, 0), (1, 0), (1, 1)])
+    for rank in (0, 1):
+        assert_bitwise_equal(run.final(0, 0, rank), run.final(1, 1, rank))
+    assert_bitwise_equal(run.final(0, 0, 0), run.final(0, 0, 1))
+    assert_replayed(run.final(0), replay_replicated(steps, ranks=2))
+
+
+@slow
+def test_zero_stage_2_inside_each_replica_group_survives_a_dead_group(run):
+    """ZeRO-2 inside each group of two ranks (fddp.zero.shard, ReduceScatter), fault tolerance across
+    the groups: rank i of every group holds the same slices and averages their gradients with its
+    peers. Group 1 is SIGKILLed (both ranks) and restarted: each of its ranks takes its peer rank's
+    slices and optimizer state. The gathered parameters equal the replicated replay; rank i of
+    group 1 holds what rank i of group 0 holds, to the bit."""
+    common = ["--mode", "zero2", "--steps", "12", "--want", "2", "--after", "3", "--pace", "0.03"]
+    a = run.spawn(0, 0, *common, ranks=2)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    b = run.spawn(1, 0, *common, ranks=2)
+    run.until("the groups to meet", lambda: committed_with(run, 0, 0, 2))
+    for p in b:
+        p.kill()
+    run.until("group 0 to go on alone", lambda: run.steps(0)[-1]["committed"] and run.steps(0)[-1]["size"] == 1)
+    b2 = run.spawn(1, 1, *common, ranks=2)
+    run.finish(*a, *b2)
+    steps = history(run, [(0, 0), (1, 0), (1, 1)])
+    assert {len(r["members"]) for r in steps} == {1, 2}
+    for rank in (0, 1):
+        assert_bitwise_equal(run.final(0, 0, rank), run.final(1, 1, rank))
+    assert not all(torch.equal(x, y) for x, y in zip(run.final(0, 0, 0)["opt"], run.final(0, 0, 1)["opt"]))  # slices: rank's own
+    assert_replayed(run.final(0), replay_replicated(steps, ranks=2))
+
+
+@slow
+def test_a_group_that_commits_alone_past_the_bound_warns_on_every_such_step(run):
+    """warn_alone_after=0.5 s: every step committed alone after the first half second warns, and none before."""
+    (a,) = run.spawn(0, 0, "--steps", "30", "--pace", "0.05", "--warn-alone-after", "0.5")
+    run.finish(a)
+    steps = run.steps(0)
+    warned = run.outputs[a].read_text().count("committed step")
+    late = [r for r in steps if r["t1"] - steps[0]["t1"] > 0.7]
+    assert warned >= len(late) > 5 and warned < len(steps), (warned, len(late), len(steps))
+
+
+@slow
+@pytest.mark.parametrize("on_divergence", ["heal", "raise"])
+def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_the_merge(run, on_divergence):
     """torchft 0.2.0 lets two groups that each committed steps alone (a Lighthouse restarted with
-    min_replicas=1 while one was unreachable) merge at equal step numbers with different states.
-    Here: the Lighthouse restarts, group 1 is stopped (SIGSTOP) while group 0 commits steps 10-19
-    alone, then group 0 is stopped while group 1 commits its own 10-19; at step 21 they merge (or a
-    step or two later, when group 0's Manager is slow to come back and group 1 goes on alone), the
-    check finds different checksums, the group behind (at equal steps, group 1) takes the other's
-    state, and they end bitwise equal."""
-    common = ["--mode", "replicated", "--steps", "25", "--pace", "0.02", "--timeout", "2", "--go", str(run.tmp / "go"),
-              "--pause", f"10:{run.tmp / 'p1'}", "--pause", f"20:{run.tmp / 'p2'}"]  # fmt: skip
-    a, b = run.spawn(0, 0, *common), run.spawn(1, 0, *common)
-    run.until("both groups' Managers", lambda: run.has(0, 0, "up") and run.has(1, 0, "up"))
-    (run.tmp / "go").touch()
+    min_replicas=1 while one was unreachable) merge with different states, healing the one with fewer
+    steps silently. Here: the Lighthouse restarts, group 1 is stopped (SIGSTOP) while group 0 commits
+    steps 10-19 alone, then group 0 is stopped while group 1 commits its own 10-19; at the merge the
+    check finds that their histories split: the one behind (at equal steps, group 1) takes the
+    other's state with a warning naming the split, and they end bitwise equal; with
+    on_divergence="raise", both raise DivergedError there."""
+    common = ["--on-divergence", on_divergence, "--steps", "25", "--pace", "0.02", "--timeout", "2",
+              "--pause", f"3:{run.tmp / 'p0'}", "--pause", f"10:{run.tmp / 'p1'}", "--pause", f"20:{run.tmp / 'p2'}"]  # fmt: skip
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    (b,) = run.spawn(1, 0, *common)
+    run.until("group 1 up", lambda: run.has(1, 0, "up"))
+    (run.tmp / "p0").touch()  # group 0 asks for its next quorum: group 1 is in it (a paused group takes none)
 
     def paused(r: int, step: int) -> bool:
         return any(e["event"] == "paused" and e["step"] == step for e in run.log(r))
@@ -358,22 +611,24 @@ def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_th
     run.until("group 1 alone at step 20", lambda: paused(1, 20))
     a.send_signal(signal.SIGCONT)
     (run.tmp / "p2").touch()
+    if on_divergence == "raise":
+        run.finish(a, b, rc=3)
+        for r in (0, 1):
+            e = run.error(r)
+            assert e["kind"] == "DivergedError" and "committed steps apart" in e["error"], e
+        return
     run.finish(a, b)
 
-    logs = [[e for e in run.log(r) if e["event"] == "step"] for r in (0, 1)]
-    alones = [[e["step"] for e in log if e["committed"] and e["size"] == 1] for log in logs]
-    for alone in alones:  # each committed steps 10..20 alone: the split the check must heal
+    logs = [run.steps(r) for r in (0, 1)]
+    alones = [[e["step"] for e in log if e["committed"] and e["size"] == 1 and e["step"] >= 10] for log in logs]
+    for alone in alones:  # each committed steps 10..20 alone: the split the check must see
         # (one may commit a step or two more alone while the other's Manager comes back from SIGSTOP)
         assert alone[:11] == list(range(10, 21)) and alone == list(range(10, 10 + len(alone))), alone
     merged = [next(e for e in log if e["committed"] and e["size"] == 2 and e["step"] > 20) for log in logs]
-    # Each merges at the step after its last one alone (a group that heals logs the step it was at).
-    assert [m["step"] for m in merged] == [10 + len(a) for a in alones], (merged, alones)
     # The group with fewer steps takes the other's state; at equal steps group 1 takes group 0's (the lowest rank's).
     behind = 0 if len(alones[0]) < len(alones[1]) else 1
     assert [m["healed"] for m in merged] == [r == behind for r in (0, 1)], (merged, alones)
-    if len(alones[0]) == len(alones[1]):  # equal steps, different states: only fddp's check sees it (torchft does not)
-        assert "diverged" in (run.tmp / "out-1-0.txt").read_text()
-    # (a group a step behind is healed by torchft's own recovery, as a late joiner is)
+    assert "committed steps apart" in run.output(a) + run.output(b)  # never silent, whichever way it merged
     assert_bitwise_equal(run.final(0), run.final(1))
     for r in (0, 1):  # several epochs each (the split, the merge), and one quorum store left open: the last
         (done,) = [e for e in run.log(r) if e["event"] == "done"]
@@ -382,19 +637,21 @@ def test_a_lighthouse_restart_that_lets_each_group_commit_alone_heals_them_at_th
 
 def test_the_example_trains_on_its_replica_groups(tmp_path):
     """examples/fault_tolerant.py as the docs launch it, under torchrun with the Lighthouse's address in
-    the environment (here one replica group, every step and then DiLoCo): it joins, trains, finishes."""
-    lh = fddp.ft.lighthouse(min_replicas=1, join_timeout=5.0, heartbeat_timeout=1.0)
-    try:
-        example = Path(__file__).resolve().parent.parent / "examples" / "fault_tolerant.py"
-        env = {**os.environ, "TORCHFT_LIGHTHOUSE": lh.address, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        for extra in ([], ["--diloco", "10"]):
+    the environment (here one replica group, every step and then DiLoCo): it joins, trains, finishes.
+    One Lighthouse per job: it is the job's memory."""
+    example = Path(__file__).resolve().parent.parent / "examples" / "fault_tolerant.py"
+    for extra in ([], ["--diloco", "10"]):
+        lh = fddp.ft.lighthouse(min_replicas=1, join_timeout=5.0, heartbeat_timeout=1.0)
+        try:
+            env = {**os.environ, "TORCHFT_LIGHTHOUSE": lh.address, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(example),
                    "--steps", "40", "--log-every", "20", *extra]  # fmt: skip
             proc = subprocess.run(cmd, env={**env, "REPLICA_GROUP_ID": "0"}, capture_output=True, text=True, timeout=180)
-            assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("[0]")]
-            assert "joined" in lines[0] and "done" in lines[-1], proc.stdout
-            accuracy = float(lines[-1].split("test accuracy ")[1].split()[0])
-            assert accuracy > 0.5, proc.stdout  # chance is 0.1: it trained
-    finally:
-        lh.shutdown()
+        finally:
+            lh.shutdown()
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("[0]")]
+        assert "joined" in lines[0] and "done" in lines[-1], proc.stdout
+        accuracy = float(lines[-1].split("test accuracy ")[1].split()[0])
+        assert accuracy > 0.5, proc.stdout  # chance is 0.1: it trained
+        assert "[INFO]" not in proc.stderr, proc.stderr[-2000:]  # torchft's lines are quiet by default

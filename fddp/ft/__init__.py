@@ -13,13 +13,18 @@ Needs ``pip install "fddp[ft]"`` (torchft). The Lighthouse: ``torchft_lighthouse
 
 Example:
     >>> replicas = fddp.ft.Replicas(min_replicas=1)    # $TORCHFT_LIGHTHOUSE, $REPLICA_GROUP_ID
-    >>> state = replicas.start({"params": params, "opt": opt.init(params)})
+    >>> state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt})
     >>> for x, y in batches:
     ...     state, loss = replicas.step(train_step, state, x, y)   # train_step uses group=replicas.group
 """
 
-from fddp.ft._lighthouse import Lighthouse, lighthouse
-from fddp.ft._outer import FaultTolerantOuter
-from fddp.ft._replicas import DivergedError, Quorum, Replicas, StepInfo
+from fddp.ft._logs import quiet_torchft
 
-__all__ = ["DivergedError", "FaultTolerantOuter", "Lighthouse", "Quorum", "Replicas", "StepInfo", "lighthouse"]
+quiet_torchft()  # before torchft is imported: its Rust core reads RUST_LOG once, at import
+
+from fddp.ft._lighthouse import Lighthouse, lighthouse  # noqa: E402
+from fddp.ft._outer import FaultTolerantOuter  # noqa: E402
+from fddp.ft._replicas import DivergedError, Quorum, Replicas, StateLostError, StepFailed, StepInfo  # noqa: E402
+
+__all__ = ["DivergedError", "FaultTolerantOuter", "Lighthouse", "Quorum", "Replicas", "StateLostError", "StepFailed", "StepInfo",
+           "lighthouse"]  # fmt: skip

@@ -43,7 +43,7 @@ class FaultTolerantOuter:
         >>> params, state, inner_state = outer.start(params, inner_state=inner.init(params))
         >>> for x, y in batches:
         ...     params, inner_state = inner_step(params, inner_state, x, y)   # local: no communication
-        ...     params, state = outer.step(params, state, weight=len(x), inner_state=inner_state)
+        ...     params, state, inner_state = outer.step(params, state, weight=len(x), inner_state=inner_state)
     """
 
     def __init__(self, replicas: Replicas, outer: DiLoCo) -> None:
@@ -63,90 +63,112 @@ class FaultTolerantOuter:
             )
         self.replicas, self.outer = replicas, outer
 
-    def start(self, params: Any, /, *, inner_state: Any = None) -> tuple:
+    def _config(self, config: Any) -> dict:
+        """What every group must share: the outer step's settings (the optimizer by value) and the user's."""
+        o = self.outer
+        fields = ("every", "fragments", "delay", "mixing", "compression", "shard", "warmup", "optimizer")
+        return {"outer": {f: getattr(o, f) for f in fields}, "user": config}
+
+    def start(self, params: Any, /, *, inner_state: Any = None, config: Any = None) -> tuple:
         """Join the job; return the parameters and the outer state to train from.
 
         When the job starts, every group takes one group's parameters. A group that joins later
         waits for the others' next synchronisation (up to the Manager's ``quorum_timeout``), takes
-        part in it with weight 0, and starts from its result, as they do.
+        part in it with weight 0, and starts from its result, as they do. A group whose parameters'
+        tree, shapes or dtypes, inner state, outer settings or ``config`` differ from the job's is
+        refused (:class:`fddp.MismatchError` naming the difference); the others go on.
 
         Args:
             params: this group's initial parameters.
             inner_state: this group's inner optimizer state, to be replaced by a peer's when this
                 group joins late (its step count drives a learning-rate schedule: a fresh one would
                 start the schedule over); pass the same to :meth:`step`.
+            config: what else the groups must share, compared by value (the inner optimizer:
+                ``{"inner": inner}``); the outer step's own settings are always compared.
 
         Returns:
             ``(params, state)``, or ``(params, state, inner_state)`` when ``inner_state`` is given.
 
         Example:
-            >>> params, state, inner_state = outer.start(params, inner_state=inner.init(params))
+            >>> params, state, inner_state = outer.start(params, inner_state=inner.init(params), config={"inner": inner})
         """
+        replicas = self.replicas
         state = self.outer.init(params)
         mine = (state, inner_state)
-        self.replicas._like_state = mine
-        committed, healed, intents, _ = self.replicas._quorum(mine, _replicated, 0)
-        if max(intents) > 0:  # the others are synchronising: join their synchronisation
-            params, state = self._join(committed, max(intents))
-        else:
-            self.replicas.manager.should_commit()  # the start counts as a step: a group that joins later is behind
-            self.replicas._committed = committed
-            state = committed[0]
-            if healed:
-                params = _copy(state.snapshot)
-        return (params, state) if inner_state is None else (params, state, committed[1])
+        replicas._set_run(mine, self._config(config), 0)
+        while True:
+            committed, healed, intents, _ = replicas._quorum(mine, _replicated, 0)
+            if max(intents) > 0:  # the others are synchronising: join their synchronisation
+                return self._out(*self._join(committed, max(intents)), inner_state is not None)
+            replicas._committed = committed
+            # The start counts as a step (a group that joins later is then behind and takes the
+            # state); it is committed only if the vote passes, like any step.
+            ok, _, _ = replicas._voted(lambda: None, "a replica group failed while the job started")
+            if ok:
+                break
+            mine = committed
+        state, inner = committed
+        if healed:
+            params = _copy(state.snapshot)
+        return self._out(params, state, inner, inner_state is not None)
 
-    def step(self, params: Any, state: DiLoCoState, /, *, weight: float | torch.Tensor = 1.0,
-             inner_state: Any = None) -> tuple[Any, DiLoCoState]:  # fmt: skip
+    @staticmethod
+    def _out(params: Any, state: DiLoCoState, inner: Any, with_inner: bool) -> tuple:
+        return (params, state, inner) if with_inner else (params, state)
+
+    def step(self, params: Any, state: DiLoCoState, /, *, weight: float | torch.Tensor = 1.0, inner_state: Any = None) -> tuple:
         """Count one inner step; at a synchronisation, run it as a fault-tolerant step.
 
         Between synchronisations this is ``outer.step(params, state, weight=weight)``: no quorum, no
         communication. At a synchronisation: the quorum (a group that joins receives the last
         synchronised state now, and this group's ``inner_state``), the outer step on the groups of
         the quorum, the vote. If a member fails during it, the inputs come back as they were (the
-        weight counted) and the next call synchronises again with the groups that are left.
+        weight counted) and the next call synchronises again with the groups that are left. If
+        this group was behind (it joined, or missed a synchronisation), it takes the others' last
+        synchronised state and a peer's inner optimizer state, and returns that inner state.
 
         Args:
             params: this group's parameters after its inner step.
             state: the outer state (from :meth:`start` or the previous call).
             weight: this inner step's weight (its sample count): the mean pseudo-gradient is
                 weighted by what each group trained on since the last synchronisation.
-            inner_state: this group's inner optimizer state, for a group that joins now (see
-                :meth:`start`); not modified.
+            inner_state: this group's inner optimizer state (see :meth:`start`); not modified.
 
         Returns:
-            ``(params, state)``.
+            ``(params, state)``, or ``(params, state, inner_state)`` when ``inner_state`` is given:
+            the inner state to go on with (a peer's when this group took the others' state).
 
         Example:
-            >>> params, state = outer.step(params, state, weight=len(x), inner_state=inner_state)
+            >>> params, state, inner_state = outer.step(params, state, weight=len(x), inner_state=inner_state)
         """
+        with_inner = inner_state is not None
         t = int(state.count) + 1
         if t % self.outer.every:
-            return self.outer.step(params, state, weight=weight)
+            return self._out(*self.outer.step(params, state, weight=weight), inner_state, with_inner)
         last = (self.replicas._committed[0], inner_state)  # a joiner gets this group's inner state as it is now
         self.replicas._committed = last
         committed, healed, intents, _ = self.replicas._quorum(last, _replicated, t)
         if healed or max(intents) > t:  # this group fell behind: its round is lost, take the others'
-            return self._join(committed, max(intents))
-        return self._sync(params, state, weight, inner_state)
+            return self._out(*self._join(committed, max(intents)), with_inner)
+        return self._out(*self._sync(params, state, weight, inner_state), with_inner)
 
-    def _join(self, committed: tuple, t: int) -> tuple[Any, DiLoCoState]:
+    def _join(self, committed: tuple, t: int) -> tuple[Any, DiLoCoState, Any]:
         """Take part in the others' synchronisation at count ``t`` from their last synchronised state."""
         last, inner = committed
         state = last._replace(count=torch.tensor(t - 1, dtype=torch.int64),
                               weight=tuple(torch.zeros((), dtype=torch.float64) for _ in last.weight))  # fmt: skip
         return self._sync(_copy(last.snapshot), state, 0.0, inner)
 
-    def _sync(self, params: Any, state: DiLoCoState, weight: Any, inner_state: Any) -> tuple[Any, DiLoCoState]:
+    def _sync(self, params: Any, state: DiLoCoState, weight: Any, inner_state: Any) -> tuple[Any, DiLoCoState, Any]:
         replicas = self.replicas
         committed, result, _ = replicas._voted(lambda: self.outer.step(params, state, weight=weight),
                                                "a replica group of this synchronisation's quorum failed")  # fmt: skip
         if committed:
             new_params, new_state = result
             replicas._committed = (new_state, inner_state)
-            return new_params, new_state
+            return new_params, new_state, inner_state
         w = torch.as_tensor(weight, dtype=torch.float64).reshape(())
-        return params, state._replace(weight=tuple(a + w for a in state.weight))
+        return params, state._replace(weight=tuple(a + w for a in state.weight)), inner_state
 
 
 def _copy(tree: Any) -> Any:

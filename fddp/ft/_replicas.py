@@ -3,23 +3,31 @@
 torchft does the membership: a Lighthouse forms a *quorum* of the live replica groups, a Manager
 per group asks it for one, reconfigures a gloo process group across the quorum's members when it
 changes, moves the live state to the groups that are behind (through
-:class:`fddp.ft._transport.GroupTransport`), and takes a vote on every step (``should_commit``).
-fddp adds what a pure step makes possible and what torchft leaves to its user:
+:class:`fddp.ft._transport.GroupTransport`), and takes each group's vote on a step
+(``should_commit``). fddp adds what a pure step makes possible and what torchft leaves to its user:
 
 - every quorum change starts a membership *epoch* of the group in ``fddp._dist`` (fresh call
   numbers and checks, rank and world size from the quorum, an error channel on the quorum's store),
   so fddp's agreement and failure reporting work across the members of each quorum;
-- right after a change, the members compare their committed step and a checksum of the replicated
-  state (one all-gather): replicas that differ at the same step (a Lighthouse restart that let each
-  group commit alone) are healed from one of them, or stop with :class:`DivergedError`, never left
-  apart;
+- right after a change, the members compare (one all-gather) what each holds: its committed step,
+  a checksum of the replicated state, a digest of its *history* (the members of every quorum it
+  committed in), whether it holds the job's state at all, and a digest of its configuration (the
+  state's tree, shapes and dtypes, and what the user passed as ``config``). A member whose
+  configuration differs from the job's is refused, naming the difference; replicas that committed
+  apart are healed from one of them or stop with :class:`DivergedError`; members that hold none of
+  a job that has run before stop with :class:`StateLostError`. Nothing is left apart silently;
 - a step is a function from state to state: when the vote fails (a member died during it) the
-  inputs are returned as they were, and the next quorum goes on without the dead group.
+  inputs are returned as they were, and the next quorum goes on without the dead group;
+- quorums are taken every ``quorum_every`` committed steps (and after any failure), on a thread
+  while the caller fetches its next batch, never inside a step: a membership change cannot land in
+  the middle of a step's collectives.
 """
 
 from __future__ import annotations
 
+import ast
 import datetime
+import importlib.metadata
 import itertools
 import logging
 import os
@@ -34,11 +42,12 @@ import torch.distributed as dist
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
-from fddp import _dist
+from fddp import _dist, _tree
+from fddp.diloco._plan import describe  # the run's configuration, described as DiLoCo's agreement does
 from fddp.ft._store import BoundedStore
 from fddp.ft._transport import GroupTransport, TransferError
 
-__all__ = ["Replicas", "StepInfo", "DivergedError", "Quorum"]
+__all__ = ["Replicas", "StepInfo", "StepFailed", "DivergedError", "StateLostError", "Quorum"]
 
 log = logging.getLogger("fddp.ft")
 
@@ -46,20 +55,55 @@ _KEY = "fddp"  # the Manager's name for our state
 _NAME_WORDS = 8  # a member's replica id travels in the quorum check as this many int64 words (64 bytes)
 _MASK = (1 << 62) - 1
 _STORE_DEADLINE_S = 1.0  # a channel read that takes longer: the store's host hangs (see fddp.ft._store)
+_RING = 8192  # committed steps whose history digest a group remembers (to judge a member that is behind)
+# The quorum check's row: one int64 each, then the replica id's words.
+_STEP, _SUM, _INTENT, _BAD, _PRE, _HIST, _HOLDS, _SPEC = range(8)
+_FIELDS = 8
 _instances = itertools.count()
+_TORCHFT = importlib.metadata.version("torchft")
 
 
 class DivergedError(RuntimeError):
-    """Replica groups of one quorum hold different states at the same committed step.
+    """Replica groups of one job committed different steps apart (their histories split).
 
-    Raised on every member, by :class:`Replicas` made with ``on_divergence="raise"``, when the
-    check that follows every quorum change finds it (the default heals them from the member with
-    the lowest rank in the quorum instead). The usual cause is a Lighthouse that restarted while
-    ``min_replicas`` let a group commit steps alone.
+    Raised on every member, by :class:`Replicas` made with ``on_divergence="raise"``, at the first
+    quorum the groups meet in after committing apart: the same step count with different states,
+    or a group that is behind but committed steps the others never saw. (The default,
+    ``on_divergence="heal"``, gives every member the state of the one with the most committed
+    steps, the lowest rank among equals, with a warning naming what was dropped.) The usual cause
+    is a ``min_replicas`` that let groups commit alone while they could not reach each other: a
+    Lighthouse restart, a group stopped past the heartbeat timeout.
     """
 
 
 DivergedError.__module__ = "fddp.ft"
+
+
+class StateLostError(RuntimeError):
+    """No live replica group holds the job's state, and the job has run before.
+
+    Raised on every member of a quorum in which no group has committed a step nor took part in
+    the job's first quorum, when the Lighthouse has formed quorums before (its quorum id is past
+    1): every group that held the state is gone, and starting over from these groups' own initial
+    states would make a second model under the same job. Resume from a checkpoint
+    (``replicas.start(state, step=n)`` with the checkpoint's state and committed step count), or
+    start a new Lighthouse for a new job.
+    """
+
+
+StateLostError.__module__ = "fddp.ft"
+
+
+class StepFailed(RuntimeError):
+    """A step (or a DiLoCo synchronisation) was not committed: a member of its quorum failed or was
+    lost during it or during its vote, or the quorum could not be used. The state is as it was
+    before the step; the next step takes a quorum without the lost member. ``__cause__`` is the
+    failure as this group saw it (gloo's lost connection, a peer's :class:`fddp.PeerError`, a
+    timeout), whose wording depends on where the member died.
+    """
+
+
+StepFailed.__module__ = "fddp.ft"
 
 
 class Quorum(NamedTuple):
@@ -93,8 +137,10 @@ class StepInfo(NamedTuple):
         size: the number of replica groups in the step's quorum.
         members: their replica ids, by rank.
         healed: this group received a peer's state before the step (it joined or was behind).
-        quorum_s: seconds spent waiting for the quorum and its checks.
-        error: the exception that failed the step on this group (``None`` when committed).
+        quorum_s: seconds spent waiting for the quorum and its checks (0 when the step ran on the
+            previous step's quorum).
+        error: why the step was not committed (``None`` when committed): a :class:`StepFailed`
+            whose ``__cause__`` is the failure as this group saw it.
 
     Example:
         >>> state, loss, info = replicas.step(train_step, state, x, y, return_info=True)
@@ -161,7 +207,12 @@ def _seconds(x: float | datetime.timedelta) -> datetime.timedelta:
 
 
 def _transient(e: BaseException) -> bool:
-    """Whether ``e`` says a peer or the link failed (the quorum will change), not this group's own bug."""
+    """Whether ``e`` says a peer or the link failed (the quorum will change), not this group's own bug.
+
+    Decided by class: fddp's own :class:`fddp.PeerError` and :class:`TransferError`, torch's
+    ``DistError`` family, timeouts and connection errors. gloo reports a peer lost mid-collective as
+    a plain ``RuntimeError``; those are recognised by gloo's wording, the only place it is read.
+    """
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -183,6 +234,27 @@ def state_checksum(tree: Any) -> int:
     return total
 
 
+def describe_run(state: Any, config: Any = None) -> list[tuple]:
+    """What a joining group must share with the job: every node and leaf of ``state`` (structure,
+    shapes, dtypes; not the values, nor the value of a number) and ``config`` by value (optimizers
+    by their settings: :func:`fddp.diloco._plan.describe`).
+
+    Example:
+        >>> describe_run({"w": torch.zeros(2)}, {"lr": 0.1})
+        [('<root>', 'dict', ('w',)), ('w', 'tensor shape=(2,) dtype=torch.float32 device=cpu', None), ('option config', '{...}', None)]
+    """
+    rows = [tuple(r) for r in _tree.structure_rows(state)]
+    if config is not None:
+        rows.append(("option config", describe(config), None))
+    return rows
+
+
+def _advance(history: int, step: int, members: tuple[str, ...]) -> int:
+    """The history digest after committing step ``step`` in a quorum of ``members``: two groups have
+    the same digest at a step exactly when they committed every step up to it in the same quorums."""
+    return _dist.digest((history, step, tuple(sorted(members))))
+
+
 def _name_words(name: str) -> list[int]:
     raw = name.encode()[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b"\0")
     return [int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True) for i in range(_NAME_WORDS)]
@@ -198,7 +270,8 @@ class Replicas:
 
     Make one per process, after ``torch.distributed`` is initialised for the replica group (one
     ``torchrun`` per group: the group's own store is torchrun's). The Lighthouse must be running
-    (``torchft_lighthouse``, or :func:`fddp.ft.lighthouse` in-process).
+    (``torchft_lighthouse``, or :func:`fddp.ft.lighthouse` in-process): one per job, since it is the
+    job's only memory of having run (see :class:`StateLostError`).
 
     Args:
         min_replicas: the fewest replica groups a step may commit with.
@@ -207,9 +280,9 @@ class Replicas:
             torchft's examples); a restarted group may reuse it.
         timeout: seconds any collective, vote or state transfer may take; a member that hangs (not
             one that dies: its sockets close at once) is found only by this.
-        quorum_timeout: seconds a quorum may take to form: longer than a step (the members meet once
-            per step) or, for DiLoCo, than the time between synchronisations; a group that joins
-            waits up to this for the others' next quorum.
+        quorum_timeout: seconds a quorum may take to form: longer than ``quorum_every`` steps (a
+            group that joins waits for the others' next quorum) or, for DiLoCo, than the time
+            between synchronisations.
         connect_timeout: seconds to reach the Lighthouse and the Managers.
         heartbeat: seconds between this group's heartbeats to the Lighthouse (its
             ``--heartbeat_timeout_ms`` decides when a silent group is dead).
@@ -217,11 +290,20 @@ class Replicas:
         store: ``(host, port)`` of this group's store (default ``$MASTER_ADDR``, ``$MASTER_PORT``: torchrun's).
         max_retries: consecutive failed steps (or unusable quorums) after which a step raises instead of trying
             again: a failure that repeats (a transfer that cannot work) is an error, never a silent loop.
-        on_divergence: ``"heal"`` (default): members whose state differs at the same step take the
-            lowest-ranked member's, with a warning in the ``fddp.ft`` log; ``"raise"``:
-            :class:`DivergedError` on every member.
+        on_divergence: ``"heal"`` (default): groups that committed apart take the state of the one
+            with the most committed steps (the lowest rank among equals), with a warning in the
+            ``fddp.ft`` log naming the steps dropped; ``"raise"``: :class:`DivergedError` on every member.
         quorum_retries: how often the Manager retries a quorum request the Lighthouse did not answer
             (it may be restarting) before the step fails.
+        quorum_every: take a quorum every this many committed steps (and after every failed step).
+            A group that starts or restarts joins at the others' next quorum, so this bounds how
+            long it waits, in the others' steps; 1 asks at every step, as torchft's own wrappers do
+            (a Lighthouse round trip a step). Failures do not wait for it: a dead member fails the
+            step it dies in, and the next step takes a quorum.
+        warn_alone_after: seconds of committing alone (in a quorum of this group only) after which
+            every further step committed alone logs a warning; ``None``: never. Alone, a group has
+            no replica: with a small ``min_replicas`` it may be training apart from groups it cannot
+            reach.
 
     Attributes:
         group: the process group across the replica groups (the same object for the whole run:
@@ -229,7 +311,7 @@ class Replicas:
 
     Example:
         >>> replicas = fddp.ft.Replicas(min_replicas=1)
-        >>> state = replicas.start({"params": params, "opt": opt.init(params)})
+        >>> state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt})
         >>> for x, y in batches:
         ...     state, loss = replicas.step(train_step, state, x, y)
     """
@@ -249,9 +331,15 @@ class Replicas:
         max_retries: int = 3,
         on_divergence: str = "heal",
         quorum_retries: int = 20,
+        quorum_every: int = 10,
+        warn_alone_after: float | None = 60.0,
     ) -> None:
         if on_divergence not in ("heal", "raise"):
             raise ValueError(f"fddp.ft.Replicas: on_divergence must be 'heal' or 'raise', got {on_divergence!r}")
+        if not isinstance(quorum_every, int) or isinstance(quorum_every, bool) or quorum_every < 1:
+            raise ValueError(f"fddp.ft.Replicas: quorum_every must be an int >= 1 (committed steps), got {quorum_every!r}")
+        if warn_alone_after is not None and not warn_alone_after >= 0:
+            raise ValueError(f"fddp.ft.Replicas: warn_alone_after must be seconds >= 0 or None, got {warn_alone_after!r}")
         if not dist.is_initialized():
             raise RuntimeError(
                 "fddp.ft.Replicas: torch.distributed is not initialised; start each replica group with torchrun and call "
@@ -269,6 +357,8 @@ class Replicas:
         self.replica_id = str(replica_id)
         self.on_divergence = on_divergence
         self.max_retries = max_retries
+        self.quorum_every = quorum_every
+        self.warn_alone_after = warn_alone_after
         self._timeout = _seconds(timeout)
         self.group = _Group(self._timeout)
         self._transport = GroupTransport(self.group, self._like)
@@ -283,6 +373,17 @@ class Replicas:
         self._pending: _Background | None = None
         self._joined: tuple[bool, float] | None = None  # start() took the quorum the first step runs on
         self._lock = threading.Lock()
+        # What this group holds, for the quorum check: its committed steps' history digest (and the
+        # last _RING of them, to judge a member that is behind), whether it holds the job's state,
+        # and its configuration.
+        self._step = 0
+        self._history = 0
+        self._ring: dict[int, int] = {0: 0}
+        self._holds = False
+        self._spec: list[tuple] = []
+        self._spec_digest = 0
+        self._alone_since: float | None = None
+        self._stale_quorum = True  # a quorum is due before the next step (none taken yet, or a step failed)
         self.manager = Manager(
             pg=self.group,
             load_state_dict=None,
@@ -305,24 +406,30 @@ class Replicas:
             quorum_retries=quorum_retries,
         )
         self.manager.register_state_dict_fn(_KEY, self._load, self._state)
+        self._vote_locally = dist.get_world_size() == 1 and _TORCHFT == "0.2.0"
         # Registered with torch.distributed (as torchft does for DeviceMesh) so that fddp's waits
         # can tell its backend: gloo, waited for in slices that watch the error channel.
         self.group.register(f"fddp_ft_{os.getpid()}_{next(_instances)}")
 
     # --- what torchft calls ---------------------------------------------------------------------
 
+    # The state travels as its leaves (each checked against this group's own: shapes, dtypes, the
+    # type of a number), put back into this group's own structure: the structure itself is compared
+    # by the quorum check, and so may hold nodes the wire format does not know (fddp.zero.Sharded).
+
     def _state(self) -> Any:
         with self._lock:
             if self._committed is None:
                 raise RuntimeError("fddp.ft: asked for this group's state before it had one")
-            return self._committed
+            return {"leaves": optree.tree_leaves(self._committed), "history": self._history}
 
     def _load(self, state: Any) -> None:
         with self._lock:
             self._received = state
 
     def _like(self) -> dict:
-        return {"user": {_KEY: self._like_state}, "torchft": {"step": 0, "batches_committed": 0}}
+        like = {"leaves": optree.tree_leaves(self._like_state), "history": 0}
+        return {"user": {_KEY: like}, "torchft": {"step": 0, "batches_committed": 0}}
 
     # --- membership -----------------------------------------------------------------------------
 
@@ -349,6 +456,17 @@ class Replicas:
     def _start_quorum(self) -> None:
         self._pending = _Background(self.manager.start_quorum)
 
+    def _set_run(self, state: Any, config: Any, step: int) -> None:
+        """Note what this group brings to the job (before its first quorum)."""
+        self._like_state = state
+        self._spec = describe_run(state, config)
+        self._spec_digest = _dist.digest(self._spec)
+        if step:
+            if not isinstance(step, int) or step < 0:
+                raise ValueError(f"fddp.ft: step must be the committed step count of the state (an int >= 0), got {step!r}")
+            self.manager.load_state_dict({"step": step, "batches_committed": 0})
+            self._step, self._history, self._ring, self._holds = step, 0, {step: 0}, True
+
     def _epoch(self) -> None:
         """Begin an fddp epoch on the group for the quorum the Manager just configured."""
         q = self.group.quorum
@@ -369,17 +487,30 @@ class Replicas:
         except Exception:  # noqa: BLE001 - no quorum yet
             return True
 
-    def _quorum(self, state: Any, replicated: Callable[[Any], Any], intent: int) -> tuple[Any, bool, list[int], float]:
+    def _adopt(self, received: dict, step: int) -> Any:
+        """Take a peer's state (and its history) at ``step``."""
+        state = optree.tree_unflatten(optree.tree_structure(self._like_state), received["leaves"])
+        self._committed = state
+        self._step, self._history, self._ring = step, int(received["history"]), {step: int(received["history"])}
+        self._holds = True
+        return state
+
+    def _quorum(self, state: Any, replicated: Callable[[Any], Any], intent: int, *,
+                force: bool = True) -> tuple[Any, bool, list[int], float]:  # fmt: skip
         """Wait for this step's quorum (taken in the background since the last commit, or now).
 
         On a new quorum: begin an epoch and run the check. Returns the state to step from (a peer's
         when this group healed), whether it healed, every member's ``intent`` (by rank), and the
         seconds it took. An unusable quorum (a member's transfer failed) is voted down and another
-        taken, up to ``max_retries`` times.
+        taken, up to ``max_retries`` times. Without ``force``, and no quorum due or pending, the
+        step runs on the previous quorum (no wait).
         """
+        if not force and self._pending is None and not self._stale_quorum:
+            return state, False, [intent], 0.0
         t0 = time.perf_counter()
         healed = False
         while True:
+            pre = (self._step, self._history, self._holds)  # before a heal replaces them
             if self._pending is None:
                 self._committed = state
                 self._start_quorum()
@@ -396,8 +527,7 @@ class Replicas:
             with self._lock:
                 received, self._received = self._received, None
             if received is not None:
-                state, healed = received, True
-                self._committed = state
+                state, healed = self._adopt(received, self.committed_steps), True
             errored = self.manager.errored()
             q = self.group.quorum
             intents = [intent]
@@ -407,7 +537,7 @@ class Replicas:
             elif q.id != self._epoch_id:
                 self._epoch()
                 try:
-                    state, intents, peers_bad, took = self._check(state, replicated, intent, bad)
+                    state, intents, peers_bad, took = self._check(state, replicated, intent, bad, pre, errored)
                 except Exception as e:
                     if not _transient(e):
                         raise
@@ -418,51 +548,80 @@ class Replicas:
                             "this step down so that the next quorum reconfigures the group")  # fmt: skip
                 bad = True
             if not bad:
+                self._stale_quorum = False
                 return state, healed, intents, time.perf_counter() - t0
             error = getattr(errored, "original_exception", errored) or RuntimeError("a member could not use the quorum")
             self._fail(error)
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(str(error)))
-            self.manager.should_commit()  # votes no: the next quorum is a new one (torchft bumps its id)
+            self._vote()  # no (an error is reported): the next quorum is a new one (torchft bumps its id)
 
     def _fail(self, error: BaseException) -> None:
         self._failures += 1
         self._last_error = error
+        self._stale_quorum = True
         if self._failures > self.max_retries:
             raise RuntimeError(
                 f"fddp.ft: replica group {self.replica_id!r} failed {self._failures} steps in a row (max_retries="
                 f"{self.max_retries}); the last failure: {type(error).__name__}: {error}"
             ) from error
 
-    def _check(self, state: Any, replicated: Callable[[Any], Any], intent: int, bad: bool) -> tuple[Any, list[int], bool, bool]:
-        """After a quorum change: compare every member's step and checksum of the replicated state
-        (one all-gather); heal or raise on a divergence. Returns the state, the intents, whether
-        some member cannot go on with this quorum, and whether this group took a peer's state."""
+    def _leave(self, error: BaseException) -> BaseException:
+        """Stop taking part (the Manager stops, so the others' next quorum goes on without this
+        group after its heartbeat timeout) and return ``error`` to raise."""
+        self.close()
+        return error
+
+    def _check(self, state: Any, replicated: Callable[[Any], Any], intent: int, bad: bool, pre: tuple,
+               errored: Any) -> tuple[Any, list[int], bool, bool]:  # fmt: skip
+        """After a quorum change: one all-gather of what every member holds (see the module's
+        docstring); refuse, raise, or heal. Returns the state, the intents, whether some member
+        cannot go on with this quorum, and whether this group took a peer's state."""
         n, me = self.size, self.rank
-        words = 5 + _NAME_WORDS
-        mine = torch.tensor(
-            [self.committed_steps, 0 if bad else state_checksum(replicated(state)), intent, int(bad), 0] + _name_words(self.replica_id),
-            dtype=torch.int64,
-        )
-        got = [torch.empty(words, dtype=torch.int64) for _ in range(n)]
+        q = self.group.quorum
+        pre_step, pre_history, holds = pre
+        row = [self.committed_steps, 0 if bad else state_checksum(replicated(state)), intent, int(bad), pre_step, pre_history,
+               int(holds), self._spec_digest]  # fmt: skip
+        mine = torch.tensor(row + _name_words(self.replica_id), dtype=torch.int64)
+        got = [torch.empty(_FIELDS + _NAME_WORDS, dtype=torch.int64) for _ in range(n)]
         _dist.wait(dist.all_gather(got, mine, group=self.group, async_op=True), self.group, "ft", "the quorum check")
         rows = [g.tolist() for g in got]
-        self._members = tuple(_name_of(r[5:]) for r in rows)
-        intents = [r[2] for r in rows]
-        if any(r[3] for r in rows):
+        self._members = names = tuple(_name_of(r[_FIELDS:]) for r in rows)
+        intents = [r[_INTENT] for r in rows]
+        holders = [r for r in range(n) if rows[r][_HOLDS]]
+        if q.id == 1:
+            # The job's first quorum: its members hold the job's start (the primary's state, which
+            # torchft gives every member), even if this quorum fails and another must be taken.
+            self._holds = True
+        self._refuse_misfits(rows, holders, names)
+        if not holders and q.id > 1:
+            raise self._leave(StateLostError(
+                f"fddp.ft: no replica group of quorum {q.id} ({', '.join(names)}) holds the job's state: none has committed a "
+                f"step or took part in the job's first quorum, and the Lighthouse has formed {q.id - 1} quorum(s) before. The "
+                "groups that held the state are gone; starting over from these groups' own initial states would make a second "
+                "model under the same job. Resume from a checkpoint (replicas.start(state, step=n)), or start a new Lighthouse "
+                "for a new job."
+            ))  # fmt: skip
+        if any(r[_BAD] for r in rows):
             return state, intents, True, False
-        top = max(r[0] for r in rows)
-        src = min(r for r in range(n) if rows[r][0] == top)
-        behind = [r for r in range(n) if (rows[r][0], rows[r][1]) != (rows[src][0], rows[src][1])]
-        if not behind:
+        split = self._split(rows, names)
+        top = max(r[_STEP] for r in rows)
+        src = min(r for r in range(n) if rows[r][_STEP] == top)
+        behind = [r for r in range(n) if (rows[r][_STEP], rows[r][_SUM]) != (rows[src][_STEP], rows[src][_SUM])]
+        if split is None and not behind:
+            self._holds = True
             return state, intents, False, False
-        what = "; ".join(f"{self._members[r]} (rank {r}) at step {rows[r][0]}, checksum {rows[r][1]:#x}" for r in range(n))
+        what = split or "; ".join(f"{names[r]} (rank {r}) at step {rows[r][_STEP]}, checksum {rows[r][_SUM]:#x}" for r in range(n))
         if self.on_divergence == "raise":
-            raise DivergedError(
-                f"fddp.ft: the replica groups of quorum {self.group.quorum.id} hold different states: {what}. Each committed "
-                "steps the others did not see (a Lighthouse restart with a small min_replicas lets a group commit alone); "
-                "restart them from one checkpoint, or make Replicas with on_divergence='heal' to take one group's state."
-            )
-        log.warning("fddp.ft: replica groups diverged (%s); healing them from %s (rank %d)", what, self._members[src], src)
+            raise self._leave(DivergedError(
+                f"fddp.ft: the replica groups of quorum {q.id} committed steps apart: {what}. A small min_replicas lets groups "
+                "that cannot reach each other (a Lighthouse restart, a group stopped past the heartbeat timeout) commit alone; "
+                "restart them from one checkpoint, or make Replicas with on_divergence='heal' to keep one group's state."
+            ))  # fmt: skip
+        log.warning("fddp.ft: replica groups committed steps apart (%s); every member now holds %s's state (rank %d, step %d)",
+                    what, names[src], src, top)  # fmt: skip
+        self._holds = True
+        if not behind:  # torchft's recovery already gave the ones behind the source's state
+            return state, intents, False, False
         timeout = self._timeout
         if me == src:
             self._transport.send_checkpoint(behind, top, self.manager._manager_state_dict(), timeout)
@@ -470,24 +629,92 @@ class Replicas:
             self._like_state = state
             tree = self._transport.recv_checkpoint(src, self._transport.metadata(), top, timeout)
             self.manager.load_state_dict(tree["torchft"])
-            state = tree["user"][_KEY]
-            self._committed = state
+            state = self._adopt(tree["user"][_KEY], top)
         return state, intents, False, me in behind
+
+    def _refuse_misfits(self, rows: list[list[int]], holders: list[int], names: tuple[str, ...]) -> None:
+        """Refuse the members whose configuration differs from the job's (the lowest-ranked
+        holder's): they raise :class:`fddp.MismatchError` naming the difference and leave; the
+        others vote this quorum down and go on. Among groups of which none holds the job (its
+        start), a difference is an error on every member: none of them is the job's."""
+        ref = holders[0] if holders else 0
+        misfits = [r for r in range(len(rows)) if rows[r][_SPEC] != rows[ref][_SPEC]]
+        if not misfits:
+            return
+        me = self.rank
+        store = self._epoch_store
+        key = f"fddp-ft-spec/{self.group.quorum.id}/"
+        if me == ref or (not holders and me == misfits[0]):
+            store.set(key + str(me), repr(self._spec))
+        if me in misfits or not holders:
+            other = ref if me in misfits else misfits[0]
+            store.wait([key + str(other)], self._timeout)
+            # The description is plain data (tuples of strings), read without running code.
+            theirs = [tuple(r) for r in ast.literal_eval(store.get(key + str(other)).decode())]
+            job = f"{names[other]} (the job's)" if holders else names[other]
+            diff = _tree.first_difference(theirs, self._spec, job, f"{names[me]} (this group)")
+            if holders:
+                message = (f"replica group {names[me]!r} does not fit the job: {diff}. Start it with the same model, dtypes, "
+                           "optimizer and configuration as the others")  # fmt: skip
+            else:
+                message = (f"the replica groups starting this job differ: {diff}. Every group refuses (none holds the job's state "
+                           "yet); start them with the same model, dtypes, optimizer and configuration")  # fmt: skip
+            raise self._leave(_dist.MismatchError(f"fddp.ft: {message}"))
+        raise _RefusedPeers(f"fddp.ft: refused {', '.join(names[r] for r in misfits)} (another configuration)")
+
+    def _split(self, rows: list[list[int]], names: tuple[str, ...]) -> str | None:
+        """Whether the members' histories split: at equal steps their digests differ, or a member
+        behind committed a step the one ahead did not (its digest at the step it is at differs
+        from the ahead one's). Judged by every member from its own ring, agreed with one more
+        all-gather (only when the members were at different steps: rows decide it alike)."""
+        n = len(rows)
+        pre = [(r[_PRE], r[_HIST]) for r in rows]
+        if len({s for s, _ in pre}) == 1:
+            if len({h for _, h in pre}) == 1:
+                return None
+            return "; ".join(f"{names[r]} (rank {r}) committed its steps up to {pre[r][0]} in other quorums" for r in range(n))
+        mine = torch.zeros(n, dtype=torch.int64)
+        for r, (s, h) in enumerate(pre):
+            if s <= pre[self.rank][0]:
+                known = self._ring.get(s)
+                mine[r] = 0 if known is None else (1 if known == h else 2)
+        got = [torch.empty(n, dtype=torch.int64) for _ in range(n)]
+        _dist.wait(dist.all_gather(got, mine, group=self.group, async_op=True), self.group, "ft", "the history check")
+        verdict = torch.stack(got).max(dim=0).values.tolist()  # 2: split, seen by someone ahead; 1: same history
+        apart = [r for r in range(n) if verdict[r] == 2]
+        if not apart:
+            return None
+        ahead = max(s for s, _ in pre)
+        return "; ".join(f"{names[r]} (rank {r}), at step {pre[r][0]}, had committed steps the group(s) at step {ahead} did "
+                         f"not see; its steps since they parted are dropped" for r in apart)  # fmt: skip
 
     # --- the steps -------------------------------------------------------------------------------
 
-    def start(self, state: Any, /) -> Any:
+    def start(self, state: Any, /, *, config: Any = None, step: int = 0) -> Any:
         """Join the job: take the first quorum and return the state to train from.
 
         Every replica group calls it once, before its first step, with its initial state (the
         same structure, shapes and dtypes everywhere). When the job starts, every group takes the
         state of one of them (so the replicas start bitwise equal); a group that joins later, or
-        restarts after a failure, takes a live peer's state at the others' next step.
+        restarts after a failure, takes a live peer's state at the others' next quorum. A group
+        whose state's tree, shapes or dtypes, or whose ``config``, differ from the job's is
+        refused: :class:`fddp.MismatchError` here, naming the difference; the others go on.
+
+        Args:
+            state: this group's initial state (a pytree).
+            config: what else the groups must share, compared by value at every change of
+                membership (the optimizer, its schedule, hyperparameters: ``{"opt": opt, "lr": lr}``).
+            step: the committed steps ``state`` holds: 0 for a new job; a checkpoint's count to
+                resume a job whose every group was lost.
+
+        Raises:
+            fddp.MismatchError: this group does not fit the job (or the groups starting it differ).
+            StateLostError: no live group holds the state of a job that has run before.
 
         Example:
-            >>> state = replicas.start({"params": params, "opt": opt.init(params)})
+            >>> state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt})
         """
-        self._like_state = state
+        self._set_run(state, config, step)
         state, healed, _, quorum_s = self._quorum(state, lambda s: s, 0)
         self._committed = state
         self._joined = (healed, quorum_s)  # the first step runs on this quorum: the others' step meets it
@@ -502,8 +729,9 @@ class Replicas:
         count: the mean is then over the groups in this step's quorum, weighted by what each
         contributed). If a member dies or fails during the step, no member commits it: ``step``
         returns the input ``state`` unchanged and ``out`` as ``None``, and the next call goes on with
-        the groups that are left. The next step's quorum is taken in the background as soon as this
-        one commits; pass the state ``step`` returned (change it only inside ``fn``).
+        the groups that are left. Every ``quorum_every`` committed steps the next quorum is taken in
+        the background as soon as a step commits; pass the state ``step`` returned (change it only
+        inside ``fn``).
 
         Args:
             fn: the step, pure: it must not modify its inputs (fddp's functions never do).
@@ -518,6 +746,8 @@ class Replicas:
 
         Raises:
             RuntimeError: the step failed ``max_retries`` times in a row, or no quorum formed.
+            DivergedError, StateLostError, fddp.MismatchError: at a change of membership (see
+                :meth:`start` and the classes).
             Exception: what ``fn`` raised, when it is this group's own error (not a peer's failure).
 
         Example:
@@ -536,11 +766,11 @@ class Replicas:
         if self._joined is not None:
             (healed, quorum_s), self._joined = self._joined, None
         else:
-            state, healed, _, quorum_s = self._quorum(state, lambda s: s, 0)
+            state, healed, _, quorum_s = self._quorum(state, lambda s: s, 0, force=False)
         committed, new, out, error = self._run(fn, state, args, kwargs)
         state = new if committed else state
         self._committed = state
-        if committed:
+        if committed and self.committed_steps % self.quorum_every == 0:
             self._start_quorum()  # the next step's, while the caller gets its next batch
         info = StepInfo(committed, self.committed_steps, self.rank, self.size, self._members, healed, quorum_s, error)
         out = out if committed else None
@@ -559,7 +789,10 @@ class Replicas:
     def _voted(self, fn: Callable[[], Any], failed: str) -> tuple[bool, Any, BaseException | None]:
         """``fn()`` on this quorum, then the vote: whether every member committed, ``fn``'s result,
         and the failure (``failed`` in words, when a peer's failure voted it down). This group's own
-        error is raised after voting no (so the other ranks of this group do not wait for the vote)."""
+        error is raised after voting no (so the other ranks of this group do not wait for the vote).
+        A committed step advances this group's history; a failed one is posted on the epoch's error
+        channel, so that a member whose own vote passed fails its next step at once (it would
+        otherwise wait in that step's collectives, for a group gone to take a quorum)."""
         error: BaseException | None = None
         result = None
         try:
@@ -568,23 +801,82 @@ class Replicas:
             error = e
             self.manager.report_error(e)
             if not _transient(e):
-                self.manager.should_commit()
+                self._vote()
+                self._stale_quorum = True
                 raise
-        if self.manager.should_commit():
+        if self._vote():
             self._failures = 0
+            self._committed_one()
             return True, result, None
-        error = error or RuntimeError(failed)
+        cause = error
+        error = StepFailed(f"fddp.ft: {failed}" + (f": {type(cause).__name__}: {cause}" if cause is not None else ""))
+        error.__cause__ = cause
+        _dist.fail(self.group, "ft.step", error)
         self._fail(error)
         return False, None, error
+
+    def _vote(self) -> bool:
+        """The Manager's vote on this step: whether every rank of this replica group finished it.
+
+        Across the replica groups there is no vote (torchft's Manager aggregates only the group's
+        own ranks: the members of a quorum agree through their collectives, which fail on every
+        member when one dies). A group of one rank therefore votes alone, and its Manager's round
+        trip to its own server (0.8 ms a step here) decides nothing: the same bookkeeping is done
+        here, as ``Manager.should_commit`` does it, for torchft 0.2.0 (the version fddp pins).
+        """
+        m = self.manager
+        if not self._vote_locally:
+            return m.should_commit()
+        if m._recovery_event is not None:
+            m._recovery_event.synchronize()
+            m._recovery_event = None
+        if torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        if err := m._pg.errored():
+            m.report_error(err)
+        if m._healing:
+            m._apply_pending_state_dict()
+        ok = m.num_participants() >= m._min_replica_size and m._errored is None
+        if ok:
+            m._step += 1
+            m._batches_committed += m.num_participants()
+            m._commit_failures = 0
+        else:
+            m._commit_failures += 1
+        return ok
+
+    def _committed_one(self) -> None:
+        """Advance the history by the step just committed; warn if this group has been alone too long."""
+        step = self.manager.current_step()
+        self._history = _advance(self._history, step, self._members)
+        self._step = step
+        self._ring[step] = self._history
+        self._ring.pop(step - _RING, None)
+        if self.size > 1 or self.warn_alone_after is None:
+            self._alone_since = None
+            return
+        now = time.monotonic()
+        if self._alone_since is None:
+            self._alone_since = now
+        elif now - self._alone_since > self.warn_alone_after:
+            log.warning("fddp.ft: replica group %r committed step %d alone: no other group has been in its quorum for %.0f s "
+                        "(warn_alone_after=%g). With min_replicas=%d it may be training apart from groups it cannot reach; "
+                        "they are healed or refused when they meet", self.replica_id, step, now - self._alone_since,
+                        self.warn_alone_after, self.manager._min_replica_size)  # fmt: skip
 
     def close(self) -> None:
         """Leave the job: stop the Manager (the others see this group gone at its next heartbeat)."""
         self.manager.shutdown(wait=False)
         if self._epoch_store is not None:
             self._epoch_store.close()
+            self._epoch_store = None
 
     def __enter__(self) -> "Replicas":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _RefusedPeers(TransferError):
+    """Members of this quorum were refused (they leave): the quorum is voted down and another taken."""

@@ -25,7 +25,7 @@ from fddp._dist import _channel
 from fddp._dist._channel import Failure
 from fddp._dist._errors import MismatchError, PeerError
 from fddp._dist._failures import fail, peer_error
-from fddp._dist._groups import GroupState, board, call_count, channel_of, global_ranks, label, state
+from fddp._dist._groups import GroupState, board, call_count, channel_of, global_ranks, label, rank, size, state
 
 __all__ = ["wait", "sliced"]
 
@@ -60,7 +60,7 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
         timed_out = "timed out" in text or "timeout" in text  # gloo: "Timed out waiting ...", "Application timeout caused pair closure"
         if not timed_out and any(w in text for w in _LOST):
             raise _lost(group, what, doing, e) from e
-        r, w = dist.get_rank(), dist.get_world_size()
+        r, w = rank(group), size(group)  # the group's, the membership epoch's under fault tolerance
         n = call_count(group, what)
         where = f" (call {n} to fddp.{what} in this process)" if n else ""
         verb = "timed out" if timed_out else "failed"

@@ -369,7 +369,9 @@ def _skip_worker(what: str):
 def test_a_skipped_collective_times_out_with_a_clear_error(what, doing):
     (message, n), (other, _) = run(_skip_worker, 2, what, timeout=60)
     assert other is None
-    parts = [f"fddp.{what}: rank 0 of 2 timed out during {doing}", f"(call {n} to fddp.{what} in this process)", "Timed out", "skipped"]
+    # fddp's words only: gloo's own (kept after the colon) are "Timed out waiting ..." when idle and
+    # "Application timeout caused pair closure" under load.
+    parts = [f"fddp.{what}: rank 0 of 2 timed out during {doing}", f"(call {n} to fddp.{what} in this process)", "skipped"]
     for part in parts:
         assert part in message, (part, message)
 
@@ -404,8 +406,8 @@ def _free_port() -> int:
 _STUCK = [
     "fddp.ddp_step: rank 0 of 2 timed out",
     "during the agreement on this call (call 3 to fddp.ddp_step in this process)",
-    "Timed out",
-]
+    "the process group's timeout (fddp.init(timeout=...)) bounds the wait",
+]  # fddp's words only: gloo's after them vary with load (see the test above)
 # A peer that dies is named, never the rank that reports it (on 3 ranks, from the processes on this host).
 _DIED = [
     "fddp.ddp_step: rank {last} failed in fddp.ddp_step",

@@ -6,6 +6,7 @@
     python benchmarks/stage3.py --soak 2000 --models transformer   # RSS every 100 steps of a long run, per mode
     python benchmarks/stage3.py --mixed-precision   # bf16 gathers: stage 3's parameters against FSDP2's, same policy
     python benchmarks/stage3.py --models transformer --memory-worlds --modes fsdp2_accum stage3_accum  # accumulation
+    python benchmarks/stage3.py --models transformer --memory-worlds --modes ddp_accum replicated_accum  # replicated
     python benchmarks/stage3.py --models transformer --memory-worlds --modes stage3 stage3_compiled  # compiled units
 
 It launches ``torchrun`` itself. The models are benchmarks/step.py's (the MLP, the transformer, the
@@ -36,7 +37,11 @@ Modes:
     fsdp2_bf16     fsdp2 with MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     stage3_bf16    stage3 with the same policy: fully_shard(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     stage3_bf16_floor  stage3_bf16 over a group of one rank (its compute, in bf16)
+    replicated     fddp.grad_and_value + fddp.optim.apply_gradients(donate=True), everything replicated
+                   (fddp's counterpart of ddp)
     ddp_accum      ddp over 4 micro-batches a step: no_sync() for the first 3 (the loss divided by 4)
+    replicated_accum  fddp replicated over 4 micro-batches: torch.func.grad + fddp.accumulate_grads for
+                   the first 3, the last through fddp.grad_and_value(accumulated=) (reduced in its backward)
     fsdp2_accum    fsdp2 over 4 micro-batches: set_requires_gradient_sync(False) for the first 3
     fsdp2_accum_keep  the same with set_reshard_after_backward(False) for the first 3 (gathered once)
     stage3_accum   stage3 over 4 micro-batches: apply_fn.no_sync() for the first 3
@@ -118,6 +123,7 @@ LR = 1e-3
 MODES = (
     "ddp",
     "fsdp2",
+    "replicated",
     "stage2",
     "stage3",
     "stage3_fine",
@@ -132,6 +138,7 @@ MODES = (
     "stage3_bf16",
     "stage3_bf16_floor",
     "ddp_accum",
+    "replicated_accum",
     "fsdp2_accum",
     "fsdp2_accum_keep",
     "stage3_accum",
@@ -253,6 +260,29 @@ def stage2_mode(model: nn.Module) -> Mode:
     return Mode(step, memory)
 
 
+def replicated_mode(model: nn.Module, accum: int = 1) -> Mode:
+    apply_fn, params = fddp.functionalize(model)
+    opt = fddp.optim.adamw(LR)
+    box: dict[str, Any] = {"params": params, "state": opt.init(params)}
+    loss = lambda p, x, y: F.cross_entropy(apply_fn(p, x), y)  # noqa: E731
+    local, last = torch.func.grad(loss), fddp.grad_and_value(loss)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        micro = list(zip(x.chunk(accum), y.chunk(accum)))
+        acc = fddp.GradAccumulator()
+        for xm, ym in micro[:-1]:
+            acc = fddp.accumulate_grads(acc, local(box["params"], xm, ym))
+        # The window's mean (or, unaccumulated, the batch's gradient), reduced in this backward.
+        grads, _ = last(box["params"], *micro[-1], accumulated=acc) if accum > 1 else last(box["params"], x, y)
+        box["grads"] = grads
+        box["params"], box["state"] = fddp.optim.apply_gradients(opt, grads, box["state"], box["params"], donate=True)
+
+    def memory() -> dict[str, int]:
+        return {"params": nbytes(box["params"]), "grads": nbytes(box["grads"]), "state": nbytes(box["state"]), "transient": 0}
+
+    return Mode(step, memory)
+
+
 def stage3_mode(
     model: nn.Module, remat: str | None = "params", prefetch: int = 1, group: Any = None, replica_group: Any = None,
     func: bool = False, units: Any = None, accum: int = 1, keep: bool = False, **options: Any,
@@ -294,6 +324,8 @@ def make_mode(name: str, model: nn.Module) -> Mode:
         return torch_mode(model, fsdp=name != "ddp", bf16=name == "fsdp2_bf16")
     if name in ("ddp_accum", "fsdp2_accum", "fsdp2_accum_keep"):
         return torch_mode(model, fsdp=name != "ddp_accum", accum=ACCUM, keep=name.endswith("_keep"))
+    if name in ("replicated", "replicated_accum"):
+        return replicated_mode(model, accum=ACCUM if name == "replicated_accum" else 1)
     if name in ("stage3_accum", "stage3_accum_keep"):
         return stage3_mode(model, accum=ACCUM, keep=name.endswith("_keep"))
     if name == "stage3_bf16":
@@ -523,9 +555,13 @@ def report(record: dict[str, Any]) -> str:
             if "stage3" in med and "stage3_keep" in med:
                 lines.append(f"  rematerialising the parameters (stage3 / stage3_keep): {med['stage3'] / med['stage3_keep']:.2f}")
             for a, b in (("stage3_accum", "fsdp2_accum"), ("stage3_accum_keep", "fsdp2_accum_keep"),
-                         ("stage3_accum_keep", "fsdp2_accum"), ("stage3_accum", "ddp_accum")):  # fmt: skip
+                         ("stage3_accum_keep", "fsdp2_accum"), ("stage3_accum", "ddp_accum"),
+                         ("replicated_accum", "ddp_accum")):  # fmt: skip
                 if a in med and b in med:
                     lines.append(f"  accumulation over {ACCUM} micro-batches, {a} / {b}: {paired(t['times_ms'], a, b):.2f} (paired median)")
+            if "replicated" in med and "ddp" in med:
+                ratio = paired(t["times_ms"], "replicated", "ddp")
+                lines.append(f"  replicated, fddp / torch DDP (both AdamW): {ratio:.2f} (paired median)")
             if "stage3_compiled" in med and "stage3" in med:
                 ratio = paired(t["times_ms"], "stage3_compiled", "stage3")
                 lines.append(f"  compiled units (stage3_compiled / stage3): {ratio:.2f} (paired median)")

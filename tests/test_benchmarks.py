@@ -67,6 +67,19 @@ def test_agreement_benchmark_times_the_header_and_its_references(tmp_path: Path)
     assert all(math.isfinite(v) and v > 0 for v in record["median_us"].values())
 
 
+def test_round_trips_benchmark_times_every_way_a_header_could_travel(tmp_path: Path) -> None:
+    out = tmp_path / "round_trips.json"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [*launch, str(BENCHMARKS / "round_trips.py"), "--repeats", "5", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    record = json.loads(out.read_text())
+    assert record["world"] == 2
+    assert set(record["times_us"]) == {"one", "sequential", "concurrent", "side group"}
+    assert all(len(ts) == 5 and all(math.isfinite(v) and v > 0 for v in ts) for ts in record["times_us"].values())
+
+
 def test_checkpoint_benchmark_records_every_call(tmp_path: Path) -> None:
     out = tmp_path / "checkpoint.json"
     cmd = [sys.executable, str(BENCHMARKS / "checkpoint.py"), "--mb", "2", "--leaves", "4", "--repeats", "1"]

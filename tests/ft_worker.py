@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 import fddp
 import fddp.ft
-from fddp.ft._replicas import state_checksum
+from fddp.ft._identity import state_checksum
 from fddp.sync import hooks
 
 DIM, HIDDEN = 8, 16

@@ -164,7 +164,7 @@ def test_live_state_round_trips_every_leaf_type_exactly_and_refuses_damage():
 
 
 def test_state_checksum_sees_one_ulp_and_the_step_count():
-    from fddp.ft._replicas import state_checksum
+    from fddp.ft._identity import state_checksum
 
     a = {"w": torch.randn(100), "count": 3}
     b = {"w": a["w"].clone(), "count": 3}
@@ -210,7 +210,7 @@ def test_a_failure_that_repeats_is_an_error_not_a_silent_retry_loop():
 def test_a_history_digest_tells_steps_committed_together_from_steps_committed_apart():
     """The quorum check compares histories: two groups that committed every step in the same quorums
     have the same digest; one that committed a step alone (or in another quorum) does not."""
-    from fddp.ft._replicas import _advance
+    from fddp.ft._identity import advance as _advance
 
     both = ("replica_0", "replica_1")
     a = b = 0

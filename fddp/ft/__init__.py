@@ -24,7 +24,8 @@ quiet_torchft()  # before torchft is imported: its Rust core reads RUST_LOG once
 
 from fddp.ft._lighthouse import Lighthouse, lighthouse  # noqa: E402
 from fddp.ft._outer import FaultTolerantOuter  # noqa: E402
-from fddp.ft._replicas import DivergedError, Quorum, Replicas, StateLostError, StepFailed, StepInfo  # noqa: E402
+from fddp.ft._replicas import Replicas  # noqa: E402
+from fddp.ft._results import DivergedError, Quorum, StateLostError, StepFailed, StepInfo  # noqa: E402
 
 __all__ = ["DivergedError", "FaultTolerantOuter", "Lighthouse", "Quorum", "Replicas", "StateLostError", "StepFailed", "StepInfo",
            "lighthouse"]  # fmt: skip

@@ -34,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import optree
 import torch
@@ -43,17 +43,16 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from fddp import _dist, _tree
-from fddp.diloco._plan import describe  # the run's configuration, described as DiLoCo's agreement does
+from fddp.ft._identity import NAME_WORDS, advance, describe_run, name_of, name_words, state_checksum
+from fddp.ft._results import DivergedError, Quorum, StateLostError, StepFailed, StepInfo
 from fddp.ft._store import BoundedStore
 from fddp.ft._transport import GroupTransport, TransferError
 
-__all__ = ["Replicas", "StepInfo", "StepFailed", "DivergedError", "StateLostError", "Quorum"]
+__all__ = ["Replicas"]
 
 log = logging.getLogger("fddp.ft")
 
 _KEY = "fddp"  # the Manager's name for our state
-_NAME_WORDS = 8  # a member's replica id travels in the quorum check as this many int64 words (64 bytes)
-_MASK = (1 << 62) - 1
 _STORE_DEADLINE_S = 1.0  # a channel read that takes longer: the store's host hangs (see fddp.ft._store)
 _RING = 8192  # committed steps whose history digest a group remembers (to judge a member that is behind)
 # The quorum check's row: one int64 each, then the replica id's words.
@@ -61,101 +60,6 @@ _STEP, _SUM, _INTENT, _BAD, _PRE, _HIST, _HOLDS, _SPEC = range(8)
 _FIELDS = 8
 _instances = itertools.count()
 _TORCHFT = importlib.metadata.version("torchft")
-
-
-class DivergedError(RuntimeError):
-    """Replica groups of one job committed different steps apart (their histories split).
-
-    Raised on every member, by :class:`Replicas` made with ``on_divergence="raise"``, at the first
-    quorum the groups meet in after committing apart: the same step count with different states,
-    or a group that is behind but committed steps the others never saw. (The default,
-    ``on_divergence="heal"``, gives every member the state of the one with the most committed
-    steps, the lowest rank among equals, with a warning naming what was dropped.) The usual cause
-    is a ``min_replicas`` that let groups commit alone while they could not reach each other: a
-    Lighthouse restart, a group stopped past the heartbeat timeout.
-    """
-
-
-DivergedError.__module__ = "fddp.ft"
-
-
-class StateLostError(RuntimeError):
-    """No live replica group holds the job's state, and the job has run before.
-
-    Raised on every member of a quorum in which no group has committed a step nor took part in
-    the job's first quorum, when the Lighthouse has formed quorums before (its quorum id is past
-    1): every group that held the state is gone, and starting over from these groups' own initial
-    states would make a second model under the same job. Resume from a checkpoint
-    (``replicas.start(state, step=n)`` with the checkpoint's state and committed step count), or
-    start a new Lighthouse for a new job.
-    """
-
-
-StateLostError.__module__ = "fddp.ft"
-
-
-class StepFailed(RuntimeError):
-    """A step (or a DiLoCo synchronisation) was not committed: a member of its quorum failed or was
-    lost during it or during its vote, or the quorum could not be used. The state is as it was
-    before the step; the next step takes a quorum without the lost member. ``__cause__`` is the
-    failure as this group saw it (gloo's lost connection, a peer's :class:`fddp.PeerError`, a
-    timeout), whose wording depends on where the member died.
-    """
-
-
-StepFailed.__module__ = "fddp.ft"
-
-
-class Quorum(NamedTuple):
-    """The quorum the Manager last configured the group for.
-
-    Attributes:
-        id: torchft's quorum id (it changes when the members change or a vote failed).
-        rank: this replica group's rank among the members.
-        size: the number of member groups.
-        store: the address of the quorum's store (``host:port/prefix``).
-
-    Example:
-        >>> replicas.group.quorum  # what the Manager configured last
-        Quorum(id=3, rank=0, size=2, store='10.0.0.1:29500/torchft/3/0')
-    """
-
-    id: int
-    rank: int
-    size: int
-    store: str
-
-
-class StepInfo(NamedTuple):
-    """What one fault-tolerant step did (``return_info=True``).
-
-    Attributes:
-        committed: every member group finished the step and the vote passed; the returned state is
-            the new one. Otherwise it is the input state (or the one this group healed to).
-        step: the number of committed steps after this one (torchft's step).
-        rank: this group's rank in the step's quorum.
-        size: the number of replica groups in the step's quorum.
-        members: their replica ids, by rank.
-        healed: this group received a peer's state before the step (it joined or was behind).
-        quorum_s: seconds spent waiting for the quorum and its checks (0 when the step ran on the
-            previous step's quorum).
-        error: why the step was not committed (``None`` when committed): a :class:`StepFailed`
-            whose ``__cause__`` is the failure as this group saw it.
-
-    Example:
-        >>> state, loss, info = replicas.step(train_step, state, x, y, return_info=True)
-        >>> if not info.committed:
-        ...     print(f"step {info.step} not committed: {info.error}")  # the next call retries without the lost group
-    """
-
-    committed: bool
-    step: int
-    rank: int
-    size: int
-    members: tuple[str, ...]
-    healed: bool
-    quorum_s: float
-    error: BaseException | None
 
 
 class _Background:
@@ -224,44 +128,6 @@ def _transient(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
-
-
-def state_checksum(tree: Any) -> int:
-    """A 62-bit checksum of every leaf of ``tree`` (bits of tensors, ``repr`` of the rest), by position."""
-    total = 0
-    for i, c in enumerate(_dist.replica_digest(optree.tree_leaves(tree, none_is_leaf=True), "full")):
-        total = (total + c * (2 * i + 1)) & _MASK
-    return total
-
-
-def describe_run(state: Any, config: Any = None) -> list[tuple]:
-    """What a joining group must share with the job: every node and leaf of ``state`` (structure,
-    shapes, dtypes; not the values, nor the value of a number) and ``config`` by value (optimizers
-    by their settings: :func:`fddp.diloco._plan.describe`).
-
-    Example:
-        >>> describe_run({"w": torch.zeros(2)}, {"lr": 0.1})
-        [('<root>', 'dict', ('w',)), ('w', 'tensor shape=(2,) dtype=torch.float32 device=cpu', None), ('option config', '{...}', None)]
-    """
-    rows = [tuple(r) for r in _tree.structure_rows(state)]
-    if config is not None:
-        rows.append(("option config", describe(config), None))
-    return rows
-
-
-def _advance(history: int, step: int, members: tuple[str, ...]) -> int:
-    """The history digest after committing step ``step`` in a quorum of ``members``: two groups have
-    the same digest at a step exactly when they committed every step up to it in the same quorums."""
-    return _dist.digest((history, step, tuple(sorted(members))))
-
-
-def _name_words(name: str) -> list[int]:
-    raw = name.encode()[: 8 * _NAME_WORDS].ljust(8 * _NAME_WORDS, b"\0")
-    return [int.from_bytes(raw[8 * i : 8 * i + 8], "little", signed=True) for i in range(_NAME_WORDS)]
-
-
-def _name_of(words: list[int]) -> str:
-    return b"".join(int(w).to_bytes(8, "little", signed=True) for w in words).rstrip(b"\0").decode(errors="replace")
 
 
 class Replicas:
@@ -581,11 +447,11 @@ class Replicas:
         pre_step, pre_history, holds = pre
         row = [self.committed_steps, 0 if bad else state_checksum(replicated(state)), intent, int(bad), pre_step, pre_history,
                int(holds), self._spec_digest]  # fmt: skip
-        mine = torch.tensor(row + _name_words(self.replica_id), dtype=torch.int64)
-        got = [torch.empty(_FIELDS + _NAME_WORDS, dtype=torch.int64) for _ in range(n)]
+        mine = torch.tensor(row + name_words(self.replica_id), dtype=torch.int64)
+        got = [torch.empty(_FIELDS + NAME_WORDS, dtype=torch.int64) for _ in range(n)]
         _dist.wait(dist.all_gather(got, mine, group=self.group, async_op=True), self.group, "ft", "the quorum check")
         rows = [g.tolist() for g in got]
-        self._members = names = tuple(_name_of(r[_FIELDS:]) for r in rows)
+        self._members = names = tuple(name_of(r[_FIELDS:]) for r in rows)
         intents = [r[_INTENT] for r in rows]
         holders = [r for r in range(n) if rows[r][_HOLDS]]
         if q.id == 1:
@@ -848,7 +714,7 @@ class Replicas:
     def _committed_one(self) -> None:
         """Advance the history by the step just committed; warn if this group has been alone too long."""
         step = self.manager.current_step()
-        self._history = _advance(self._history, step, self._members)
+        self._history = advance(self._history, step, self._members)
         self._step = step
         self._ring[step] = self._history
         self._ring.pop(step - _RING, None)

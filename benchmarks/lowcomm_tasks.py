@@ -98,6 +98,7 @@ def _lm(name: str, rank: int, world: int, batch_size: int, seed: int) -> Task:
     from torch import nn
 
     vocab, length, d, blocks, heads = 64, 32, 128, 3, 4
+    positions = length + 1
     g = torch.Generator().manual_seed(4321)
     # An order-2 Markov chain: each pair of tokens allows 4 next tokens, with random probabilities.
     logits = torch.full((vocab * vocab, vocab), -float("inf"))
@@ -114,33 +115,9 @@ def _lm(name: str, rank: int, world: int, batch_size: int, seed: int) -> Task:
 
     ev = sample(256, torch.Generator().manual_seed(999))
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-        def forward(self, x: Any) -> Any:
-            b, t, _ = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-            x = x + self.proj(a)
-            return x + self.mlp(self.ln2(x))
-
-    class LM(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(length + 1, d))
-            self.blocks = nn.Sequential(*[Block() for _ in range(blocks)])
-            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-
-        def forward(self, x: Any) -> Any:
-            return self.head(self.ln(self.blocks(self.embed(x) + self.pos[: x.shape[1]])))
-
     def model() -> nn.Module:
         torch.manual_seed(seed)
-        return LM()
+        return _causal_lm(vocab, positions, d, blocks, heads)
 
     def loss(out: Any, y: Any) -> Any:
         return F.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
@@ -227,12 +204,35 @@ def _text(name: str, rank: int, world: int, batch_size: int, seed: int) -> Task:
     from torch import nn
 
     length, d, blocks, heads, vocab = 64, 128, 2, 4, 256
+    positions = length
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
     corpus = b"".join(f.read_bytes() for f in files)[: 2 << 20]
     data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
     train, held = data[: -(64 << 10)], data[-(64 << 10) :]
     starts = torch.randint(len(held) - length - 1, (256,), generator=torch.Generator().manual_seed(999))
     ev = torch.stack([held[i : i + length + 1] for i in starts.tolist()])
+
+    def model() -> nn.Module:
+        torch.manual_seed(seed)
+        return _causal_lm(vocab, positions, d, blocks, heads)
+
+    def loss(out: Any, y: Any) -> Any:
+        return F.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
+
+    def batch(gen: Any) -> tuple:
+        i = torch.randint(len(train) - length - 1, (batch_size,), generator=gen)
+        s = torch.stack([train[j : j + length + 1] for j in i.tolist()])
+        return s[:, :-1], s[:, 1:]
+
+    return Task(model, batch, (ev[:, :-1], ev[:, 1:]), loss)
+
+
+def _causal_lm(vocab: int, positions: int, d: int, blocks: int, heads: int) -> Any:
+    """The lm and text tasks' model: pre-norm causal transformer blocks over token and learned
+    position embeddings (``positions`` of them), built in one order so a seed fixes its weights."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -251,26 +251,14 @@ def _text(name: str, rank: int, world: int, batch_size: int, seed: int) -> Task:
     class LM(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(length, d))
+            self.embed, self.pos = nn.Embedding(vocab, d), nn.Parameter(torch.zeros(positions, d))
             self.blocks = nn.Sequential(*[Block() for _ in range(blocks)])
             self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
         def forward(self, x: Any) -> Any:
             return self.head(self.ln(self.blocks(self.embed(x) + self.pos[: x.shape[1]])))
 
-    def model() -> nn.Module:
-        torch.manual_seed(seed)
-        return LM()
-
-    def loss(out: Any, y: Any) -> Any:
-        return F.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
-
-    def batch(gen: Any) -> tuple:
-        i = torch.randint(len(train) - length - 1, (batch_size,), generator=gen)
-        s = torch.stack([train[j : j + length + 1] for j in i.tolist()])
-        return s[:, :-1], s[:, 1:]
-
-    return Task(model, batch, (ev[:, :-1], ev[:, 1:]), loss)
+    return LM()
 
 
 def lr_schedule(step: Any, peak: float, warmup: int, steps: int, final: float) -> Any:

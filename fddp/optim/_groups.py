@@ -29,7 +29,7 @@ from fddp._tree import specs_of
 from . import _flat as flat
 from ._base import Applied, Apply, EmptyState, GradientTransformation, GradientTransformationExtraArgs, apply_updates
 from ._checks import OptState, Params, PyTree, Updates, check_grads, check_state, describe, flatten, leaves_like, paths_of
-from ._slices import SplitPartition, labels_of
+from ._slices import SplitPartition, broadcast_labels, labels_of
 
 __all__ = [
     "MaskedNode",
@@ -182,15 +182,11 @@ def _partition(labels: Labels, tree: PyTree, leaves: list, treedef: optree.PyTre
     keys = tuple(treedef.entries()) if flat_dict else None
     if isinstance(labels, _ByPath):
         return _Partition(treedef, labels.labels(leaves, treedef), keys, where)
-    given = labels(tree) if callable(labels) else labels
-    try:
-        full = optree.tree_broadcast_prefix(given, tree, none_is_leaf=True)
-    except ValueError as e:
-        raise ValueError(
-            f"{where}: the labels must be a tree shaped like the parameters, or a prefix of it (one label for a "
-            f"whole subtree), or a function returning one: {e}"
-        ) from None
-    return _Partition(treedef, flatten(full)[0], keys, where)
+    expected = (
+        "the labels must be a tree shaped like the parameters, or a prefix of it (one label for a whole "
+        "subtree), or a function returning one"
+    )
+    return _Partition(treedef, broadcast_labels(labels, tree, where, expected), keys, where)
 
 
 def _check_hashable(labels: list, name: Callable[[int], str], where: str) -> None:

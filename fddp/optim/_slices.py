@@ -16,7 +16,6 @@ a group's transformation may take a collective (``masked(clip_by_global_norm(...
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Hashable, Mapping, NamedTuple, Sequence
 
 import optree
@@ -29,7 +28,7 @@ from fddp import _caches
 from fddp._layout import Piece, Split, SplitTree, lay_out, new_flat, optim_plan
 from fddp._tree import LeafSpec, paths, specs_of
 
-__all__ = ["GroupSlices", "SplitPartition", "whole_tree"]
+__all__ = ["GroupSlices", "SplitPartition", "broadcast_labels", "whole_tree"]
 
 
 class _Meta(NamedTuple):
@@ -275,12 +274,25 @@ def labels_of(labels: Any, by_path: Callable[[list, optree.PyTreeSpec], list] | 
     whole = whole_tree(split, where)
     if by_path is not None:
         return by_path(list(_meta_leaves(split.leaves)), split.spec)
-    given = labels(whole) if callable(labels) else labels
+    expected = (
+        "on fddp.zero's shards the labels are those of the whole parameters: a tree shaped like them (or a "
+        "prefix of it), or a function of them (called on meta tensors of their shapes)"
+    )
+    return broadcast_labels(labels, whole, where, expected)
+
+
+def broadcast_labels(labels: Any, tree: Any, where: str, expected: str) -> list:
+    """Every leaf of ``tree``'s label, from ``labels``: a tree shaped like ``tree`` or a prefix of it
+    (one label for a whole subtree), or a function of ``tree`` returning one; ``expected`` says what
+    was expected, in the error.
+
+    Example:
+        >>> broadcast_labels({"a": "x", "b": "y"}, {"a": torch.ones(1), "b": {"c": torch.ones(1)}}, "masked", "...")
+        ['x', 'y']
+    """
+    given = labels(tree) if callable(labels) else labels
     try:
-        full = optree.tree_broadcast_prefix(given, whole, none_is_leaf=True)
+        full = optree.tree_broadcast_prefix(given, tree, none_is_leaf=True)
     except ValueError as e:
-        raise ValueError(
-            f"{where}: on fddp.zero's shards the labels are those of the whole parameters: a tree shaped like "
-            f"them (or a prefix of it), or a function of them (called on meta tensors of their shapes): {e}"
-        ) from None
-    return list(itertools.chain(optree.tree_leaves(full, none_is_leaf=True)))
+        raise ValueError(f"{where}: {expected}: {e}") from None
+    return optree.tree_leaves(full, none_is_leaf=True)

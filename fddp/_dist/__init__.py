@@ -21,7 +21,17 @@ through which ranks talk outside collectives (``_channel``). Each is one file; i
 _sequences -> _agreement -> _scope``.
 """
 
-from fddp._dist._agreement import Agreed, Agreement, agree, completed, goes_early, signature_digest, start_agreement
+from fddp._dist._agreement import (
+    Agreed,
+    Agreement,
+    agree,
+    completed,
+    goes_early,
+    request,
+    signature_digest,
+    start_agreement,
+    take_requested,
+)
 from fddp._dist._channel import Failure
 from fddp._dist._diagnosis import describe_token, name_difference
 from fddp._dist._digest import checksum, digest, replica_digest, traced_digest
@@ -73,10 +83,12 @@ __all__ = [
     "raise_if_failed_here",
     "rank",
     "replica_digest",
+    "request",
     "set_checks",
     "signature_digest",
     "size",
     "start_agreement",
+    "take_requested",
     "traced_digest",
     "wait",
 ]

@@ -43,7 +43,9 @@ from fddp._dist._groups import REMEMBERED, GroupState, checks, frame, size, stat
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
-__all__ = ["agree", "start_agreement", "Agreement", "Agreed", "signature_digest", "goes_early", "completed", "drain"]
+__all__ = [
+    "agree", "start_agreement", "Agreement", "Agreed", "signature_digest", "goes_early", "completed", "drain", "request", "take_requested"
+]
 
 Rows = Callable[[], list[tuple]]
 
@@ -178,10 +180,14 @@ def start_agreement(
         printed = (values or 0) if checks().replicas and replicas is not False else 0
         learn = int(sequenced and on and key_ not in st.recordings)
         went = _early_digest(st.last) if early else 0
-        t = _header.build(group, [signature, call_, name, printed, int(on), went], int(new), int(asked), learn)
-        context = (group, what, st, signature, call_, build, names, replicas, early, segment)
+        flags = st.requests
+        t = _header.build(group, [signature, call_, name, printed, int(on), went], int(new), int(asked), learn, flags)
+        context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags)
         return Agreement(t, _header.exchange(t, group, what), None, context)
     _remember(st, signature, replicas)
+    if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
+        st.requested |= st.requests
+        st.requests = 0
     return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
 
 
@@ -284,9 +290,12 @@ class Agreement:
         """
         if self.result is not None:
             return self.result
-        group, what, st, signature, call_, rows, names, replicas, early, segment = self.context
+        group, what, st, signature, call_, rows, names, replicas, early, segment, flags = self.context
         wait(self.work, group, what, "the agreement on this call")
         h = self.header.tolist()
+        # Every rank read the same header: its requests are learnt here, even by a call that raises.
+        st.requested |= _header.flags_of(h)
+        st.requests &= ~flags
         if h[_header.EARLY] and not early:
             drain(group, st, what, h[_header.EARLY])
         if h[_header.FAILED]:
@@ -310,3 +319,33 @@ class Agreement:
                 st.recordings.move_to_end(segment.key)
         self.result = Agreed(bool(h[_header.NEW]), bool(h[_header.ASKED]), drifted, segment)
         return self.result
+
+
+def request(group: dist.ProcessGroup | None, bits: int) -> None:
+    """Ask every rank of ``group`` for something (``bits``, below ``2**FLAG_BITS``): the bits ride
+    in this rank's next agreement header on the group, and every rank learns them from that
+    call's agreement, without a collective of their own (see :func:`take_requested`).
+
+    Example:
+        >>> request(None, 1)  # from a SIGTERM handler: save at the next step boundary
+    """
+    if not (isinstance(bits, int) and 0 < bits < 1 << _header.FLAG_BITS):
+        raise ValueError(f"fddp: request bits must be an int in [1, {1 << _header.FLAG_BITS}), got {bits!r}")
+    state(group).requests |= bits
+
+
+def take_requested(group: dist.ProcessGroup | None) -> int:
+    """Return the or of every rank's request bits in the agreements on ``group`` since the last
+    call, and forget them. Every rank that calls it at the same point of the same sequence of
+    fddp calls gets the same bits (a one-rank group: its own requests at once).
+
+    Example:
+        >>> if take_requested(None) & 1:  # at a step boundary, on every rank alike
+        ...     save()
+    """
+    st = state(group)
+    if size(group) == 1:
+        st.requested |= st.requests
+        st.requests = 0
+    bits, st.requested = st.requested, 0
+    return bits

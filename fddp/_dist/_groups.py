@@ -89,6 +89,8 @@ class GroupState:
         self.recordings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # agreed sequences, LRU
         self.owed = 0  # collectives of an earlier call still to come on this group (a backward)
         self.watched: bool | None = None  # whether the watcher reads this group's channel (None: not decided yet)
+        self.requests = 0  # this rank's request bits, sent with its next header (_agreement.request)
+        self.requested = 0  # the or of every rank's requests in the headers agreed since the last take_requested
 
     def busy(self) -> bool:
         """Whether this rank's peers may be waiting for it on this group: a call is in progress

@@ -1,6 +1,6 @@
 """The header: the one fixed-size message through which the ranks of a group agree on a call.
 
-Sixteen int64 (128 bytes). The first six fields travel as ``(x, -x)``, so that one MAX all-reduce gives
+Twenty int64 (160 bytes). The first six fields travel as ``(x, -x)``, so that one MAX all-reduce gives
 every field's maximum and minimum at once (equal on every rank exactly when they are equal):
 
     SIG    the digest of the call's signature (tree, shapes, dtypes, options)
@@ -14,10 +14,14 @@ every field's maximum and minimum at once (equal on every rank exactly when they
 
 then fields that travel as their maximum: NEW (some rank meets the signature for the first
 time), ASKED (some rank asked for a new tree's checks), FAILED (rank + 1 of a rank that
-announces its failure in place of the call's agreement) and LEARN (some rank must learn the
-call's sequence). Every kind of header (a call's, a token's, a compiled call's, an announcement)
-has this size and layout, so two ranks at different kinds of call still pair their headers
-instead of pairing a header with a bucket.
+announces its failure in place of the call's agreement), LEARN (some rank must learn the
+call's sequence) and, from FLAGS on, one 0/1 field per request bit (``FLAG_BITS`` of them: the
+maximum of each is the or of the ranks' bits). A rank sets a request with
+``_agreement.request`` (a checkpoint manager asking every rank to save at the next step
+boundary, say); it rides in that rank's next header, so every rank learns it at the same call
+without a collective of its own. Every kind of header (a call's, a token's, a compiled call's,
+an announcement) has this size and layout, so two ranks at different kinds of call still pair
+their headers instead of pairing a header with a bucket.
 """
 
 from __future__ import annotations
@@ -30,23 +34,36 @@ import torch.distributed as dist
 from fddp._dist._digest import digest
 from fddp._dist._groups import collective_device
 
-__all__ = ["SIG", "CALL", "WHAT", "PRINT", "MODE", "BOTH", "NEW", "ASKED", "FAILED", "LEARN", "EARLY", "SIZE", "TOKEN", "build", "exchange"]
+__all__ = [
+    "SIG", "CALL", "WHAT", "PRINT", "MODE", "BOTH", "NEW", "ASKED", "FAILED", "LEARN", "FLAGS", "FLAG_BITS", "EARLY", "SIZE", "TOKEN",
+    "build", "exchange", "flags_of",
+]
 
 SIG, CALL, WHAT, PRINT, MODE, EARLY = range(6)
 BOTH = 6
 NEW, ASKED, FAILED, LEARN = 2 * BOTH, 2 * BOTH + 1, 2 * BOTH + 2, 2 * BOTH + 3
-SIZE = 2 * BOTH + 4
+FLAGS = 2 * BOTH + 4
+FLAG_BITS = 4  # request bits a header carries, one field each
+SIZE = FLAGS + FLAG_BITS
 TOKEN = digest("fddp: one collective of a call")  # the function field of a token's agreement
 
 
-def build(group: dist.ProcessGroup | None, both: Sequence[int], new: int = 0, asked: int = 0, learn: int = 0) -> torch.Tensor:
+def build(
+    group: dist.ProcessGroup | None, both: Sequence[int], new: int = 0, asked: int = 0, learn: int = 0, flags: int = 0
+) -> torch.Tensor:
     """A header in the one layout: ``both`` (the ``BOTH`` fields) as (x, -x), then the fields
-    that travel as their maximum.
+    that travel as their maximum (``flags``: this rank's request bits, one field each).
 
     Example:
         >>> t = build(None, [sig, call, what, 0, 1, 0], new=1)
     """
-    return torch.tensor([*both, *[-x for x in both], new, asked, 0, learn], dtype=torch.int64, device=collective_device(group))
+    bits = [(flags >> b) & 1 for b in range(FLAG_BITS)]
+    return torch.tensor([*both, *[-x for x in both], new, asked, 0, learn, *bits], dtype=torch.int64, device=collective_device(group))
+
+
+def flags_of(h: Sequence[int]) -> int:
+    """The or of every rank's request bits, from an all-reduced header."""
+    return sum(1 << b for b in range(FLAG_BITS) if h[FLAGS + b])
 
 
 def exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Any:

@@ -36,7 +36,15 @@ from fddp import _caches
 from fddp._pool import new_buffer
 from fddp._tree import LeafSpec
 
+# The bucket caps every synchronising function defaults to, in MiB: torch DDP's (25 MiB, and a
+# first bucket of 1 MiB, so that the first collective starts early in backward). The one place
+# they are written; every signature takes its default from here.
+BUCKET_CAP_MB = 25.0
+FIRST_BUCKET_MB = 1.0
+
 __all__ = [
+    "BUCKET_CAP_MB",
+    "FIRST_BUCKET_MB",
     "MB",
     "MODULE_ALIAS",
     "module_aliases",
@@ -178,8 +186,8 @@ _plan_cached = _caches.cached(maxsize=256)(_plan)
 
 def plan(
     specs: tuple[LeafSpec, ...],
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
     order: tuple[int, ...] | None = None,
     *,
     reverse: bool = True,

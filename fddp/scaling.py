@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist
-from fddp._layout import Bucket
+from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB, Bucket
 from fddp.sync import Cast, PowerSGD, Timeline, grad_and_value, plan_of
 from fddp.sync._setup import as_hook
 from fddp.sync.hooks import CommHook
@@ -168,8 +168,8 @@ def predict_step(
     link: Link,
     world: int,
     *,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
     after: float = 0.0,
     bytes_scale: float = 1.0,
     compression: Any = None,
@@ -360,7 +360,7 @@ def verify_bucket_cap(
         >>> choice = fddp.scaling.verify_bucket_cap(choice, loss_fn, params, x, y)
         >>> choice.measured  # {cap: seconds per gradient step}
     """
-    default = (25.0, 1.0)
+    default = (BUCKET_CAP_MB, FIRST_BUCKET_MB)
     chosen = (choice.bucket_cap_mb, choice.first_bucket_mb)
     _agree_on(group, "verify_bucket_cap", chosen=chosen, steps=steps, rounds=rounds)
     if chosen == default:

@@ -235,7 +235,6 @@ def _errors_worker() -> dict:
                 compression_state=fddp.PowerSGD(start_iter=0).init(p), return_info=True,
             )[0]["w"]
         )(torch.ones(2, 3)),
-        "grad_and_value under vmap": lambda: vmap(fddp.grad_and_value(lambda q: q.sum()))(torch.ones(2, 3)),
         "verify_replicas under grad": lambda: grad(lambda q: (fddp.verify_replicas(q), q["w"].sum())[1])(p),
     }
     for name, call in cases.items():
@@ -247,7 +246,11 @@ def _errors_worker() -> dict:
     after = fddp.ddp_step(p, {"w": torch.ones(3)})["w"]
     gv = fddp.grad_and_value(lambda q: q["w"].sum())(p)[0]["w"]
     b = fddp.broadcast({"w": torch.full((3,), 1.0 + fddp.rank())})["w"]
-    return errors, after, gv, b
+    # grad_and_value inside vmap falls back to torch.func.grad_and_value and the differentiable
+    # ddp_step: each member's gradient averaged over the ranks, one collective for all members.
+    scale = torch.tensor([[1.0], [3.0]]) * (1.0 + fddp.rank())
+    vg, vv = vmap(fddp.grad_and_value(lambda q, c: (q * c).sum()))(torch.ones(2, 3), scale)
+    return errors, after, gv, b, (vg, vv)
 
 
 def test_unsupported_calls_raise_on_every_rank_and_poison_nothing():
@@ -256,15 +259,17 @@ def test_unsupported_calls_raise_on_every_rank_and_poison_nothing():
         "bf16 under grad": ["compression=Cast", "no derivative"],
         "bf16 under jvp": ["no derivative", "forward mode"],
         "powersgd under vmap": ["PowerSGD", "torch.func.vmap"],
-        "grad_and_value under vmap": ["fddp.grad_and_value", "torch.func.vmap"],
         "verify_replicas under grad": ["fddp.verify_replicas", "torch.func.grad"],
     }
-    for errors, after, gv, b in run(_errors_worker, 2):
+    for errors, after, gv, b, (vg, vv) in run(_errors_worker, 2):
         for name, parts in expected.items():
             assert name in errors, f"{name}: no error"
             for part in parts:
                 assert part in errors[name], (name, part, errors[name])
         assert torch.equal(after, torch.ones(3)) and torch.equal(gv, torch.ones(3)) and torch.equal(b, torch.ones(3))
+        # Members' gradients 1*(1+r) and 3*(1+r), averaged over ranks 0 and 1; the values stay local.
+        assert torch.equal(vg, torch.tensor([[1.5] * 3, [4.5] * 3]))
+        assert vv.shape == (2,)
 
 
 def test_the_issue_snippet_on_one_rank():

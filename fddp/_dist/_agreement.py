@@ -39,7 +39,7 @@ from fddp._dist._diagnosis import disagree, name_difference
 from fddp._dist._digest import digest, name_digest, traced_digest
 from fddp._dist._errors import MismatchError
 from fddp._dist._failures import fail, raise_announced, raise_if_failed
-from fddp._dist._groups import REMEMBERED, GroupState, checks, frame, size, state
+from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, frame, size, state
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
@@ -181,14 +181,14 @@ def start_agreement(
         learn = int(sequenced and on and key_ not in st.recordings)
         went = _early_digest(st.last) if early else 0
         flags = st.requests
-        t = _header.build(group, [signature, call_, name, printed, int(on), went], int(new), int(asked), learn, flags)
+        t = _header.build([signature, call_, name, printed, int(on), went], int(new), int(asked), learn, flags)
         context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags)
-        return Agreement(t, _header.exchange(t, group, what), None, context)
+        return Agreement(t, _header.exchange(t, group, what), None, context, call_)
     _remember(st, signature, replicas)
     if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
         st.requested |= st.requests
         st.requests = 0
-    return Agreement(None, None, Agreed(new, asked))  # one rank, or a known tree with the agreement off
+    return Agreement(None, None, Agreed(new, asked), (), call_)  # one rank, or a known tree with the agreement off
 
 
 def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int) -> None:
@@ -198,7 +198,7 @@ def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int
     # The eager header's size and layout (call number -1: a graph keeps no count), so that a
     # compiled call that meets an eager one on another rank pairs with its header, not its
     # buckets: the eager rank raises too, instead of an abort in the backend.
-    t = _header.build(group, [signature, -1, name, 0, 1, 0])
+    t = _header.build([signature, -1, name, 0, 1, 0], device=collective_device(group))
     out = funcol.wait_tensor(funcol.all_reduce(t, "max", group if group is not None else dist.group.WORLD))
     both = _header.BOTH
     torch._assert_async(
@@ -230,12 +230,21 @@ def goes_early(group: dist.ProcessGroup | None, what: str, signature: int) -> bo
     return last is not None and last[0] == signature and last[1] == name_digest(what) and st.failed is None and size(group) > 1
 
 
-def completed(group: dist.ProcessGroup | None, what: str, signature: int, collectives: Sequence[tuple] | None) -> None:
+def completed(
+    group: dist.ProcessGroup | None, what: str, signature: int, collectives: Sequence[tuple] | None, call: int | None = None
+) -> None:
     """Note that the call agreed as ``signature`` completed, having issued ``collectives`` (each an
-    all-reduce, as ``(numel, dtype, device)``; ``None``: other kinds, which cannot go early)."""
+    all-reduce, as ``(numel, dtype, device)``; ``None``: other kinds, which cannot go early).
+
+    With ``call`` (its number among the group's agreements), only if it is still the last agreed
+    call: a synchronisation finished later (``fddp.diloco``'s in flight) must not stand for the
+    calls agreed since, which every rank records alike.
+    """
     if torch.compiler.is_compiling():
         return
     st = state(group)
+    if call is not None and st.agreed != call + 1:
+        return
     st.last = None if collectives is None or not checks().agreement else (signature, name_digest(what), tuple(collectives))
 
 
@@ -276,10 +285,13 @@ class Agreement:
         >>> agreement.finish()  # before this call's first bucket
     """
 
-    __slots__ = ("header", "work", "result", "context")
+    __slots__ = ("header", "work", "result", "context", "call")
 
-    def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = ()) -> None:
+    def __init__(
+        self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = (), call: int | None = None
+    ) -> None:
         self.header, self.work, self.result, self.context = header, work, result, context
+        self.call = call  # the call's number among the group's agreements (None: a compiled call's)
 
     def finish(self) -> Agreed:
         """Wait for the header; return what every rank learned.

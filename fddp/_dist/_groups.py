@@ -91,6 +91,7 @@ class GroupState:
         self.watched: bool | None = None  # whether the watcher reads this group's channel (None: not decided yet)
         self.requests = 0  # this rank's request bits, sent with its next header (_agreement.request)
         self.requested = 0  # the or of every rank's requests in the headers agreed since the last take_requested
+        self.control: Any = None  # the group the headers travel on (control_group), once decided
 
     def busy(self) -> bool:
         """Whether this rank's peers may be waiting for it on this group: a call is in progress
@@ -339,6 +340,38 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# Tests set this to carry the headers of gloo groups on a side group too, the path NCCL groups
+# take, so that a machine without a GPU runs it.
+SIDE_CONTROL = False
+_SAME = object()  # control_group: the group carries its own headers
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group on which ``group``'s headers travel: ``group`` itself where it reduces CPU
+    tensors (gloo, a mixed ``"cpu:gloo,cuda:nccl"`` group, a fault-tolerant group), else a gloo
+    group of the same ranks, made once, at the group's first header.
+
+    Why: the host reads every header (``.tolist()``) before it decides what the call's
+    collectives are. On an NCCL group a CUDA header would make the host wait for the GPU stream
+    at every call, which torch DDP never does; a CPU header on gloo costs a wait for the peers'
+    hosts only. The buckets stay on ``group``; the headers pair with headers only, since every
+    rank sends one at every agreement, and a rank whose peers sent buckets early sends zeros in
+    their place on ``group`` (``_agreement.drain``) as before.
+    """
+    st = state(group)
+    control = st.control
+    if control is None:
+        control = _SAME
+        if st.size is None and (SIDE_CONTROL or dist.get_backend(group) == "nccl"):
+            pg = group if group is not None else dist.group.WORLD
+            ranks = dist.get_process_group_ranks(pg)
+            # Only the group's ranks take part (they all reach their first header on it at the
+            # same call); the default group's is made by fddp.init, with the rest of the setup.
+            control = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        st.control = control
+    return group if control is _SAME else control
 
 
 def count_call(group: dist.ProcessGroup | None, what: str) -> None:

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from fddp._dist._digest import digest
-from fddp._dist._groups import collective_device
+from fddp._dist._groups import control_group
 
 __all__ = [
     "SIG", "CALL", "WHAT", "PRINT", "MODE", "BOTH", "NEW", "ASKED", "FAILED", "LEARN", "FLAGS", "FLAG_BITS", "EARLY", "SIZE", "TOKEN",
-    "build", "exchange", "flags_of",
+    "blank", "build", "exchange", "flags_of",
 ]
 
 SIG, CALL, WHAT, PRINT, MODE, EARLY = range(6)
@@ -49,16 +49,23 @@ TOKEN = digest("fddp: one collective of a call")  # the function field of a toke
 
 
 def build(
-    group: dist.ProcessGroup | None, both: Sequence[int], new: int = 0, asked: int = 0, learn: int = 0, flags: int = 0
+    both: Sequence[int], new: int = 0, asked: int = 0, learn: int = 0, flags: int = 0, device: torch.device | None = None
 ) -> torch.Tensor:
     """A header in the one layout: ``both`` (the ``BOTH`` fields) as (x, -x), then the fields
-    that travel as their maximum (``flags``: this rank's request bits, one field each).
+    that travel as their maximum (``flags``: this rank's request bits, one field each). On the
+    CPU, for :func:`exchange` (its control group reduces CPU tensors); ``device`` for a header
+    inside a compiled graph, which travels on the group itself.
 
     Example:
-        >>> t = build(None, [sig, call, what, 0, 1, 0], new=1)
+        >>> t = build([sig, call, what, 0, 1, 0], new=1)
     """
     bits = [(flags >> b) & 1 for b in range(FLAG_BITS)]
-    return torch.tensor([*both, *[-x for x in both], new, asked, 0, learn, *bits], dtype=torch.int64, device=collective_device(group))
+    return torch.tensor([*both, *[-x for x in both], new, asked, 0, learn, *bits], dtype=torch.int64, device=device)
+
+
+def blank() -> torch.Tensor:
+    """A header of zeros (a failure's announcement fills in ``FAILED``)."""
+    return torch.zeros(SIZE, dtype=torch.int64)
 
 
 def flags_of(h: Sequence[int]) -> int:
@@ -68,8 +75,9 @@ def flags_of(h: Sequence[int]) -> int:
 
 def exchange(header: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Any:
     """Start the all-reduce of ``header`` (the maximum of every field and of its negation: min
-    and max at once); return its work."""
-    return dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    and max at once) on ``group``'s control group (``_groups.control_group``: never a CUDA
+    tensor the host must read back); return its work."""
+    return dist.all_reduce(header, op=dist.ReduceOp.MAX, group=control_group(group), async_op=True)
 
 
 def agrees(h: Sequence[int], skip_print: bool = True) -> bool:

@@ -32,7 +32,7 @@ from fddp._dist._agreement import drain
 from fddp._dist._channel import Failure
 from fddp._dist._errors import collective, is_collective
 from fddp._dist._failures import fail, first_line, raise_if_failed
-from fddp._dist._groups import Frame, GroupState, channel_of, checks, collective_device, lock, rank, size, state
+from fddp._dist._groups import Frame, GroupState, channel_of, checks, lock, rank, size, state
 from fddp._dist._waits import wait
 
 __all__ = ["call", "entry", "owe", "backward_scope"]
@@ -56,7 +56,7 @@ def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: Bas
     try:
         if channel is not None:
             channel.post(failure)
-        t = torch.zeros(_header.SIZE, dtype=torch.int64, device=collective_device(group))
+        t = _header.blank()
         t[_header.FAILED] = me + 1
         work = _header.exchange(t, group, what)
     except Exception:  # noqa: BLE001 - cannot announce: make it fatal, which needs nothing of the peers

@@ -190,7 +190,7 @@ def _agree_token(group: dist.ProcessGroup | None, st: GroupState, seg: Segment, 
     """Agree on one collective of a call being learnt: the same header, its fields the token's."""
     position = len(seg.tokens)
     h = [digest((seg.key, token)), position, _header.TOKEN, 0, int(checks().agreement), 0]
-    t = _header.build(group, h)
+    t = _header.build(h)
     wait(_header.exchange(t, group, seg.what), group, seg.what, f"the agreement on its {ordinal(position + 1)} collective")
     out = t.tolist()
     if out[_header.FAILED]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist, _layout, _tree, optim, zero
+from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB
 from fddp.diloco import _checks
 from fddp.diloco._compress import Quantize
 from fddp.diloco._plan import Fragment, describe, launches, split, split_by, warm
@@ -197,8 +198,8 @@ class DiLoCo:
     mixing: float = 0.0
     shard: bool = False
     group: dist.ProcessGroup | None = None
-    bucket_cap_mb: float = 25.0
-    first_bucket_mb: float = 1.0
+    bucket_cap_mb: float = BUCKET_CAP_MB
+    first_bucket_mb: float = FIRST_BUCKET_MB
     warmup: int = 0
     eager: bool = False
     extrapolate: bool = False
@@ -696,8 +697,8 @@ def diloco(
     mixing: float = 0.0,
     shard: bool = False,
     group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
     warmup: int = 0,
     eager: bool = False,
     extrapolate: bool = False,
@@ -760,8 +761,8 @@ def local_sgd(
     *,
     compression: Any = None,
     group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
     warmup: int = 0,
 ) -> DiLoCo:
     """Local SGD: average the parameters over the ranks every ``every`` inner steps.

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch.distributed as dist
 
 from fddp import _dist, _layout
+from fddp._layout import BUCKET_CAP_MB
 from fddp._tree import BUFFERS_FIX, not_a_module
 from fddp.sync import _differentiable
 from fddp.sync._checksum import checksum, compare_replicas
@@ -25,15 +26,16 @@ _MODES = ("broadcast", "mean")
 
 
 def _run(tree: Any, options: SyncOptions, what: str) -> Any:
-    sync = setup(tree, options, what)
+    sync = setup(tree, options, what, agree=False)
+    sync.announce()
     reducer = sync.reducer()
     reducer.push([t.detach() for t in sync.leaves])
-    flats, _ = reducer.finish()
+    flats, _ = sync.close(reducer)
     return sync.tree(flats, reducer.made_views(flats))
 
 
 @_dist.entry("broadcast")
-def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = 25.0) -> Any:
+def broadcast(tree: Any, /, src: int = 0, *, group: dist.ProcessGroup | None = None, bucket_cap_mb: float = BUCKET_CAP_MB) -> Any:
     """Return ``tree`` with rank ``src``'s values on every rank, in a few fused broadcasts.
 
     The leaves are packed into flat buckets (the same planner as :func:`fddp.ddp_step`) and each
@@ -72,7 +74,7 @@ def sync_buffers(
     *,
     src: int = 0,
     group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
 ) -> Any:
     """Return ``buffers`` made identical on every rank, in one collective per bucket.
 

@@ -153,11 +153,11 @@ def _sync(call: _Call, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     """The eager sync of plain tensors: the same setup, reducer and hook as ``ddp_step``'s."""
     tree = optree.tree_unflatten(call.spec, list(leaves))
     with _dist.call(call.options.group, call.what):  # a backward runs outside ddp_step's own call
-        sync = setup(tree, call.options, call.what, call.state, weight=call.weight, members=call.members)
+        sync = setup(tree, call.options, call.what, call.state, weight=call.weight, members=call.members, agree=False)
+        sync.announce()
         reducer = sync.reducer(call.state)
         reducer.push([t.detach() for t in leaves])
-        flats, info = reducer.finish()
-        sync.completed()  # as the eager ddp_step does: the ranks' records of this call must not depend on the path
+        flats, info = sync.close(reducer)
     call.infos.append(info)
     return _layout.unflatten(sync.plan, flats)
 
@@ -288,12 +288,13 @@ def _compiled(call: _Call, leaves: list[torch.Tensor], spec: Any) -> tuple[Any, 
                 f"{torch.__version__} traces neither its forward-mode nor its batching rule); call it eagerly there"
             )
     o = call.options
-    sync = setup(optree.tree_unflatten(spec, leaves), o, "ddp_step", call.state, weight=call.weight)
+    sync = setup(optree.tree_unflatten(spec, leaves), o, "ddp_step", call.state, weight=call.weight, agree=False)
+    sync.announce()  # traced: the header is in the graph (fddp._dist's compiled agreement)
     if type(o.hook) is not Mean or o.check_finite:
         # Compressed and weighted means trace through the reducer, without a derivative.
         reducer = sync.reducer(call.state)
         reducer.push(leaves)
-        flats, info = reducer.finish()
+        flats, info = sync.close(reducer)
         return sync.tree(flats), info
     traced = dataclasses.replace(call, plan=sync.plan)
     info = SyncInfo(None, None, sync.plan.nbytes, len(sync.plan.buckets))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.utils._pytree as torch_pytree
 
 from fddp import _dist, _layout
+from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB
 from fddp._tree import paths, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._accumulate import Window, window, window_value
@@ -43,8 +44,8 @@ def grad_and_value(
     has_aux: bool = False,
     *,
     group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
     compression: Any = None,
     check_finite: bool = False,
     return_info: bool = False,
@@ -81,8 +82,10 @@ def grad_and_value(
     ``.grad`` from one step to the next (glibc then reuses that memory instead of returning it to
     the OS and faulting it in again every step). ``fn`` sees the caller's
     own leaves (detached, never copied). Differentiation uses :func:`torch.autograd.grad`, so ``fn``
-    must be differentiable by autograd (activation checkpointing works), and this cannot run inside
-    torch.func transforms: there, use ``torch.func.grad`` and :func:`fddp.ddp_step`, which compose.
+    must be differentiable by autograd (activation checkpointing works). Inside a torch.func
+    transform (``vmap`` over an ensemble, ``jacrev``, ``hessian``) it falls back to
+    ``torch.func.grad_and_value`` followed by the differentiable :func:`fddp.ddp_step`: the same
+    buckets and mean, after backward rather than inside it.
 
     Args:
         fn: the function to differentiate; it must return a scalar tensor (or ``(scalar, aux)``
@@ -202,7 +205,6 @@ class _Transform:
         self, scope: _dist.call, args: tuple, kwargs: dict, weight: Any, state: Any, accumulated: Any
     ) -> tuple[Any, Any, SyncInfo]:
         what = self.what
-        _differentiable.refuse_under_transforms(what, "use torch.func.grad inside the transform and fddp.ddp_step, which composes with it")
         options = self.call_options(weight)
         w = None if weight is None else as_weight(weight, what)
         check_state(options, state, what, self.compression)
@@ -214,6 +216,8 @@ class _Transform:
                 )
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what, name=self.tree_name)
+        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+            return self._under_transforms(args, kwargs, tree, flat, options, w, state, accumulated)
         if _fully_sharded(flat[1], what):
             if accumulated is not None:
                 raise TypeError(
@@ -261,9 +265,7 @@ class _Transform:
             # rank whose peer is still in its forward pass goes on with its backward meanwhile.
             # A step that repeats the last one the ranks completed does not wait even then: its
             # buckets go out as backward fills them, and the header is checked at the end.
-            pending = sync.start_agreement(replicas=True, drift=True, early=True)
-            if not pending.early:
-                reducer.gate = pending
+            sync.announce(replicas=True, drift=True, early=True, gate=reducer)
             if loss.requires_grad:
                 raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                 if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
@@ -273,11 +275,28 @@ class _Transform:
                 if win.sums[i] is not None:
                     arrive(i, None)
         reducer.flush()
-        if pending.early:
-            pending.finish()  # before anything is returned: a mismatch raises here, on every rank
-        flats, info = reducer.finish()
-        sync.completed()
+        flats, info = sync.close(reducer)  # an early header is checked here, before anything is returned
         return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
+
+    def _under_transforms(
+        self, args: tuple, kwargs: dict, tree: Any, flat: tuple, options: SyncOptions, w: Any, state: Any, accumulated: Any
+    ) -> tuple[Any, Any, SyncInfo]:
+        """Inside a torch.func transform (a vmapped ensemble, a hessian, per-sample gradients),
+        where autograd's hooks cannot see the transform's levels: ``torch.func.grad_and_value``,
+        then the differentiable ``ddp_step`` (the same buckets, hook and mean, and JAX's
+        ``lax.pmean`` rules under the outer transform). Fully sharded parameters need no sync:
+        their gathers' backward averages them."""
+        what = self.what
+        if accumulated is not None:
+            raise TypeError(
+                f"fddp.{what}: accumulated= cannot be used inside a torch.func transform (its window's sums are "
+                "plain tensors of the eager step); accumulate with torch.func.grad and fddp.accumulate_grads there"
+            )
+        grads, value = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)(*args, **kwargs)
+        if _fully_sharded(flat[1], what):
+            return grads, value, SyncInfo(None, None, 0, 0)
+        grads, info = _differentiable.ddp_step(tree, grads, options, state, w)
+        return grads, value, info
 
     def with_inputs(self, args: tuple, views: Any) -> list:
         """``args`` with the differentiated argument(s) replaced by ``views`` (a tuple of them for a tuple ``argnums``)."""

@@ -49,7 +49,7 @@ class InFlight:
             raise self._error
         if self._result is None:
             try:
-                flats, info = self._reducer.finish()
+                flats, info = self._sync.close(self._reducer)
             except BaseException as e:
                 self._error = e
                 self._sync = self._reducer = None
@@ -90,7 +90,8 @@ def start(
         w = None if weight is None else as_weight(weight, what)
         check_state(sync_options, compression_state, what, options.get("compression"))
         options = sync_options
-        sync = setup(params, options, what, compression_state, weight=w)
+        sync = setup(params, options, what, compression_state, weight=w, agree=False)
+        sync.announce()
         reducer = sync.reducer(compression_state)
         reducer.push([g.detach() for g in optree.tree_leaves(grads, none_is_leaf=True)])
     return InFlight(sync, reducer)

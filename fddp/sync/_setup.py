@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist, _layout
-from fddp._layout import BucketPlan, module_aliases
+from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB, BucketPlan, module_aliases
 from fddp._tree import LeafSpec, definition_order, flatten, paths, specs_of, structure_rows, tensor_leaves
 from fddp.runtime import require_initialized
 from fddp.sync._checksum import check_replicas
@@ -64,8 +64,8 @@ class SyncOptions:
     """
 
     group: dist.ProcessGroup | None = None
-    bucket_cap_mb: float = 25.0
-    first_bucket_mb: float = 1.0
+    bucket_cap_mb: float = BUCKET_CAP_MB
+    first_bucket_mb: float = FIRST_BUCKET_MB
     hook: CommHook = _MEAN
     weighted: bool = False
     check_finite: bool = False
@@ -101,7 +101,7 @@ def as_hook(compression: Any, weighted: bool, what: str) -> CommHook:
 
 # The keyword options every synchronising front end takes, with their defaults.
 KEYWORDS: dict[str, Any] = dict(
-    group=None, bucket_cap_mb=25.0, first_bucket_mb=1.0, compression=None, check_finite=False, return_info=True
+    group=None, bucket_cap_mb=BUCKET_CAP_MB, first_bucket_mb=FIRST_BUCKET_MB, compression=None, check_finite=False, return_info=True
 )
 
 
@@ -223,7 +223,18 @@ def dtype_error(
 
 
 class Sync:
-    """A tree ready to synchronise: its leaves, structure and bucket plan, and the call's values.
+    """One synchronisation of a tree, from open to close: its leaves, structure, bucket plan and
+    the call's values, and the life every front end gives it.
+
+    Every synchronising front end (``ddp_step``, ``grad``/``grad_and_value``, ``broadcast``,
+    ``sync_buffers``, the differentiable mean, ``fddp.diloco``'s in-flight sync) goes through the
+    same four steps, in this order::
+
+        sync = setup(tree, options, what, agree=False)   # open: plan, number the call
+        sync.announce(...)                               # the header: early, gated or waited
+        reducer = sync.reducer(state); reducer.push(leaves)   # or reducer.arrive(i, g) from backward
+        flats, info = sync.close(reducer)                # check, wait, record the call
+
 
     Attributes:
         leaves: the tree's leaves (flatten order).
@@ -238,7 +249,7 @@ class Sync:
             answer on every rank).
     """
 
-    __slots__ = ("leaves", "spec", "plan", "options", "what", "weight", "digest", "rows", "new", "_comm")
+    __slots__ = ("leaves", "spec", "plan", "options", "what", "weight", "digest", "rows", "new", "_comm", "_pending", "_call")
 
     def __init__(
         self,
@@ -255,6 +266,8 @@ class Sync:
         self.weight, self.digest, self.rows = weight, digest, rows
         self.new = False  # after agree(): whether some rank met this signature for the first time
         self._comm: Comm | None = None
+        self._pending: PendingAgreement | None = None  # an early call's header, checked in close()
+        self._call: int | None = None  # the call's number in the group's agreements, once announced
 
     @property
     def comm(self) -> Comm:
@@ -265,29 +278,40 @@ class Sync:
         return self._comm
 
     def agree(self, *, replicas: bool = False, drift: bool = False) -> bool:
-        """Agree with the other ranks on this call (``fddp._dist.agree``); keep in :attr:`new`
-        whether its signature is new to some rank.
+        """Agree with the other ranks on this call now (:meth:`announce`, waited for at once);
+        return whether the replicas were compared.
 
         With ``replicas`` (the leaves are parameters of replicas), the first call on a tree that
         some rank holds straight from ``fddp.functionalize`` (its module's own tensors: no
         ``fddp.broadcast`` since) also compares the leaves' checksums across the ranks, unless
-        ``fddp.set_checks(replicas=False)``; return whether it did.
+        ``fddp.set_checks(replicas=False)``.
         """
-        return self.start_agreement(replicas=replicas, drift=drift).finish()
+        return self._start(replicas, drift, early=False).finish()
 
-    def start_agreement(self, *, replicas: bool = False, drift: bool = False, early: bool = False) -> PendingAgreement:
-        """:meth:`agree`, started: the header is sent; finish it before this call's other collectives,
-        unless the result's ``early`` says the buckets may go first (with ``early``, where the call
-        repeats the last one the ranks completed: ``fddp._dist.goes_early``); then finish it before
-        returning anything, and call :meth:`completed` once the buckets are back.
+    def announce(self, *, replicas: bool = False, drift: bool = False, early: bool = False, gate: Reducer | None = None) -> None:
+        """Send this call's header: the one place a synchronisation starts its agreement and
+        decides when it is waited for.
 
-        With ``drift`` (the leaves are the replicas' parameters: ``grad_and_value``'s arguments,
-        ``ddp_step``'s ``params``), the header also carries a fingerprint of the leaves, and replicas
-        that were equal once and drifted apart since are compared leaf by leaf and named (a rank
-        that skipped a step's update, or applied its own). Leaves that differed at their first
-        comparison are values that differ by design (a mean of any tree is legitimate): they are
-        not fingerprinted again.
+        - ``early`` (the caller may send buckets before the header is back) and the call repeats
+          the last one the ranks completed (``fddp._dist.goes_early``: every rank decides alike):
+          the buckets go at once, and :meth:`close` checks the header before anything is returned;
+        - otherwise, with a ``gate``: its reducer waits for the header before its first bucket
+          goes out (``grad_and_value``: the round trip overlaps the backward that fills it);
+        - otherwise: waited for here, before any bucket.
+
+        ``replicas`` and ``drift`` (the leaves are the replicas' parameters: the header also
+        carries a fingerprint of them, and replicas that drifted apart are compared leaf by leaf
+        and named) are :meth:`agree`'s.
         """
+        pending = self._start(replicas, drift, early)
+        if pending.early:
+            self._pending = pending
+        elif gate is not None:
+            gate.gate = pending
+        else:
+            pending.finish()
+
+    def _start(self, replicas: bool, drift: bool, early: bool) -> PendingAgreement:
         replicas = replicas and _dist.checks().replicas
         ask = replicas and module_aliases(self.leaves)
         group = self.options.group
@@ -296,14 +320,23 @@ class Sync:
         values = _dist.replica_digest(self.leaves, "sampled") if send else 0
         early = early and several and _dist.goes_early(group, self.what, self.digest)
         agreement = _dist.start_agreement(group, self.what, self.rows, signature=self.digest, ask=ask, values=values, early=early)
+        self._call = agreement.call
         return PendingAgreement(self, agreement, early)
 
-    def completed(self) -> None:
-        """Say that this call's collectives completed: the next call that repeats it may send its
-        buckets before its header (``fddp._dist.completed``)."""
+    def close(self, reducer: Reducer) -> tuple[list[torch.Tensor], Any]:
+        """Finish the call: check a header still under way (before anything is returned: a
+        mismatch raises here, on every rank), wait for every bucket, and record the call, so that
+        the next call that repeats it may send its buckets early (``fddp._dist.completed``, where
+        no other agreement on the group came in between). Returns ``(reduced buffers, info)``.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
+        flats, info = reducer.finish()
         comm = self.comm
-        if comm.world_size > 1:
-            _dist.completed(self.options.group, self.what, self.digest, comm.issued)
+        if comm.world_size > 1 and self._call is not None:
+            _dist.completed(self.options.group, self.what, self.digest, comm.issued, call=self._call)
+        return flats, info
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
@@ -316,10 +349,11 @@ class Sync:
 
 
 class PendingAgreement:
-    """A :class:`Sync`'s agreement under way (:meth:`Sync.start_agreement`).
+    """A :class:`Sync`'s agreement under way (:meth:`Sync.announce`): finished by the reducer's
+    gate, by :meth:`Sync.close`, or at once.
 
     Example:
-        >>> pending = sync.start_agreement(replicas=True)
+        >>> pending = sync._start(replicas=True, drift=False, early=False)
         >>> ...  # work that issues no collective on the group
         >>> pending.finish()  # before the call's first bucket
     """
@@ -438,7 +472,7 @@ def _plan(specs: tuple, members: tuple[LeafSpec, ...] | None, order: tuple[int, 
     return base
 
 
-def plan_of(tree: Any, /, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> BucketPlan:
+def plan_of(tree: Any, /, bucket_cap_mb: float = BUCKET_CAP_MB, first_bucket_mb: float = FIRST_BUCKET_MB) -> BucketPlan:
     """Return the bucket plan :func:`setup` makes for ``tree``: leaves in optree's flatten order,
     filled in the tree's definition order, reversed. No communication.
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _dist, _layout
+from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB
 from fddp._tree import flatten, not_a_module, paths, specs_of, tensor_leaves
 from fddp.sync import _differentiable
 from fddp.sync._setup import as_weight, check_dtypes, check_state, dtype_error, make_options, setup
@@ -57,8 +58,8 @@ def ddp_step(
     /,
     *,
     group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
     weight: float | torch.Tensor | None = None,
     compression: Any = None,
     compression_state: Any = None,
@@ -147,19 +148,14 @@ def ddp_step(
         return (out, info) if return_info else out
     sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs, agree=False)
     # A step that repeats the last one the ranks completed sends its buckets right behind its
-    # header, and checks the header before it returns: one round trip instead of two.
-    pending = sync.start_agreement(replicas=True, drift=True, early=True)
-    if not pending.early:
-        pending.finish()
+    # header, and close() checks the header before anything is returned: one wait, not two.
+    sync.announce(replicas=True, drift=True, early=True)
     try:
         check_dtypes(sync, "ddp_step", compression)
     except TypeError as e:
         raise _dist.collective(e) from None  # after the agreement on the dtypes: every rank raises alike
     reducer = sync.reducer(compression_state)
     reducer.push(g_leaves)
-    if pending.early:
-        pending.finish()  # before anything is returned: a mismatch raises here, on every rank
-    flats, info = reducer.finish()
-    sync.completed()
+    flats, info = sync.close(reducer)
     out = sync.tree(flats, reducer.made_views(flats))
     return (out, info) if return_info else out

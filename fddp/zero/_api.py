@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _dist, _layout
+from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB
 from fddp._pool import new_buffer
 from fddp.sync import _differentiable
 from fddp.sync._comm import Comm
@@ -26,8 +27,8 @@ def shard(
     /,
     *,
     group: dist.ProcessGroup | None = None,
-    bucket_cap_mb: float = 25.0,
-    first_bucket_mb: float = 1.0,
+    bucket_cap_mb: float = BUCKET_CAP_MB,
+    first_bucket_mb: float = FIRST_BUCKET_MB,
 ) -> Sharded:
     """Return this rank's shards of ``params``: its slice of every bucket, as ZeRO keeps them.
 

@@ -1,0 +1,181 @@
+"""The control plane off the data path: headers on a gloo side group (what NCCL groups use), and
+no host read of a collective's result per call.
+
+On an NCCL group a header that lived on the GPU would be read back by the host at every call (a
+device-to-host sync, which torch DDP never makes); ``fddp._dist.control_group`` gives such groups
+a gloo side group of the same ranks for their headers. No GPU here: ``SIDE_CONTROL`` makes a gloo
+group take the same path, and the early-bucket, mismatch and announcement cases of
+``test_early.py`` run through it. The second test counts, with a ``TorchFunctionMode``, every
+host read (``item``, ``tolist``, ``float``, ``bool``, ``.cpu()``...) of a tensor that went through
+a data-group collective, over steady-state steps: on CUDA each would be a sync per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+import fddp
+from dist import run
+
+
+def _params(n: int = 5) -> dict:
+    return {"w": torch.arange(n, dtype=torch.float32), "b": torch.ones(2)}
+
+
+def _side_group() -> dist.ProcessGroup:
+    """A fresh gloo group whose headers travel on a side group, as an NCCL group's do."""
+    import fddp._dist._groups as groups
+
+    g = dist.new_group(backend="gloo")
+    groups.SIDE_CONTROL = True
+    try:
+        groups.control_group(g)  # decided at the first header: here, on every rank alike
+    finally:
+        groups.SIDE_CONTROL = False
+    return g
+
+
+def _headers_on(g: dist.ProcessGroup) -> tuple[list, object]:
+    """Record the group of every header all-reduce (int64, the header's size); returns the
+    record and the original function, to put back."""
+    import fddp._dist._header as header
+
+    seen: list = []
+    original = dist.all_reduce
+
+    def spy(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if t.dtype == torch.int64 and t.numel() == header.SIZE:
+            seen.append(group)
+        return original(t, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = spy
+    return seen, original
+
+
+def _cases_worker() -> tuple:
+    import fddp._dist._groups as groups
+
+    g = _side_group()
+    control = groups.state(g).control
+    headers, original = _headers_on(g)
+    try:
+        return _cases(g, control, headers)
+    finally:
+        dist.all_reduce = original
+
+
+def _cases(g: dist.ProcessGroup, control: dist.ProcessGroup, headers: list) -> tuple:
+    r = fddp.rank()
+    params = fddp.broadcast(_params(), group=g)
+    outs = [fddp.ddp_step(params, {k: v * (r + 1) * (s + 1) for k, v in params.items()}, group=g) for s in range(3)]
+    fn = fddp.grad_and_value(lambda p, x: sum((v * x).sum() for v in p.values()), group=g)
+    outs += [fn(params, torch.tensor(float(r + 1)))[0] for _ in range(2)]
+    errors = []
+    for mode in ("tree", "raise"):
+        for _ in range(2):
+            fddp.ddp_step(params, params, group=g)  # the next call goes early on rank 0
+        try:
+            if r == 1 and mode == "tree":
+                fddp.ddp_step(_params(6), _params(6), group=g)
+            elif r == 1:
+                fddp.ddp_step(params, {"w": torch.zeros(3)}, group=g)  # announced in place of the header
+            else:
+                fddp.ddp_step(params, params, group=g)
+        except Exception as e:  # noqa: BLE001 - the test compares the ranks' errors
+            errors.append(type(e).__name__)
+        outs.append(fddp.ddp_step(params, {k: v * (r + 1) for k, v in params.items()}, group=g))  # still in step
+    on_control = all(h is control for h in headers)
+    return control is not g and isinstance(control, dist.ProcessGroup), on_control, len(headers), errors, [
+        {k: v.clone() for k, v in o.items()} for o in outs
+    ]
+
+
+def test_headers_on_a_side_group_keep_every_guarantee():
+    results = run(_cases_worker, 2, timeout=120)
+    for r, (side, on_control, n_headers, errors, outs) in enumerate(results):
+        assert side and on_control and n_headers >= 10, (side, on_control, n_headers)
+        assert errors == (["MismatchError", "PeerError"] if r == 0 else ["MismatchError", "ValueError"]), errors
+        for s in range(3):
+            for k in outs[s]:
+                torch.testing.assert_close(outs[s][k], _params()[k] * 1.5 * (s + 1), rtol=0, atol=0)
+        for o in outs[3:5]:
+            assert all(torch.equal(v, torch.full_like(v, 1.5)) for v in o.values())
+        for o in outs[5:]:
+            for k in o:
+                torch.testing.assert_close(o[k], _params()[k] * 1.5, rtol=0, atol=0)
+
+
+_READS = {
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+    torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+}  # fmt: skip
+
+
+class _HostReads(TorchFunctionMode):
+    """Count host reads of tensors whose storage a data-group collective wrote."""
+
+    def __init__(self, storages: set) -> None:
+        super().__init__()
+        self.storages, self.reads = storages, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        to_host = func is torch.Tensor.to and any(str(a).startswith("cpu") for a in (*args[1:], kwargs.get("device")))
+        if t is not None and (func in _READS or to_host) and t.untyped_storage().data_ptr() in self.storages:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+def _reads_worker() -> dict:
+    g = _side_group()
+    control = fddp._dist.control_group(g)
+    storages: set = set()
+    names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
+    originals = {n: getattr(dist, n) for n in names}
+
+    def spy(name):
+        def issue(t, *args, **kwargs):
+            group = kwargs.get("group")
+            if group is not control or control is g:  # headers on the data group count as reads
+                storages.add(t.untyped_storage().data_ptr())
+                kept.append(t)  # alive until the step ends: its memory is not reused by a header meanwhile
+            return originals[name](t, *args, **kwargs)
+
+        return issue
+
+    r = fddp.rank()
+    params = fddp.broadcast({"w": torch.randn(6, 4), "b": torch.zeros(4)}, group=g)
+    opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(1e-2))
+    state = opt.init(params)
+    loss = lambda p, x: ((x @ p["w"] + p["b"]) ** 2).mean()  # noqa: E731
+    gv = fddp.grad_and_value(loss, group=g, return_info=True, check_finite=True)
+    x = torch.randn(3, 6) + r
+    counts = {}
+    kept: list = []
+    for step in range(4):  # the first calls learn their signatures (and may read); the later ones are steady
+        storages.clear()
+        kept.clear()
+        for n in names:
+            setattr(dist, n, spy(n))
+        mode = _HostReads(storages)
+        try:
+            with mode:
+                grads, _, info = gv(params, x)
+                new_params, new_state = fddp.optim.apply_gradients(opt, grads, state, params)
+                params, state = fddp.apply_if_finite(info.finite, (new_params, new_state), (params, state))
+                g2 = fddp.ddp_step(params, grads, group=g, weight=3.0 + r, return_info=True)[0]
+                g3 = fddp.ddp_step(params, g2, group=g)
+        finally:
+            for n in names:
+                setattr(dist, n, originals[n])
+        counts[step] = list(mode.reads)
+        del g3
+    return counts
+
+
+def test_no_host_read_of_a_collective_result_per_step():
+    for counts in run(_reads_worker, 2, timeout=120):
+        assert counts[2] == [] and counts[3] == [], counts  # steady state: nothing read on the host

@@ -233,6 +233,36 @@ def a_pure_nccl_group_carries_fddps_own_collectives(device: torch.device) -> Non
 
 
 @check
+def no_host_sync_per_step(device: torch.device) -> None:
+    """Steady-state steps never make the host wait for the GPU (torch DDP's steps do not):
+    grad_and_value, apply_gradients with clipping, apply_if_finite and ddp_step, on the default
+    group and on a pure NCCL group (whose headers travel on a gloo side group), under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronising call."""
+    if device.type == "cpu":
+        raise Skip("needs CUDA (tests/test_control.py counts the host reads on the CPU)")
+    nccl = dist.new_group(backend="nccl")
+    for group in (None, nccl):
+        apply_fn, params = fddp.functionalize(_model().to(device))
+        params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()}, group=group)
+        opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(1e-3))
+        state = opt.init(params)
+        gv = fddp.grad_and_value(_loss_fn(apply_fn), group=group, return_info=True, check_finite=True)
+        x, y = _batch(device, fddp.rank())
+        for step in range(6):
+            if step == 3:  # the first calls learn their signatures and compare the replicas
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                grads, _, info = gv(params, x, y)
+                new = fddp.optim.apply_gradients(opt, grads, state, params)
+                params, state = fddp.apply_if_finite(info.finite, new, (params, state))
+                fddp.ddp_step(params, grads, group=group)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    dist.destroy_process_group(nccl)
+
+
+@check
 def compiled_step_matches_eager(device: torch.device) -> None:
     """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
     if device.type == "cpu":

@@ -157,16 +157,21 @@ def count_calls(names: tuple[str, ...], entry: Callable[[str, tuple], Any]):
     """Record the ``torch.distributed`` functions ``names`` called while the block runs.
 
     Yields a list that gets ``entry(name, args)`` per call. fddp's per-call agreement header
-    (``fddp._dist._header``) is not one of a call's data collectives: it is counted apart, in
-    ``calls.headers``, and the collectives it issues are not recorded.
+    (``fddp._dist._header``, or the zeros with a tail that stand in for it where peers may carry
+    theirs in band: ``fddp._dist._agreement.probe``) is not one of a call's data collectives: it
+    is counted apart, in ``calls.headers``, and the collectives it issues are not recorded. (A
+    header carried in band rides on the first bucket's all-reduce, which is recorded, longer by
+    ``fddp._dist._header.tail_size(n)``.)
     """
     import torch.distributed as tdist
 
+    import fddp._dist._agreement
     import fddp._dist._header
 
     calls = _Calls()
     originals = {name: getattr(tdist, name) for name in names}
     exchange = fddp._dist._header.exchange
+    probe = fddp._dist._agreement.probe
     in_header = [False]
 
     def counting(name, fn):
@@ -177,23 +182,28 @@ def count_calls(names: tuple[str, ...], entry: Callable[[str, tuple], Any]):
 
         return wrapper
 
-    def header(*args, **kwargs):
-        calls.headers += 1
-        in_header[0] = True
-        try:
-            return exchange(*args, **kwargs)
-        finally:
-            in_header[0] = False
+    def as_header(fn):
+        def header(*args, **kwargs):
+            calls.headers += 1
+            in_header[0] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                in_header[0] = False
+
+        return header
 
     for name, fn in originals.items():
         setattr(tdist, name, counting(name, fn))
-    fddp._dist._header.exchange = header
+    fddp._dist._header.exchange = as_header(exchange)
+    fddp._dist._agreement.probe = as_header(probe)
     try:
         yield calls
     finally:
         for name, fn in originals.items():
             setattr(tdist, name, fn)
         fddp._dist._header.exchange = exchange
+        fddp._dist._agreement.probe = probe
 
 
 def count_all_reduces():

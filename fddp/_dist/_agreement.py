@@ -22,6 +22,20 @@ the header first, and, where a peer went early, sends zeros in place of the peer
 (:func:`drain`: the last call's collectives, which it knows) before it raises: mismatched sizes
 are never issued, every rank raises, and no mixed mean is returned. A failure announced in place
 of the header drains the same way, so the group stays in step.
+
+**In band.** Where the last completed call's first collective is the plain mean's all-reduce of
+a float32/float64 CPU bucket, on a two-rank group that carries its own headers (gloo; ``completed`` records
+it as the call's *carrier*), the next agreement on the group sends no header at all. A call that
+repeats that call (early, and itself a plain mean) appends its header's fields, as a tail
+(``_header.tail``: 0/1 bits and counts, exact under a sum), to its first bucket's own
+all-reduce; any other agreement (another call, another function, an announcement of a failure)
+sends zeros of that bucket's size with its tail in place of a header (:func:`probe`). Either
+way every rank's first message is the same all-reduce, and the reduced tail says what the
+header would have (``_header.from_tail``: the same fields, equal everywhere exactly when every
+rank sent the same). A rank that probed while peers carried meets their other buckets with zeros
+(``drain``, all but the first); every rank then raises as with a header. Other hooks, NCCL and
+half-precision buckets keep the separate header (their arithmetic or their device cannot carry
+it), and so does a call after one that completed none of this kind.
 """
 
 from __future__ import annotations
@@ -39,12 +53,13 @@ from fddp._dist._diagnosis import disagree, name_difference
 from fddp._dist._digest import digest, name_digest, traced_digest
 from fddp._dist._errors import MismatchError
 from fddp._dist._failures import fail, raise_announced, raise_if_failed
-from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, frame, size, state
+from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, control_group, frame, size, state
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
 __all__ = [
-    "agree", "start_agreement", "Agreement", "Agreed", "signature_digest", "goes_early", "completed", "drain", "request", "take_requested"
+    "agree", "start_agreement", "Agreement", "Agreed", "signature_digest", "goes_early", "completed", "drain", "probe", "request",
+    "take_requested", "INBAND",
 ]
 
 Rows = Callable[[], list[tuple]]
@@ -141,12 +156,18 @@ def start_agreement(
     values: int | None = 0,
     sequenced: bool = False,
     early: bool = False,
+    inband: bool = False,
 ) -> Agreement:
     """Send this call's header and return at once (the arguments are :func:`agree`'s).
 
     The call is numbered now; the caller must :meth:`Agreement.finish` it before this call's
     other collectives on ``group``, unless ``early`` (where :func:`goes_early` said so): then its
     buckets may go out first, and the caller finishes the agreement before it returns anything.
+
+    With ``inband`` too (the caller's first collective is the plain all-reduce of its first
+    bucket, the mean's), where the last completed call can carry one: no header is sent; the
+    result's :attr:`Agreement.tail` is to be appended to that first all-reduce, whose work and
+    reduced tail the caller hands back with :meth:`Agreement.carried` (see "In band").
     """
     build = rows if callable(rows) else (lambda: rows)
     if signature is None:
@@ -179,16 +200,37 @@ def start_agreement(
         st.last_mode = on
         printed = (values or 0) if checks().replicas and replicas is not False else 0
         learn = int(sequenced and on and key_ not in st.recordings)
-        went = _early_digest(st.last) if early else 0
         flags = st.requests
+        carrier = st.last[3] if st.last is not None else None
+        if carrier is not None:
+            # The last call can carry the header in band: every rank's first message is an
+            # all-reduce of its first bucket's size with a tail, the bucket itself or zeros.
+            inband = bool(early and inband)
+            numel, dtype = carrier
+            both = [signature, call_, name, printed, int(on), 0]
+            t = _header.tail(both, size(group), dtype, new=int(new), asked=int(asked), learn=learn, flags=flags, inband=inband)
+            context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, inband)
+            if inband:
+                return Agreement(None, None, None, context, call_, tail=t)
+            return Agreement(*probe(group, numel, t), None, context, call_)
+        went = _early_digest(st.last) if early else 0
         t = _header.build([signature, call_, name, printed, int(on), went], int(new), int(asked), learn, flags)
-        context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags)
+        context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, None)
         return Agreement(t, _header.exchange(t, group, what), None, context, call_)
     _remember(st, signature, replicas)
     if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
         st.requested |= st.requests
         st.requests = 0
     return Agreement(None, None, Agreed(new, asked), (), call_)  # one rank, or a known tree with the agreement off
+
+
+def probe(group: dist.ProcessGroup | None, numel: int, tail: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Send zeros in place of the last call's first bucket, followed by ``tail``: what a rank
+    whose peers may carry their header in band sends in place of a header. Returns the tail's
+    view (read once the work completes) and the work."""
+    probe = torch.zeros(numel + tail.numel(), dtype=tail.dtype)
+    probe[numel:] = tail
+    return probe[numel:], dist.all_reduce(probe, group=group, async_op=True)
 
 
 def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int) -> None:
@@ -219,6 +261,11 @@ def _remember(st: GroupState, signature: int, replicas: bool | None) -> None:
     st.last = None  # until the call completes (completed): a call that fails leaves no plan to go early on
 
 
+# The header in band (see the module's "In band"); False sends a separate header always, the
+# path before it (benchmarks compare the two).
+INBAND = True
+
+
 def goes_early(group: dist.ProcessGroup | None, what: str, signature: int) -> bool:
     """Whether this call may send its buckets without waiting for its header: it repeats the last
     call the ranks agreed on and completed on ``group`` (the same decision on every rank that is
@@ -230,22 +277,43 @@ def goes_early(group: dist.ProcessGroup | None, what: str, signature: int) -> bo
     return last is not None and last[0] == signature and last[1] == name_digest(what) and st.failed is None and size(group) > 1
 
 
+_CARRIERS = (torch.float32, torch.float64)  # sums of 0/1 and counts stay exact below 2**24 ranks
+
+
 def completed(
-    group: dist.ProcessGroup | None, what: str, signature: int, collectives: Sequence[tuple] | None, call: int | None = None
+    group: dist.ProcessGroup | None,
+    what: str,
+    signature: int,
+    collectives: Sequence[tuple] | None,
+    call: int | None = None,
+    carrier: bool = False,
 ) -> None:
     """Note that the call agreed as ``signature`` completed, having issued ``collectives`` (each an
     all-reduce, as ``(numel, dtype, device)``; ``None``: other kinds, which cannot go early).
 
     With ``call`` (its number among the group's agreements), only if it is still the last agreed
     call: a synchronisation finished later (``fddp.diloco``'s in flight) must not stand for the
-    calls agreed since, which every rank records alike.
+    calls agreed since, which every rank records alike. With ``carrier`` (the first collective
+    is the plain sum of a bucket), a CPU float32/float64 first bucket on a two-rank group that
+    carries its own headers can carry the next repeat's header in band. Two ranks only: the tail
+    lengthens the all-reduce, which moves gloo's chunk boundaries, and so the order in which three
+    or more ranks' values are summed; a sum of two is the same in any order, so the mean stays
+    bitwise torch DDP's.
     """
     if torch.compiler.is_compiling():
         return
     st = state(group)
     if call is not None and st.agreed != call + 1:
         return
-    st.last = None if collectives is None or not checks().agreement else (signature, name_digest(what), tuple(collectives))
+    if collectives is None or not checks().agreement:
+        st.last = None
+        return
+    first = collectives[0] if collectives else None
+    can_carry = (
+        carrier and INBAND and first is not None and first[1] in _CARRIERS and first[2].type == "cpu"
+        and control_group(group) is group and st.size is None and size(group) == 2
+    )  # fmt: skip
+    st.last = (signature, name_digest(what), tuple(collectives), (first[0], first[1]) if can_carry else None)
 
 
 def _early_digest(last: tuple | None) -> int:
@@ -253,12 +321,13 @@ def _early_digest(last: tuple | None) -> int:
     return 0 if last is None else digest(tuple((n, str(dtype)) for n, dtype, _ in last[2])) or 1
 
 
-def drain(group: dist.ProcessGroup | None, st: GroupState, what: str, went: int = 0) -> None:
+def drain(group: dist.ProcessGroup | None, st: GroupState, what: str, went: int = 0, skip: int = 0) -> None:
     """A peer went early with the last completed call's buckets (``went``: their digest) while this
     rank did not: send zeros in their place (the same all-reduces: their sizes are the ones every
     rank agreed on), so that the group stays in step while every rank raises. Where this rank does
     not know those collectives (its history is not its peers'), nothing can pair with them: fail
-    the group instead of issuing collectives of other sizes."""
+    the group instead of issuing collectives of other sizes. ``skip``: the first collectives,
+    already paired (in band: the first bucket met this rank's zeros and tail)."""
     last = st.last
     if last is None or (went and _early_digest(last) != went):
         e = MismatchError(
@@ -267,7 +336,7 @@ def drain(group: dist.ProcessGroup | None, st: GroupState, what: str, went: int 
         )
         fail(group, what, e)
         raise e
-    works = [dist.all_reduce(torch.zeros(n, dtype=dtype, device=device), group=group, async_op=True) for n, dtype, device in last[2]]
+    works = [dist.all_reduce(torch.zeros(n, dtype=dtype, device=device), group=group, async_op=True) for n, dtype, device in last[2][skip:]]
     for w in works:
         wait(w, group, what, "the zeros sent in place of a peer's early buckets")
 
@@ -285,13 +354,25 @@ class Agreement:
         >>> agreement.finish()  # before this call's first bucket
     """
 
-    __slots__ = ("header", "work", "result", "context", "call")
+    __slots__ = ("header", "work", "result", "context", "call", "tail")
 
     def __init__(
-        self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = (), call: int | None = None
+        self,
+        header: torch.Tensor | None,
+        work: Any,
+        result: Agreed | None,
+        context: tuple = (),
+        call: int | None = None,
+        tail: torch.Tensor | None = None,
     ) -> None:
         self.header, self.work, self.result, self.context = header, work, result, context
         self.call = call  # the call's number among the group's agreements (None: a compiled call's)
+        self.tail = tail  # in band: the tail the caller appends to its first all-reduce
+
+    def carried(self, reduced: torch.Tensor, work: Any) -> None:
+        """In band: the first all-reduce carrying :attr:`tail` is issued; ``reduced`` is the tail's
+        place in its buffer, valid once ``work`` completes."""
+        self.header, self.work, self.tail = reduced, work, None
 
     def finish(self) -> Agreed:
         """Wait for the header; return what every rank learned.
@@ -302,14 +383,23 @@ class Agreement:
         """
         if self.result is not None:
             return self.result
-        group, what, st, signature, call_, rows, names, replicas, early, segment, flags = self.context
+        group, what, st, signature, call_, rows, names, replicas, early, segment, flags, inband = self.context
+        if self.work is None:
+            e = RuntimeError(f"fddp.{what}: internal error: an agreement in band whose first bucket never went out")
+            fail(group, what, e)
+            raise e
         wait(self.work, group, what, "the agreement on this call")
-        h = self.header.tolist()
+        if inband is None:
+            h = self.header.tolist()
+            went = h[_header.EARLY] and not early
+        else:
+            h, carried = _header.from_tail(self.header, size(group))
+            went = carried and not inband
         # Every rank read the same header: its requests are learnt here, even by a call that raises.
         st.requested |= _header.flags_of(h)
         st.requests &= ~flags
-        if h[_header.EARLY] and not early:
-            drain(group, st, what, h[_header.EARLY])
+        if went:  # a peer's buckets are on their way: meet them with zeros (in band: all but the first)
+            drain(group, st, what, h[_header.EARLY] if inband is None else 0, skip=0 if inband is None else 1)
         if h[_header.FAILED]:
             raise_announced(group, st, what, call_, h[_header.FAILED])
         if not _header.agrees(h):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fddp._dist import _header, _watcher
-from fddp._dist._agreement import drain
+from fddp._dist._agreement import drain, probe
 from fddp._dist._channel import Failure
 from fddp._dist._errors import collective, is_collective
 from fddp._dist._failures import fail, first_line, raise_if_failed
@@ -56,9 +56,14 @@ def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: Bas
     try:
         if channel is not None:
             channel.post(failure)
-        t = _header.blank()
-        t[_header.FAILED] = me + 1
-        work = _header.exchange(t, group, what)
+        carrier = st.last[3] if st.last is not None else None
+        if carrier is None:
+            t = _header.blank()
+            t[_header.FAILED] = me + 1
+            work = _header.exchange(t, group, what)
+        else:  # the peers may carry their header in band: announce in the probe's shape (see _agreement)
+            tail = _header.tail([0] * _header.BOTH, size(group), carrier[1], failed=me + 1)
+            t, work = probe(group, carrier[0], tail)
     except Exception:  # noqa: BLE001 - cannot announce: make it fatal, which needs nothing of the peers
         st.agreed -= 1
         fail(group, what, e)
@@ -69,9 +74,12 @@ def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: Bas
     else:
         try:
             wait(work, group, what, "the announcement of this rank's failure")
-            went = int(t[_header.EARLY])
-            if went:
-                drain(group, st, what, went)
+            if carrier is None:
+                went = int(t[_header.EARLY])
+                if went:
+                    drain(group, st, what, went)
+            elif _header.from_tail(t, size(group))[1]:
+                drain(group, st, what, skip=1)  # the first bucket met the announcement itself
         except Exception:  # noqa: BLE001 - the peers' buckets cannot be matched: fatal
             fail(group, what, e)
             return

@@ -52,6 +52,13 @@ class Comm:
         # The call's sequence of collectives, where its header does not fix them (a fully sharded
         # forward's): each collective is checked against it before it is issued.
         self.segment: Segment | None = None
+        # An agreement in band (fddp._dist's "In band"): its tail rides on the next all-reduce (sum).
+        self._carry: Any = None
+
+    def carry(self, agreement: Any) -> None:
+        """Append ``agreement``'s tail to this call's next all-reduce (sum): the first bucket's, in
+        place of a separate header."""
+        self._carry = agreement
 
     @property
     def device(self) -> torch.device:
@@ -87,6 +94,9 @@ class Comm:
         if torch.compiler.is_compiling():
             return _TracedAllReduce(t, op, self.group)
         self._issue(f"all-reduce ({op})", t, tag, summed=op == "sum")
+        if self._carry is not None and op == "sum":
+            agreement, self._carry = self._carry, None
+            return _Carried(t, agreement, self.group)
         return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
 
     def all_gather(self, t: torch.Tensor, tag: str | None = None) -> tuple[torch.Tensor, Any]:
@@ -206,6 +216,36 @@ class _SlicedReduce:
             n = self.out.numel()
             self.out.copy_(self.full.reshape(-1)[self.rank * n : (self.rank + 1) * n].view_as(self.out))
             self.copied, self.full = True, None
+        return done
+
+
+class _Carried:
+    """An all-reduce (sum) of ``t`` with an agreement's tail behind it, in one buffer: ``wait``
+    copies the bucket's part back into ``t`` (the in-place contract hooks rely on), and the
+    agreement reads the tail's part (``Agreement.carried``)."""
+
+    __slots__ = ("t", "buf", "work", "copied")
+
+    def __init__(self, t: torch.Tensor, agreement: Any, group: dist.ProcessGroup | None) -> None:
+        tail, n = agreement.tail, t.numel()
+        if tail.dtype != t.dtype:
+            raise RuntimeError(f"fddp: internal error: a {tail.dtype} tail for a {t.dtype} bucket")
+        self.t, self.copied = t, False
+        # One copy of the first bucket (capped at first_bucket_mb, 1 MiB by default): less than the
+        # round trip of a separate header.
+        self.buf = torch.cat([t.reshape(-1), tail])
+        self.work = dist.all_reduce(self.buf, group=group, async_op=True)
+        agreement.carried(self.buf[n:], self)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        # A sliced wait (fddp._dist.wait) may return before the sum is there: copy only once it is.
+        if not self.copied and (timeout is None or done or self.work.is_completed()):
+            self.t.copy_(self.buf[: self.t.numel()].view_as(self.t))
+            self.copied = True
         return done
 
 

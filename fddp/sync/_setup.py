@@ -319,7 +319,13 @@ class Sync:
         send = replicas and drift and several
         values = _dist.replica_digest(self.leaves, "sampled") if send else 0
         early = early and several and _dist.goes_early(group, self.what, self.digest)
-        agreement = _dist.start_agreement(group, self.what, self.rows, signature=self.digest, ask=ask, values=values, early=early)
+        # The plain mean's first collective is its first bucket's all-reduce (sum): it can carry
+        # the header in band, where the last call could (fddp._dist's "In band").
+        agreement = _dist.start_agreement(
+            group, self.what, self.rows, signature=self.digest, ask=ask, values=values, early=early, inband=early and self._plain
+        )
+        if agreement.tail is not None:
+            self.comm.carry(agreement)
         self._call = agreement.call
         return PendingAgreement(self, agreement, early)
 
@@ -335,8 +341,12 @@ class Sync:
         flats, info = reducer.finish()
         comm = self.comm
         if comm.world_size > 1 and self._call is not None:
-            _dist.completed(self.options.group, self.what, self.digest, comm.issued, call=self._call)
+            _dist.completed(self.options.group, self.what, self.digest, comm.issued, call=self._call, carrier=self._plain)
         return flats, info
+
+    @property
+    def _plain(self) -> bool:
+        return type(self.options.hook) is Mean
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""

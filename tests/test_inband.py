@@ -33,6 +33,13 @@ def _loop_worker(dtype: torch.dtype) -> tuple:
         with count_calls(("all_reduce",), lambda _, args: args[0].numel()) as calls:
             outs.append(fn(params, torch.tensor(float(r + 1), dtype=dtype))[0])
         per_call.append(("grad_and_value", calls.headers, list(calls)))
+    # A loop that alternates two calls: each is predicted from the one before it (the agreed
+    # history's successor), so after one round to learn, neither sends a header.
+    for _ in range(3):
+        with count_calls(("all_reduce",), lambda _, args: args[0].numel()) as calls:
+            fddp.ddp_step(params, params)
+            fn(params, torch.tensor(float(r + 1), dtype=dtype))
+        per_call.append(("alternating", calls.headers, list(calls)))
     fddp.verify_replicas(params)  # an agreement of another kind after a call that carried: a probe pairs with it
     with count_calls(("all_reduce",), lambda _, args: args[0].numel()) as calls:
         outs.append(fddp.ddp_step(params, params))
@@ -54,9 +61,10 @@ def test_repeated_calls_send_no_header_and_give_the_same_means():
             assert per_call[4] == ("grad_and_value", 1, [n]), per_call[4]  # not a repeat: a probe (counted as a header)
             for what, headers, sizes in per_call[5:7]:
                 assert (headers, sizes) == (0, [n + tail]), (what, headers, sizes)
+            assert per_call[9][1:] == (0, [n + tail, n + tail]), per_call[7:10]  # the third round: both in band
             # verify_replicas agreed by a probe (zeros with a tail) and completed no bucket: the
             # next ddp_step has nothing to repeat, and no call that can carry, so a header again.
-            assert per_call[7][1:] == (1, [n]), per_call[7]
+            assert per_call[10][1:] == (1, [n]), per_call[10]
             for step in range(4):
                 expected = {k: v * 1.5 * (step + 1) for k, v in _params(dtype).items()}
                 assert all(torch.equal(outs[step][k], expected[k]) for k in expected)

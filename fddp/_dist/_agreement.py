@@ -209,13 +209,13 @@ def start_agreement(
             numel, dtype = carrier
             both = [signature, call_, name, printed, int(on), 0]
             t = _header.tail(both, size(group), dtype, new=int(new), asked=int(asked), learn=learn, flags=flags, inband=inband)
-            context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, inband)
+            context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, inband, (t, both))
             if inband:
                 return Agreement(None, None, None, context, call_, tail=t)
             return Agreement(*probe(group, numel, t), None, context, call_)
         went = _early_digest(st.last) if early else 0
         t = _header.build([signature, call_, name, printed, int(on), went], int(new), int(asked), learn, flags)
-        context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, None)
+        context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, None, None)
         return Agreement(t, _header.exchange(t, group, what), None, context, call_)
     _remember(st, signature, replicas)
     if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
@@ -259,6 +259,7 @@ def _remember(st: GroupState, signature: int, replicas: bool | None) -> None:
     if len(st.seen) > REMEMBERED:
         st.seen.popitem(last=False)
     st.last = None  # until the call completes (completed): a call that fails leaves no plan to go early on
+    st.before, st.prev = st.prev, None  # the call completed before this one; this one, once it completes
 
 
 # The header in band (see the module's "In band"); False sends a separate header always, the
@@ -305,15 +306,26 @@ def completed(
     st = state(group)
     if call is not None and st.agreed != call + 1:
         return
-    if collectives is None or not checks().agreement:
-        st.last = None
-        return
-    first = collectives[0] if collectives else None
-    can_carry = (
-        carrier and INBAND and first is not None and first[1] in _CARRIERS and first[2].type == "cpu"
-        and control_group(group) is group and st.size is None and size(group) == 2
-    )  # fmt: skip
-    st.last = (signature, name_digest(what), tuple(collectives), (first[0], first[1]) if can_carry else None)
+    name = name_digest(what)
+    record = None
+    if collectives is not None and checks().agreement:
+        first = collectives[0] if collectives else None
+        can_carry = (
+            carrier and INBAND and first is not None and first[1] in _CARRIERS and first[2].type == "cpu"
+            and control_group(group) is group and st.size is None and size(group) == 2
+        )  # fmt: skip
+        record = (signature, name, tuple(collectives), (first[0], first[1]) if can_carry else None)
+    # The agreed history is every rank's, so is what it predicts: the call that followed this one
+    # the last time it completed (a loop that alternates grad_and_value and a broadcast, say), or,
+    # before any has, this call again.
+    key = (signature, name)
+    if st.before is not None:
+        st.successors[st.before] = record
+        st.successors.move_to_end(st.before)
+        if len(st.successors) > REMEMBERED:
+            st.successors.popitem(last=False)
+    st.prev, st.before = key, None
+    st.last = st.successors.get(key, record) if checks().agreement else None
 
 
 def _early_digest(last: tuple | None) -> int:
@@ -383,7 +395,7 @@ class Agreement:
         """
         if self.result is not None:
             return self.result
-        group, what, st, signature, call_, rows, names, replicas, early, segment, flags, inband = self.context
+        group, what, st, signature, call_, rows, names, replicas, early, segment, flags, inband, mine = self.context
         if self.work is None:
             e = RuntimeError(f"fddp.{what}: internal error: an agreement in band whose first bucket never went out")
             fail(group, what, e)
@@ -393,7 +405,7 @@ class Agreement:
             h = self.header.tolist()
             went = h[_header.EARLY] and not early
         else:
-            h, carried = _header.from_tail(self.header, size(group))
+            h, carried = _header.from_tail(self.header, size(group), mine)
             went = carried and not inband
         # Every rank read the same header: its requests are learnt here, even by a call that raises.
         st.requested |= _header.flags_of(h)

@@ -69,9 +69,15 @@ class GroupState:
         # (they were equal once: these are replicas), False (they differed at the first
         # comparison: values that differ by design, no longer fingerprinted).
         self.seen: collections.OrderedDict[int, bool | None] = collections.OrderedDict()
-        # The last call every rank agreed on and completed, where its buckets may go out early next
-        # time: (signature, function, its collectives as (numel, dtype, device)); see _agreement.
-        self.last: tuple[int, int, tuple] | None = None
+        # The call every rank expects next, where its buckets may go out early (and its header in
+        # band): (signature, function, its collectives as (numel, dtype, device), the first
+        # bucket's (numel, dtype) where it can carry the header, else None); see _agreement. It is
+        # the call that followed the last completed one the last time that one completed
+        # (successors, keyed by (signature, function), LRU), so a loop of any period goes early.
+        self.last: tuple[int, int, tuple, Any] | None = None
+        self.successors: collections.OrderedDict[tuple, tuple | None] = collections.OrderedDict()
+        self.prev: tuple | None = None  # the last completed call's key (None after a call that did not complete)
+        self.before: tuple | None = None  # the key prev held when the call in progress was agreed
         self.owner: int | None = None  # the thread inside an fddp call on this group
         self.owner_name = ""
         self.owner_what = ""

@@ -140,22 +140,28 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
 class Counter:
     """Counts the all-reduces issued through ``torch.distributed.all_reduce`` and their bytes.
 
-    fddp's per-call agreement header (``fddp._dist``: 72 bytes) is counted apart, in ``headers``:
-    ``calls`` and ``bytes`` are the gradients' collectives, comparable with DDP's buckets.
+    fddp's per-call agreement is counted apart: a separate header (``fddp._dist._header``: 160
+    bytes) in ``headers``, a header carried in band (the tail appended to the first bucket's
+    all-reduce, ``_header.tail``) in ``tail_bytes``. ``calls`` and ``bytes`` are the gradients'
+    collectives and their values, comparable with DDP's buckets.
     """
 
     def __init__(self) -> None:
-        self.calls, self.bytes, self.headers = 0, 0, 0
+        self.calls, self.bytes, self.headers, self.tail_bytes = 0, 0, 0, 0
 
     @contextlib.contextmanager
     def active(self):
-        original, exchange = dist.all_reduce, fddp._dist._header.exchange
+        header_mod = fddp._dist._header
+        original, exchange, make_tail = dist.all_reduce, header_mod.exchange, header_mod.tail
         in_header = [False]
+        pending = [0]  # the bytes of a tail built for the next all-reduce
 
         def counting(t, *args, **kwargs):
             if not in_header[0]:
                 self.calls += 1
-                self.bytes += t.numel() * t.element_size()
+                self.bytes += t.numel() * t.element_size() - pending[0]
+                self.tail_bytes += pending[0]
+                pending[0] = 0
             return original(t, *args, **kwargs)
 
         def header(*args, **kwargs):
@@ -166,11 +172,16 @@ class Counter:
             finally:
                 in_header[0] = False
 
-        dist.all_reduce, fddp._dist._header.exchange = counting, header
+        def tail(*args, **kwargs):
+            t = make_tail(*args, **kwargs)
+            pending[0] = t.numel() * t.element_size()
+            return t
+
+        dist.all_reduce, header_mod.exchange, header_mod.tail = counting, header, tail
         try:
             yield self
         finally:
-            dist.all_reduce, fddp._dist._header.exchange = original, exchange
+            dist.all_reduce, header_mod.exchange, header_mod.tail = original, exchange, make_tail
 
 
 def _loss_fn(apply_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
@@ -199,6 +210,21 @@ def unagreed(step: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[to
             step(x, y)
 
     run.agreement_off = True  # type: ignore[attr-defined]
+    return run
+
+
+def headed(step: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``step`` with every call's header sent apart (the agreement not in band: what the tail
+    saves). The switch is read when a call completes, so the block's first step still carries."""
+
+    def run(x, y):
+        agreement = fddp._dist._agreement
+        agreement.INBAND = False
+        try:
+            step(x, y)
+        finally:
+            agreement.INBAND = True
+
     return run
 
 
@@ -341,6 +367,7 @@ def make_modes(
     # The same without the per-call agreement (fddp.set_checks(agreement=False) for this mode's
     # steps only; every rank runs the modes in the same order): what the agreement costs.
     modes["grad_and_value_noagree"] = unagreed(fddp_mode(overlapped()))
+    modes["grad_and_value_header"] = headed(fddp_mode(overlapped()))
     modes["ddp_step_noagree"] = unagreed(fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), **caps)))
     # The same without the error channel and the header's fingerprint (patched out, see lean()): what
     # the failure handling of issue 30 costs a step.
@@ -371,6 +398,11 @@ def comm_of(mode: str, step: Callable, model: nn.Module, batch: tuple, caps: dic
         # DDP's reducer and the compiled graph do not go through dist.all_reduce: count the plan
         # (DDP assigns buckets by the same rule, tested in tests/test_buckets.py).
         return len(plan.buckets), plan.nbytes
+    # The steady state: a step after two of this mode. The agreed history predicts each call from
+    # the one before it (fddp._dist._agreement); after another mode's steps, the prediction is
+    # relearnt in two steps, which may each send zeros and a tail in place of a header (a probe).
+    step(*batch)
+    step(*batch)
     with Counter().active() as c:
         step(*batch)
     return c.calls, c.bytes
@@ -508,6 +540,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
 PLOT_MODES = {
     "ddp": ("torch DDP (the reference)", "#222222"),
     "grad_and_value": ("fddp.grad_and_value, overlapped", "#1b7837"),
+    "grad_and_value_header": ("fddp.grad_and_value, header apart (not in band)", "#5aae61"),
     "grad_and_value_donated": ("  the same, apply_gradients(donate=True)", "#5aae61"),
     "grad_and_value_optax": ("  the same, opt.update + apply_updates", "#a6dba0"),
     "grad_and_value_bf16": ("  the same, bf16 buckets", "#66bd63"),

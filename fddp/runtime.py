@@ -90,7 +90,6 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
         # An in-memory store: a one-process world needs no rendezvous and no free port.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     if dist.get_backend() == "nccl" and dist.get_world_size() > 1:
-        from fddp import _dist  # below the runtime in the imports' order only for this: made once, here
 
         _dist.control_group(None)  # the headers' gloo side group, made while every rank is here (see control_group)
     _release_at_exit()

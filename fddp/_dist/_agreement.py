@@ -11,10 +11,11 @@ fix asks for a sequence (``_sequences``).
 With the agreement switched off (:func:`fddp.set_checks`), known signatures send no header; a
 new one still does, and so does the first call after the switch, saying so.
 
-**Early buckets.** A call that repeats the last call the ranks agreed on and completed on the group
-(the same signature and function: a training loop's every step) need not wait for its header
-before its buckets go out: its bucket plan is the one every rank already agreed on, so the sizes
-its collectives pair with are known to match. Such a rank sends its header and its buckets back to
+**Early buckets.** A call that is the one the agreed history predicts on the group (the call that
+followed the last completed call the last time that one completed, or, before any has, a repeat
+of it: the same signature and function, as a training loop's every step) need not wait for its
+header before its buckets go out: its bucket plan is the one every rank already agreed on, so the
+sizes its collectives pair with are known to match. Such a rank sends its header and its buckets back to
 back (:func:`goes_early`, ``early=True``) and checks the header before it returns anything: one
 round trip a call instead of two. Every rank makes the same decision from the same agreed history,
 so they all go early or none does; a rank whose call is another (its plan may differ) waits for

@@ -14,6 +14,7 @@ from fddp.sync._accumulate import GradAccumulator, accumulate_grads
 from fddp.sync._collectives import broadcast, checksum, sync_buffers, verify_replicas
 from fddp.sync._grad import grad, grad_and_value
 from fddp.sync._int8 import Int8, Int8State
+from fddp.sync._lax import all_gather, pmax, pmean, psum, reduce_scatter
 from fddp.sync._powersgd import PowerSGD, PowerSGDState
 from fddp.sync._reducer import SyncInfo, Timeline
 from fddp.sync._setup import plan_of
@@ -31,6 +32,7 @@ __all__ = [
     "SyncInfo",
     "Timeline",
     "accumulate_grads",
+    "all_gather",
     "broadcast",
     "checksum",
     "ddp_step",
@@ -38,6 +40,10 @@ __all__ = [
     "grad_and_value",
     "hooks",
     "plan_of",
+    "pmax",
+    "pmean",
+    "psum",
+    "reduce_scatter",
     "sync_buffers",
     "verify_replicas",
 ]

@@ -35,6 +35,11 @@ from dist import run
 # fddp call scope by construction.
 COMMUNICATING = {
     "fddp.broadcast",
+    "fddp.psum",
+    "fddp.pmean",
+    "fddp.pmax",
+    "fddp.all_gather",
+    "fddp.reduce_scatter",
     "fddp.ddp_step",
     "fddp.sync_buffers",
     "fddp.verify_replicas",
@@ -183,6 +188,8 @@ def _case(name: str, group, bad: bool, directory: str = ""):
         return fddp.grad_and_value(loss, group=group)(params, torch.tensor(2.0))
     if name == "broadcast":
         return fddp.broadcast(params, src=7 if bad else 0, group=group)
+    if name == "psum":  # the path every collective of fddp.sync._lax shares
+        return fddp.psum({"w": 1.0} if bad else params, group=group)
     if name == "sync_buffers":
         return fddp.sync_buffers(params, "average" if bad else "mean", group=group)
     if name == "verify_replicas":
@@ -231,7 +238,7 @@ def _case(name: str, group, bad: bool, directory: str = ""):
 
 _case.calls = 0  # type: ignore[attr-defined]
 
-ENTRIES = ("ddp_step", "grad_and_value", "broadcast", "sync_buffers", "verify_replicas", "zero.shard", "zero.gather",
+ENTRIES = ("ddp_step", "grad_and_value", "broadcast", "psum", "sync_buffers", "verify_replicas", "zero.shard", "zero.gather",
            "fully_shard", "zero.unshard", "zero.load_full", "zero.write_back", "checkpoint.save_step",
            "checkpoint.save_sharded", "SyncBatchNorm", "diloco.step", "scaling.measure_link")  # fmt: skip
 

@@ -239,3 +239,13 @@ def test_diloco_streams_int8_fragments_checkpoints_mid_run_and_trains(tmp_path: 
     assert m["test_loss"][-1] < m["test_loss"][0] / 2
     # 9610 values: float32 would send 4 bytes of each every 20 steps; int8 (and a scale per 256) sends 1.
     assert m["bytes"][-1] / 118 < 9610 * 4 / 20 / 3.5
+
+
+def test_contrastive_trains_on_the_global_batch(tmp_path: Path) -> None:
+    out = launch("contrastive.py", "--steps", "60", "--out-dir", "ctr", tmp=tmp_path)
+    assert "held-out retrieval" in out
+    m = read_outputs(tmp_path / "ctr")
+    first, last = m["history"][0], m["history"][-1]
+    assert m["global_batch"] == 2 * 64
+    assert last["loss"] < first["loss"] - 0.5, (first, last)
+    assert last["test_retrieval"] > 2 * first["test_retrieval"], (first, last)  # chance is 1/256

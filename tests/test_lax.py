@@ -211,6 +211,8 @@ def _mismatch_worker() -> dict:
     seen = {}
     cases = {
         "another collective": lambda: (fddp.psum if r == 0 else fddp.pmean)(torch.ones(3)),
+        # a repeat goes early (its all-reduce right behind its header): the peer at another call meets it with zeros
+        "another collective after a repeat": lambda: [fddp.psum(torch.ones(3)), (fddp.psum if r == 0 else fddp.pmean)(torch.ones(3))],
         "another shape": lambda: fddp.psum({"w": torch.ones(3 + r)}),
         "another axis": lambda: fddp.all_gather(torch.ones(2, 2), axis=r),
         # rank 0's backward meets rank 1's next psum
@@ -231,7 +233,8 @@ def _mismatch_worker() -> dict:
 def test_a_rank_that_calls_another_collective_raises_on_every_rank_and_the_group_goes_on():
     for world in (2, 3):
         for r, seen in enumerate(run(_mismatch_worker, world)):
-            for name in ("another collective", "another shape", "another axis", "a derivative on one rank only"):
+            for name in ("another collective", "another collective after a repeat", "another shape", "another axis",
+                         "a derivative on one rank only"):  # fmt: skip
                 assert seen[name] is not None and seen[name][0] == "MismatchError", (world, r, name, seen[name])
                 assert seen[name + ": then"] == [float(sum(range(world)))] * 2
             assert "psum" in seen["another collective"][1] and "pmean" in seen["another collective"][1]
@@ -269,3 +272,44 @@ def test_bad_arguments_say_what_was_expected_on_every_rank():
         assert "leaf 'w' has 3 entries along axis 0" in out["uneven"] and "multiple of 2" in out["uneven"]
         assert "one per rank (2)" in out["not one per rank"] and "tiled=True" in out["not one per rank"]
         assert "leaf 'w' is float" in out["not a tensor"]
+
+
+def _contrastive_worker() -> dict:
+    """examples/contrastive.py's loss on each rank's quarter of a batch, against the whole batch's
+    InfoNCE in one process (written here with plain torch), float64."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch.nn.functional as F
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "contrastive.py"
+    spec = importlib.util.spec_from_file_location("contrastive_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    r, n, b = fddp.rank(), fddp.world_size(), 4
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5)).double()
+    apply_fn, params = fddp.functionalize(model)
+    g = torch.Generator().manual_seed(1)
+    a_all, b_all = torch.randn(n * b, 6, generator=g, dtype=torch.float64), torch.randn(n * b, 6, generator=g, dtype=torch.float64)
+    mine = slice(r * b, (r + 1) * b)
+    loss = lambda p, a, b_: example.info_nce(apply_fn, p, a, b_)  # noqa: E731
+    overlapped, _ = fddp.grad_and_value(loss)(params, a_all[mine], b_all[mine])
+    after = fddp.ddp_step(params, grad(loss)(params, a_all[mine], b_all[mine]))
+
+    def whole(p):  # one process, the whole batch: no collective at all
+        za, zb = F.normalize(apply_fn(p, a_all), dim=1), F.normalize(apply_fn(p, b_all), dim=1)
+        labels = torch.arange(n * b)
+        return (F.cross_entropy(za @ zb.T / 0.2, labels) + F.cross_entropy(zb @ za.T / 0.2, labels)) / 2
+
+    ref = grad(whole)(params)
+    err = lambda got: max((got[k] - ref[k]).abs().max().item() for k in ref)  # noqa: E731
+    return {"grad_and_value": err(overlapped), "grad + ddp_step": err(after), "scale": max(v.abs().max().item() for v in ref.values())}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_contrastive_example_gives_the_whole_batch_gradient(world):
+    for res in run(_contrastive_worker, world):
+        assert res["scale"] > 1e-3, res  # a gradient worth comparing
+        assert res["grad_and_value"] <= 1e-14 and res["grad + ddp_step"] <= 1e-14, res

@@ -41,6 +41,7 @@ from ._clip import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from ._groups import MaskedNode, MaskedState, MultiTransformState, by_path, masked, multi_transform, set_to_zero
 from ._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from ._multi_steps import AccumulateState, accumulate
+from ._muon import MuonState, muon
 from ._schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
 from ._sgd import SGDState, sgd
 
@@ -59,6 +60,8 @@ __all__ = [
     "adam",
     "adamw",
     "AdamState",
+    "muon",
+    "MuonState",
     "clip_by_global_norm",
     "ClipByGlobalNormState",
     "global_norm",

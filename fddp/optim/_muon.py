@@ -32,7 +32,18 @@ from ._adam import adamw
 from ._base import Applied, Apply, FusedUpdate, GradientTransformation, GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._groups import Labels, _ByPath, by_path, multi_transform
-from ._newton_schulz import ADJUST, NS_COEFFICIENTS, MuonConfig, MuonState, check_matrices, decays, descend, momentum_step, orthogonalize
+from ._newton_schulz import (
+    ADJUST,
+    NS_COEFFICIENTS,
+    MuonConfig,
+    MuonState,
+    check_matrices,
+    decays,
+    descend,
+    lr_now,
+    momentum_step,
+    orthogonalize,
+)
 
 __all__ = ["MuonState", "muon"]
 
@@ -195,7 +206,7 @@ def _pure(cfg: MuonConfig, grads: Updates, state: MuonState, params: Params | No
     if isinstance(grads, SplitTree):
         return shards.step(cfg, grads, state, params, None)
     treedef, gs, ms, ps = _leaves(cfg, grads, state, params, bool(cfg.weight_decay))
-    lr = checks.lr_at(cfg.lr, state.count)
+    lr = lr_now(cfg, state.count)
     new_ms, out = [], []
     for i, (g, m) in enumerate(zip(gs, ms)):
         m, u = momentum_step(cfg, g, m)
@@ -217,7 +228,7 @@ def _applied(cfg: MuonConfig, grads: Updates, state: MuonState, params: Params, 
     treedef, gs, ms, ps = _leaves(cfg, grads, state, params, True)
     in_place = request.donate and flat.disjoint(gs, ps, ms) and not checks.module_aliases(ps)
     flat.note(request.why, f"muon: torch.optim.Muon's step leaf by leaf, {'in place on the donated' if in_place else 'into new'} tensors")
-    lr = checks.lr_at(cfg.lr, state.count)
+    lr = lr_now(cfg, state.count)
     decay = decays(cfg, lr)
     new_ps, new_ms = [], []
     for g, m, p in zip(gs, ms, ps):

@@ -37,7 +37,7 @@ from . import _checks as checks
 from . import _flat as flat
 from ._base import Applied, Apply
 from ._checks import Params
-from ._newton_schulz import MuonConfig, MuonState, check_matrices, decays, momentum_step, orthogonalize, step_by
+from ._newton_schulz import MuonConfig, MuonState, check_matrices, decays, lr_now, momentum_step, orthogonalize, step_by
 from ._slices import members_of
 
 __all__ = ["Plan", "owners", "plan", "step"]
@@ -162,7 +162,7 @@ def step(
         raise TypeError(f"{where}: on shards Muon's matrices must share one dtype (one exchange), got {sorted(map(str, dtypes))}")
     pl = plan(split, members)
     group, world = split.group, split.world
-    lr = checks.lr_at(cfg.lr, state.count)
+    lr = lr_now(cfg, state.count)
     why = request.why if request is not None else None
     flat.note(why, f"muon on shards: {len(pl.owned)} of {len(members)} matrices orthogonalised here, out of place")
 

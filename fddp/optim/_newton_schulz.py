@@ -13,11 +13,12 @@ from typing import Callable, NamedTuple
 import torch
 from torch import Tensor
 
-from ._checks import ScalarOrSchedule, Updates
+from ._checks import ScalarOrSchedule, Updates, lr_at
+from ._flat import multi_tensor_ok
 
 __all__ = [
-    "ADJUST", "MuonConfig", "MuonState", "NS_COEFFICIENTS", "check_matrices", "decays", "descend", "momentum_step", "orthogonalize",
-    "step_by",
+    "ADJUST", "MuonConfig", "MuonState", "NS_COEFFICIENTS", "check_matrices", "decays", "descend", "lr_now", "momentum_step",
+    "orthogonalize", "step_by",
 ]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -107,6 +108,16 @@ def momentum_step(cfg: MuonConfig, g: Tensor, m: Tensor, *, in_place: bool = Fal
     """torch's two elementwise lines: the new buffer, and what Newton-Schulz gets."""
     m = m.lerp_(g, 1 - cfg.momentum) if in_place else torch.lerp(m, g, 1 - cfg.momentum)
     return m, (torch.lerp(g, m, cfg.momentum) if cfg.nesterov else m)
+
+
+def lr_now(cfg: MuonConfig, count: Tensor) -> float | Tensor:
+    """The learning rate at ``count``: a schedule's value read as a Python float where that costs
+    no device sync (a CPU tensor, eagerly, outside torch.func transforms), so that the step is
+    torch's arithmetic on torch's Python floats; a tensor elsewhere (one more rounding a step)."""
+    lr = lr_at(cfg.lr, count)
+    if isinstance(lr, Tensor) and lr.device.type == "cpu" and not torch.compiler.is_compiling() and multi_tensor_ok([lr]):
+        return float(lr)
+    return lr
 
 
 def decays(cfg: MuonConfig, lr: float | Tensor) -> float | Tensor:

@@ -16,6 +16,11 @@ Modes (a step: gradients, their sync, the optimizer, and for shards the gather o
     adamw_zero1      as muon_zero1, AdamW (torch's fused kernel) on every leaf
     adamw_zero2      as muon_zero2, AdamW on every leaf
 
+``optimizer ms`` is the part of the step inside ``apply_gradients`` (Muon's exchange included).
+``opt state MB`` is the optimizer state a rank keeps: on shards ``multi_transform`` (which ``muon``
+is) keeps each group's state over the whole shards, so Muon's momentum and AdamW's two moments
+each take 1/N of every value.
+
 Bytes are what one rank sends per step, counted at torch.distributed's collectives as a ring or
 pairwise algorithm sends them: an all-reduce of S bytes 2 (N-1)/N S, a reduce-scatter or
 all-gather of a full buffer of S bytes (N-1)/N S, an all-to-all the bytes addressed to the other
@@ -130,16 +135,23 @@ def make_mode(mode: str, args, apply_fn, params0: dict):
     box = {"params": params, "shards": fddp.zero.shard(params) if sharded else None}
     box["state"] = opt.init(box["shards"] if sharded else params)
 
+    box["opt_s"] = 0.0
+
     def step(x, y):
         g = grad(box["params"], x, y)
         if not sharded:
-            box["params"], box["state"] = fddp.optim.apply_gradients(opt, fddp.ddp_step(box["params"], g), box["state"], box["params"])
+            grads = fddp.ddp_step(box["params"], g)
+            t0 = time.perf_counter()
+            box["params"], box["state"] = fddp.optim.apply_gradients(opt, grads, box["state"], box["params"])
+            box["opt_s"] += time.perf_counter() - t0
             return
         if mode.endswith("zero1"):
             grads = fddp.zero.shard(fddp.ddp_step(box["params"], g))
         else:
             grads = fddp.ddp_step(box["params"], g, compression=fddp.zero.ReduceScatter())
+        t0 = time.perf_counter()
         box["shards"], box["state"] = fddp.optim.apply_gradients(opt, grads, box["state"], box["shards"])
+        box["opt_s"] += time.perf_counter() - t0
         box["params"] = fddp.zero.gather(box["shards"]).wait()
 
     return step, box
@@ -175,7 +187,7 @@ def main() -> None:
         return ids[:, :-1], ids[:, 1:]
 
     modes = {m: make_mode(m, args, apply_fn, params0) for m in args.modes}
-    record = {m: {"ms": [], "bytes": 0, "exchange": 0} for m in modes}
+    record = {m: {"ms": [], "opt_ms": [], "bytes": 0, "exchange": 0} for m in modes}
     for m, (step, box) in modes.items():  # warm up: plans, agreements, pools
         for _ in range(2):
             step(*batch())
@@ -184,26 +196,30 @@ def main() -> None:
         record[m]["bytes"], record[m]["exchange"] = counter.total, counter.exchange
         record[m]["state_bytes"] = held_bytes(box["state"])
     for _ in range(args.repeats):
-        for m, (step, _) in modes.items():
+        for m, (step, box) in modes.items():
             dist.barrier()
+            box["opt_s"] = 0.0
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 step(*batch())
-            ms = torch.tensor((time.perf_counter() - t0) * 1e3 / args.steps)
+            ms = torch.tensor([(time.perf_counter() - t0) * 1e3 / args.steps, box["opt_s"] * 1e3 / args.steps])
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank's
-            record[m]["ms"].append(float(ms))
+            record[m]["ms"].append(float(ms[0]))
+            record[m]["opt_ms"].append(float(ms[1]))
     base = statistics.median(record["muon_replicated"]["ms"]) if "muon_replicated" in record else None
     for r in record.values():
         r["median_ms"] = statistics.median(r["ms"])
+        r["median_opt_ms"] = statistics.median(r["opt_ms"])
         r["ratio_to_muon_replicated"] = r["median_ms"] / base if base else None
     if rank == 0:
         print(f"GPT width {args.width}, {args.layers} blocks: {values:,} values, {matrices:,} in Muon's matrices; "
               f"{world} gloo ranks, {args.repeats} repeats of {args.steps} steps, median (noisy: shared cores)")  # fmt: skip
-        print(f"{'mode':<17}{'step ms':>9}{'x replicated':>14}{'sent MB/step':>14}{'muon exchange MB':>18}{'opt state MB':>14}")
+        print(f"{'mode':<17}{'step ms':>9}{'x replicated':>14}{'optimizer ms':>14}{'sent MB/step':>14}{'muon exchange MB':>18}"
+              f"{'opt state MB':>14}")  # fmt: skip
         for m, r in record.items():
             ratio = f"{r['ratio_to_muon_replicated']:.2f}" if r["ratio_to_muon_replicated"] else "-"
-            print(f"{m:<17}{r['median_ms']:>9.1f}{ratio:>14}{r['bytes'] / 1e6:>14.2f}{r['exchange'] / 1e6:>18.2f}"
-                  f"{r['state_bytes'] / 1e6:>14.2f}")  # fmt: skip
+            print(f"{m:<17}{r['median_ms']:>9.1f}{ratio:>14}{r['median_opt_ms']:>14.1f}{r['bytes'] / 1e6:>14.2f}"
+                  f"{r['exchange'] / 1e6:>18.2f}{r['state_bytes'] / 1e6:>14.2f}")  # fmt: skip
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         meta = {"world": world, "values": values, "muon_values": matrices, "args": vars(args), "load_avg": os.getloadavg()}
         with open(args.out, "w") as f:

@@ -61,14 +61,17 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:].flatten()
 
 
-def _opt(ns_steps: int = 5):
+def _opt(ns_steps: int = 5, ns_dtype: torch.dtype | None = torch.bfloat16):
     # Every matrix but the embedding to Muon (the head too: a matrix cut across ranks by the caps).
     hidden = fddp.optim.by_path(lambda path, p: p.ndim == 2 and not path.startswith("tok"))
-    return fddp.optim.muon(0.02, mask=hidden, fallback=fddp.optim.adamw(3e-3, weight_decay=0.0), ns_steps=ns_steps)
+    fallback = fddp.optim.adamw(3e-3, weight_decay=0.0)
+    return fddp.optim.muon(0.02, mask=hidden, fallback=fallback, ns_steps=ns_steps, ns_dtype=ns_dtype)
 
 
 def _fddp(mode: str) -> dict:
-    opt, rank = _opt(), fddp.rank()
+    f32 = mode.endswith("f32")  # Newton-Schulz in float32 (optax's dtype): the pieces travel in float32
+    mode = mode.removesuffix(" f32")
+    opt, rank = _opt(ns_dtype=None if f32 else torch.bfloat16), fddp.rank()
     if mode == "zero3":
         apply_fn, shards = fddp.zero.fully_shard(_model(), min_unit_mb=0)
         grad_fn = fddp.grad_and_value(lambda s, x, y: F.cross_entropy(apply_fn(s, x), y))
@@ -133,7 +136,7 @@ def _torch(mode: str) -> dict:
 
 
 def _worker(with_torch: bool) -> dict:
-    out = {mode: _fddp(mode) for mode in ("replicated", "zero1", "zero2", "zero3", "diloco")}
+    out = {mode: _fddp(mode) for mode in ("replicated", "zero1", "zero2", "zero3", "diloco", "replicated f32", "zero3 f32")}
     if with_torch:
         out["torch replicated"] = _torch("replicated")
         out["torch diloco"] = _torch("diloco")
@@ -160,13 +163,14 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("mode", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("mode", ["zero1", "zero2", "zero3", "zero3 f32"])
 def test_muon_on_shards_equals_replicated_muon_to_the_bit(runs, mode):
     world, results = runs
     start = {k: v for k, v in _model().named_parameters()}
+    ref = "replicated f32" if mode.endswith("f32") else "replicated"
     for r in results:
-        assert max((r["replicated"][k] - v).abs().max().item() for k, v in start.items()) > 1e-3  # trained
-        assert _equal(r[mode], r["replicated"]), (world, mode, {k: (r[mode][k] - r["replicated"][k]).abs().max().item() for k in start})
+        assert max((r[ref][k] - v).abs().max().item() for k, v in start.items()) > 1e-3  # trained
+        assert _equal(r[mode], r[ref]), (world, mode, {k: (r[mode][k] - r[ref][k]).abs().max().item() for k in start})
         assert _equal(r[mode], results[0][mode])  # every rank has the same parameters
 
 

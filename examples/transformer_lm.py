@@ -23,6 +23,14 @@ rank holds, plus the gathered blocks at their peak, fits::
     torchrun --standalone --nproc-per-node=2 examples/transformer_lm.py --fully-shard \
         --d-model 128 --layers 4 --budget-mb 10 --steps 200
 
+With ``--muon`` the blocks' matrices take Muon's step (``fddp.optim.muon``: momentum
+orthogonalised by Newton-Schulz, torch.optim.Muon's arithmetic) at ``--muon-lr``, and the
+embeddings, head, biases and norms AdamW's, both on the same warmup and cosine; with
+``--fully-shard`` too, each matrix is orthogonalised whole by one rank and its pieces travel by
+all-to-all::
+
+    torchrun --standalone --nproc-per-node=2 examples/transformer_lm.py --muon --fully-shard --steps 300
+
 Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
 """
 
@@ -65,6 +73,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fully-shard", action="store_true", help="ZeRO stage 3: shard the parameters, gradients and AdamW state")
     p.add_argument("--budget-mb", type=float, default=None, help="with --fully-shard: the memory budget per rank, in MiB")
+    p.add_argument("--muon", action="store_true", help="Muon for the blocks' matrices, AdamW for the rest")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="with --muon: Muon's peak learning rate")
     p.add_argument("--out-dir", default="runs/transformer_lm")
     return p.parse_args()
 
@@ -148,7 +158,8 @@ def plot(history: dict[str, list], args: argparse.Namespace, world: int, path: s
     ax_acc.set(xlabel="step", ylabel="exact match", ylim=(0, 1.02), title="held-out sums, greedy decoding")
     ax_acc.grid(alpha=0.3)
     fig.suptitle(
-        f"GPT, {args.layers} blocks of width {args.d_model}, on {world} process(es): AdamW peak lr {args.lr:g} "
+        f"GPT, {args.layers} blocks of width {args.d_model}, on {world} process(es): "
+        f"{f'Muon peak lr {args.muon_lr:g} + ' if args.muon else ''}AdamW peak lr {args.lr:g} "
         f"(warmup {args.warmup}, cosine), global batch {args.micro_batch * args.accum * world} sequences "
         f"({args.accum} micro-batches of {args.micro_batch} per rank)",
         fontsize=9,
@@ -190,8 +201,15 @@ def main() -> None:
     # every mode: on ZeRO-3's shards the mask labels the whole leaves each slice belongs to.
     decay = fddp.optim.by_path(lambda path, p: p.ndim >= 2)
 
+    # Muon steps the blocks' matrices; the embeddings and the head (matrices too, but lookups and
+    # a readout, which Muon's authors leave to AdamW) and every 1-D leaf go to AdamW.
+    hidden = fddp.optim.by_path(lambda path, p: p.ndim == 2 and path.startswith("blocks."))
+
     def make_opt(lr):
-        return fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(lr=lr, weight_decay=0.1, mask=decay))
+        adamw = fddp.optim.adamw(lr=lr, weight_decay=0.1, mask=decay)
+        if args.muon:  # the same schedule, scaled to Muon's peak
+            adamw = fddp.optim.muon(lr * args.muon_lr / args.lr, weight_decay=0.1, mask=hidden, fallback=adamw)
+        return fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), adamw)
 
     # The learning rate lives in the optimizer's state, where the loop reads it back for the log,
     # and so does the gradients' norm before clipping (what torch's clip_grad_norm_ returns).

@@ -506,6 +506,10 @@ class Split(NamedTuple):
         spec: the whole tree's structure (``None``: unknown), whose leaves the pieces' ``leaf``
             indices count; with ``leaves``, what a labels function sees of the whole tree.
         leaves: the whole tree's :class:`~fddp._tree.LeafSpec` s, in flatten order (``()``: unknown).
+        places: per whole leaf, ``(where it starts in its bucket, that bucket's shard size)``: the
+            cut every rank makes alike, from which :meth:`held` tells what any rank holds of any
+            leaf without asking it (``()``: unknown). What an operation on whole leaves needs
+            (``fddp.optim.muon`` sends each matrix's pieces to one rank).
     """
 
     group: Any
@@ -514,6 +518,23 @@ class Split(NamedTuple):
     pieces: tuple[tuple[Piece, ...], ...]
     spec: Any = None
     leaves: tuple[LeafSpec, ...] = ()
+    places: tuple[tuple[int, int], ...] = ()
+
+    def held(self, leaf: int, rank: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of whole leaf ``leaf`` (flattened) that ``rank`` holds; ``lo == hi``: none.
+
+        Every bucket is cut into equal shards of ``size`` elements, rank ``r`` holding
+        ``[r * size, (r + 1) * size)`` of it (``fddp.zero``'s cut), so a leaf that starts at ``at``
+        in its bucket has ``[r * size - at, (r + 1) * size - at)`` of it on rank ``r``, clipped.
+
+        Example:
+            >>> Split(None, 2, 0, (), leaves=(LeafSpec((4, 8), torch.float32, cpu),), places=((0, 64),)).held(0, 1)
+            (32, 32)
+        """
+        at, size = self.places[leaf]
+        n = math.prod(self.leaves[leaf].shape)
+        lo = min(max(rank * size - at, 0), n)
+        return lo, max(lo, min(max((rank + 1) * size - at, 0), n))
 
 
 class SplitTree:

@@ -117,3 +117,22 @@ def test_lowcomm_benchmark_counts_one_hth_of_ddps_bytes(tmp_path: Path) -> None:
     assert abs(res["diloco_H10_e3m0"]["bytes_per_step"] / ddp / (0.1 * (0.5 + 4 / 128) / 4) - 1) < 0.01
     assert abs(res["diloco_H10_eager_int2"]["bytes_per_step"] / ddp / (0.1 * (0.25 + 4 / 128) / 4) - 1) < 0.01
     assert all(len(r["eval_loss"]) == 3 for r in res.values())
+
+
+def test_muon_benchmark_counts_the_exchange_apart(tmp_path: Path) -> None:
+    out = tmp_path / "muon.json"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd = [*launch, str(BENCHMARKS / "muon.py"), "--width", "32", "--layers", "1", "--vocab", "64", "--seq", "8"]
+    cmd += ["--repeats", "1", "--steps", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    record = json.loads(out.read_text())
+    r = record["results"]
+    assert set(r) == {"muon_replicated", "muon_zero1", "muon_zero2", "adamw_zero1", "adamw_zero2"}
+    assert all(math.isfinite(m["median_ms"]) and m["median_ms"] > 0 for m in r.values())
+    assert r["muon_replicated"]["exchange"] == r["adamw_zero2"]["exchange"] == 0
+    # Each rank sends at most its pieces of the matrices (bfloat16) to their owners, and gets them back.
+    assert 0 < r["muon_zero2"]["exchange"] <= 2 * 2 * record["muon_values"] // 2
+    # The rest of Muon's ZeRO-2 traffic is AdamW's ZeRO-2 traffic, plus one agreement header (20 int64).
+    assert r["muon_zero2"]["bytes"] - r["muon_zero2"]["exchange"] - r["adamw_zero2"]["bytes"] == 160

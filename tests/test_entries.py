@@ -73,7 +73,8 @@ SCOPED_ELSEWHERE = {
     "fddp.init": "torch.distributed's own init_process_group: there is no group to scope before it",
     "fddp.optim.global_norm": "on shards, its one all-reduce is an entry (optim.global_norm); a replicated tree is local",
     "fddp.optim.clip_by_global_norm": "builds a transformation; its update on shards reaches global_norm's entry",
-    "fddp.optim.apply_gradients": "local, but for a clip on shards: global_norm's entry",
+    "fddp.optim.apply_gradients": "local, but for a clip on shards: global_norm's entry; for muon on shards: optim.muon's",
+    "fddp.optim.muon": "builds a transformation; its update on shards is the optim.muon entry (the table below fails it)",
 }
 # Public callables that never communicate.
 LOCAL = {
@@ -229,6 +230,11 @@ def _case(name: str, group, bad: bool, directory: str = ""):
     if name == "SyncBatchNorm":
         bn = fddp.SyncBatchNorm(3, group=group)
         return bn(torch.ones(4) if bad else torch.randn(4, 3))  # 1-D: not a batch
+    if name == "optim.muon":
+        params = {"a": torch.ones(8, 8), "b": torch.zeros(3)}  # the matrix's group steps first
+        shards = fddp.zero.shard(params, group=group, bucket_cap_mb=0.0001, first_bucket_mb=0.0001)
+        opt = fddp.optim.muon(0.02, fallback=fddp.optim.sgd(0.1))
+        return opt.update(shards, opt.init(shards), None if bad else shards)  # weight decay needs the parameters
     if name == "diloco.step":
         outer = fddp.diloco.diloco(every=1, group=group)
         state = outer.init(params)
@@ -240,7 +246,7 @@ _case.calls = 0  # type: ignore[attr-defined]
 
 ENTRIES = ("ddp_step", "grad_and_value", "broadcast", "psum", "sync_buffers", "verify_replicas", "zero.shard", "zero.gather",
            "fully_shard", "zero.unshard", "zero.load_full", "zero.write_back", "checkpoint.save_step",
-           "checkpoint.save_sharded", "SyncBatchNorm", "diloco.step", "scaling.measure_link")  # fmt: skip
+           "checkpoint.save_sharded", "SyncBatchNorm", "diloco.step", "scaling.measure_link", "optim.muon")  # fmt: skip
 
 
 def _table_worker(mode: str, directory: str) -> list[tuple]:

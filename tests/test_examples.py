@@ -149,6 +149,19 @@ def test_transformer_lm_fully_sharded_fits_a_budget_the_full_state_exceeds(tmp_p
     assert mean(m["loss"][-5:]) < mean(m["loss"][:5]) - 0.2, m["loss"]
 
 
+def test_transformer_lm_trains_with_muon_on_shards(tmp_path: Path) -> None:
+    # Muon for the blocks' matrices on ZeRO-3's shards (each matrix orthogonalised by its owner), AdamW for the rest.
+    launch(
+        "transformer_lm.py",
+        *("--muon", "--fully-shard", "--steps", "30", "--warmup", "5", "--micro-batch", "32", "--eval-every", "30"),
+        *("--out-dir", "lm-muon"),
+        tmp=tmp_path,
+    )
+    m = read_outputs(tmp_path / "lm-muon")
+    assert m["world_size"] == 2 and m["step"] == list(range(1, 31))
+    assert mean(m["loss"][-5:]) < mean(m["loss"][:5]) - 0.2, m["loss"]
+
+
 def test_ensemble_vmap_trains_every_member(tmp_path: Path) -> None:
     launch("ensemble_vmap.py", "--members", "4", "--epochs", "2", "--out-dir", "ens", tmp=tmp_path)
     m = read_outputs(tmp_path / "ens")

@@ -194,6 +194,7 @@ CACHES = {
     "fddp.optim._kernels._kernel_items",
     "fddp.optim._slices._meta_leaves",
     "fddp.optim._slices._runs",
+    "fddp.optim._muon_shards.plan",
     "fddp.scaling._alone",
     "fddp.diloco._outer._split_of",
     "fddp.diloco._outer._started",

@@ -17,6 +17,10 @@ Gradients must be tensors of their parameter's dtype, as torch requires of ``par
 ``None`` gradient is rejected (pass zeros or drop the leaf), and so is, naming the leaf and both
 dtypes, a float64 gradient for a float32 parameter.
 
+:func:`muon` is ``torch.optim.Muon`` for the matrices (to the bit in ``apply_gradients``) with
+AdamW, or a transformation of your choice, for the other leaves; on ``fddp.zero``'s shards each
+matrix is orthogonalised whole by one rank.
+
 Parameter groups (torch's ``param_groups``) are ``mask=`` on an optimizer (where weight decay
 applies) or :func:`multi_transform` (a transformation per label), on replicated parameters and on
 ``fddp.zero``'s shards alike; hyperparameters that change mid-run live in the state with
@@ -41,6 +45,7 @@ from ._clip import ClipByGlobalNormState, clip_by_global_norm, global_norm
 from ._groups import MaskedNode, MaskedState, MultiTransformState, by_path, masked, multi_transform, set_to_zero
 from ._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from ._multi_steps import AccumulateState, accumulate
+from ._muon import MuonState, muon
 from ._schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
 from ._sgd import SGDState, sgd
 
@@ -59,6 +64,8 @@ __all__ = [
     "adam",
     "adamw",
     "AdamState",
+    "muon",
+    "MuonState",
     "clip_by_global_norm",
     "ClipByGlobalNormState",
     "global_norm",

@@ -28,15 +28,17 @@ from fddp import _caches
 from fddp._layout import Piece, Split, SplitTree, lay_out, new_flat, optim_plan
 from fddp._tree import LeafSpec, paths, specs_of
 
-__all__ = ["GroupSlices", "SplitPartition", "broadcast_labels", "whole_tree"]
+__all__ = ["GroupSlices", "SplitPartition", "broadcast_labels", "members_of", "whole_tree"]
 
 
 class _Meta(NamedTuple):
-    """What a :class:`GroupSlices` tree's structure records: its split, the stage and the group's label."""
+    """What a :class:`GroupSlices` tree's structure records: its split, the stage, the group's
+    label and its whole leaves (indices in the whole tree, the same on every rank)."""
 
     split: Split
     stage: int
     label: Any
+    members: tuple[int, ...] = ()
 
 
 class GroupSlices(SplitTree):
@@ -70,6 +72,11 @@ class GroupSlices(SplitTree):
     def stage(self) -> int:
         return self.meta.stage
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The group's whole leaves (their indices in the whole tree), every rank's alike, held here or not."""
+        return self.meta.members
+
     def check_group(self, what: str) -> None:
         """Raise unless this process is the rank, in a group of the size, the slices were cut for."""
         split = self.meta.split
@@ -96,6 +103,13 @@ class _Run(NamedTuple):
     at: int
     length: int
     pieces: tuple[Piece, ...]  # at their places in the run
+
+
+def members_of(tree: SplitTree) -> tuple[int, ...]:
+    """The whole leaves a split tree covers: a group's (:attr:`GroupSlices.members`), else every leaf."""
+    if isinstance(tree, GroupSlices):
+        return tree.members
+    return tuple(range(len(tree.split.leaves)))
 
 
 def whole_tree(split: Split, where: str) -> Any:
@@ -163,7 +177,7 @@ class SplitPartition:
         self.runs, self.groups = _runs(split, tuple(labels))
         self.metas = {
             label: _Meta(
-                split._replace(pieces=tuple(r.pieces for r in runs)), tree.stage, label
+                split._replace(pieces=tuple(r.pieces for r in runs)), tree.stage, label, self.groups[label]
             )
             for label, runs in self.runs.items()
         }  # fmt: skip
@@ -244,7 +258,7 @@ class SplitPartition:
 
 
 def _empty_meta(part: SplitPartition, label: Any) -> _Meta:
-    return _Meta(part.split._replace(pieces=()), 2, label)
+    return _Meta(part.split._replace(pieces=()), 2, label, part.groups.get(label, ()))
 
 
 def _is_slices(x: Any) -> bool:

@@ -136,17 +136,20 @@ class ShardLayout:
         set_(self, "shard_plan", BucketPlan(tuple(groups), len(cuts)))
         pieces = []
         leaves: list[Any] = [None] * self.plan.num_leaves
+        places: list[Any] = [None] * self.plan.num_leaves
         for b, c in zip(self.plan.buckets, cuts):
             held = []
             for i, shape, off, n in zip(b.indices, b.shapes, b.offsets, b.numels):
                 leaves[i] = LeafSpec(shape, b.dtype, b.device)
+                places[i] = (off, c.size)
                 lo, hi = max(c.lo, off), min(c.hi, off + n)
                 if lo < hi:
                     held.append(Piece(lo - c.lo, lo - off, hi - off, n, i))
             pieces.append(tuple(held))
         # The whole tree's structure and leaf specs, for per-leaf optimizer choices (masks, labels).
         whole = tuple(leaves) if None not in leaves else ()
-        set_(self, "split", Split(self.group, self.world, self.rank, tuple(pieces), self.spec, whole))
+        known = tuple(places) if whole else ()  # where every rank's cut falls in each leaf (Split.held)
+        set_(self, "split", Split(self.group, self.world, self.rank, tuple(pieces), self.spec, whole, known))
 
     def __repr__(self) -> str:
         return (

@@ -659,6 +659,28 @@ def _scaling_projection() -> str:
 
 
 # The benchmark sections, by the names the pages' markers use (in the order of the full page).
+def _collectives_section() -> str:
+    command = "torchrun --standalone --nproc-per-node=2 benchmarks/collectives.py"
+    out = [f"Command: `{command}` (the table below is its last run's output, `benchmarks/results/collectives.json`)."]
+    data = _load("collectives.json")
+    if data is None:
+        return "\n\n".join([*out, _missing(command, "what each collective returns under each transform")])
+    names = {"sum": "sum (`fddp.psum`)", "gather": "gather (`fddp.all_gather`)", "scatter": "reduce-scatter (`fddp.reduce_scatter`)"}
+    for kind, rows in data["table"].items():
+        impls = list(next(iter(rows.values())))
+        lines = ["| transform | " + " | ".join(impls) + " |", "| --- |" + " --- |" * len(impls)]
+        for transform, cells in rows.items():
+            lines.append(f"| {transform} | " + " | ".join(cells[i].replace("|", "/") for i in impls) + " |")
+        out.append(f"**{names.get(kind, kind)}**, {data['world_size']} gloo ranks, torch {data['torch']}:\n\n" + "\n".join(lines))
+    per = data["per_call_us"]
+    out.append(
+        f"Per call, a 64-float `fddp.psum` took {per['fddp.psum']:.0f} us against {per['torch.distributed.all_reduce']:.0f} us for "
+        f"`torch.distributed.all_reduce` of the same tensor (medians of {data['repeats']} interleaved calls; the difference is "
+        "the agreement's header, which a repeated call sends just ahead of its all-reduce)." + _load_line(data)
+    )
+    return "\n\n".join(out)
+
+
 SECTIONS = {
     "step": _step_section,
     "floor": _floor_section,
@@ -668,4 +690,5 @@ SECTIONS = {
     "zero": _zero_section,
     "checkpoint": _checkpoint_section,
     "stage3": _stage3_section,
+    "collectives": _collectives_section,
 }

@@ -324,6 +324,14 @@ def test_step_boundaries_learn_signals_add_no_collective_and_leak_nothing(tmp_pa
 def test_manager_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="every must be an int >= 1"):
         ckpt.Manager(tmp_path, every=0)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with ckpt.Manager(tmp_path):
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # ignored stays ignored
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     with ckpt.Manager(tmp_path, signals=()) as first:
         with pytest.raises(RuntimeError, match="is open on this process group"):
             ckpt.Manager(tmp_path / "b", signals=())

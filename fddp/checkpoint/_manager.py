@@ -104,8 +104,9 @@ class Manager:
         async_: write periodic saves of single-file trees on a background thread.
         prefix: the checkpoints' name prefix.
         group: the process group whose ranks save together (rank 0 writes a single file).
-        signals: the signals that request a save and a stop; ``()`` installs no handler (needed
-            where the manager is made off the main thread).
+        signals: the signals that request a save and a stop (one this process ignores stays
+            ignored); ``()`` installs no handler (needed where the manager is made off the main
+            thread).
 
     Raises:
         ValueError: a bad ``every`` or ``keep``; signals asked for off the main thread.
@@ -167,7 +168,8 @@ class Manager:
         self._closed = False
         self._previous: dict[int, Any] = {}
         for s in signals:
-            self._previous[s] = signal.signal(s, self._on_signal)
+            if signal.getsignal(s) != signal.SIG_IGN:  # an ignored signal stays ignored (nohup, a job started with &)
+                self._previous[s] = signal.signal(s, self._on_signal)
         _open.add(self)
 
     # --- signals ----------------------------------------------------------------------------------

@@ -223,6 +223,9 @@ def _case(name: str, group, bad: bool, directory: str = ""):
     _case.calls += 1  # type: ignore[attr-defined]  # a new checkpoint each call
     if name == "checkpoint.save_step":
         return fddp.checkpoint.save_step(directory + "/steps", _case.calls, params, keep=0 if bad else 2, group=group)
+    if name == "checkpoint.Manager.step":
+        with fddp.checkpoint.Manager(f"{directory}/manager{_case.calls}", every=1, group=group, signals=()) as manager:
+            return manager.step(-1 if bad else 1, params)  # a negative step on one rank
     if name == "checkpoint.save_sharded":
         shards = fddp.zero.shard(params, group=group)  # every rank, before the call under test
         tree = {"w": object()} if bad else shards  # a leaf no checkpoint can store
@@ -246,7 +249,8 @@ _case.calls = 0  # type: ignore[attr-defined]
 
 ENTRIES = ("ddp_step", "grad_and_value", "broadcast", "psum", "sync_buffers", "verify_replicas", "zero.shard", "zero.gather",
            "fully_shard", "zero.unshard", "zero.load_full", "zero.write_back", "checkpoint.save_step",
-           "checkpoint.save_sharded", "SyncBatchNorm", "diloco.step", "scaling.measure_link", "optim.muon")  # fmt: skip
+           "checkpoint.Manager.step", "checkpoint.save_sharded", "SyncBatchNorm", "diloco.step", "scaling.measure_link",
+           "optim.muon")  # fmt: skip
 
 
 def _table_worker(mode: str, directory: str) -> list[tuple]:

@@ -37,3 +37,15 @@ def test_a_one_rank_group_takes_its_own_requests():
     _dist.request(None, 1)
     assert _dist.take_requested(None) == 1
     assert _dist.take_requested(None) == 0
+
+
+def test_a_caller_takes_only_its_own_bits():
+    from fddp import _dist
+
+    if not fddp.is_initialized():
+        fddp.init()
+    _dist.take_requested(None)
+    _dist.request(None, 0b101)
+    assert _dist.take_requested(None, 0b001) == 0b001
+    assert _dist.take_requested(None, 0b011) == 0  # taken: gone; 0b100 is another owner's
+    assert _dist.take_requested(None) == 0b100

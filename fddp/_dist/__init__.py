@@ -25,6 +25,7 @@ from fddp._dist._agreement import (
     Agreed,
     Agreement,
     agree,
+    agreements,
     completed,
     goes_early,
     request,
@@ -50,11 +51,15 @@ from fddp._dist._groups import (
     set_checks,
     size,
 )
+from fddp._dist._header import PREEMPT, UNWRITTEN, WRITTEN
 from fddp._dist._scope import backward_scope, call, entry, owe
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
 __all__ = [
+    "PREEMPT",
+    "UNWRITTEN",
+    "WRITTEN",
     "Agreed",
     "Agreement",
     "Checks",
@@ -63,6 +68,7 @@ __all__ = [
     "PeerError",
     "Segment",
     "agree",
+    "agreements",
     "backward_scope",
     "begin_epoch",
     "call",

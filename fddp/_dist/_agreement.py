@@ -60,7 +60,7 @@ from fddp._dist._waits import wait
 
 __all__ = [
     "agree", "start_agreement", "Agreement", "Agreed", "signature_digest", "goes_early", "completed", "drain", "probe", "request",
-    "take_requested", "INBAND",
+    "take_requested", "agreements", "INBAND",
 ]
 
 Rows = Callable[[], list[tuple]]
@@ -182,6 +182,8 @@ def start_agreement(
         return Agreement(None, None, Agreed(False, False))
     st = state(group)
     raise_if_failed(st, what)
+    if _asked:
+        _collect()
     new = signature not in st.seen
     replicas = st.seen.get(signature)
     asked = ask and new
@@ -436,31 +438,70 @@ class Agreement:
         return self.result
 
 
+# Requests not yet moved into their group's state, as (group, bits). A deque's append and popleft
+# are atomic: a signal handler (which runs between two bytecodes of the main thread, possibly
+# inside an agreement) or another thread appends, and only agreements and take_requested move
+# them, so no read-modify-write of a group's state can lose a bit.
+_asked: "collections.deque[tuple[Any, int]]" = collections.deque()
+
+
+def _collect() -> None:
+    """Move the requests made since the last agreement into their groups' state."""
+    while _asked:
+        try:
+            group, bits = _asked.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        state(group).requests |= bits
+
+
 def request(group: dist.ProcessGroup | None, bits: int) -> None:
     """Ask every rank of ``group`` for something (``bits``, below ``2**FLAG_BITS``): the bits ride
     in this rank's next agreement header on the group, and every rank learns them from that
     call's agreement, without a collective of their own (see :func:`take_requested`).
 
+    Safe in a signal handler and from another thread: it only appends to a queue, which the next
+    agreement on any group reads (no lock, no collective, no read-modify-write of the group's
+    state that the interrupted code may be in the middle of).
+
     Example:
-        >>> request(None, 1)  # from a SIGTERM handler: save at the next step boundary
+        >>> request(None, _header.PREEMPT)  # from a SIGTERM handler: save at the next step boundary
     """
     if not (isinstance(bits, int) and 0 < bits < 1 << _header.FLAG_BITS):
         raise ValueError(f"fddp: request bits must be an int in [1, {1 << _header.FLAG_BITS}), got {bits!r}")
-    state(group).requests |= bits
+    _asked.append((group, bits))
 
 
-def take_requested(group: dist.ProcessGroup | None) -> int:
-    """Return the or of every rank's request bits in the agreements on ``group`` since the last
-    call, and forget them. Every rank that calls it at the same point of the same sequence of
-    fddp calls gets the same bits (a one-rank group: its own requests at once).
+def take_requested(group: dist.ProcessGroup | None, mask: int = (1 << _header.FLAG_BITS) - 1) -> int:
+    """Return the or of every rank's request bits (those in ``mask``: a caller takes only its own)
+    in the agreements on ``group`` since the last call, and forget them. Every rank that calls it
+    at the same point of the same sequence of fddp calls gets the same bits (a one-rank group: its
+    own requests at once).
 
     Example:
-        >>> if take_requested(None) & 1:  # at a step boundary, on every rank alike
+        >>> if take_requested(None, _header.PREEMPT):  # at a step boundary, on every rank alike
         ...     save()
     """
+    if _asked:
+        _collect()
     st = state(group)
     if size(group) == 1:
         st.requested |= st.requests
         st.requests = 0
-    bits, st.requested = st.requested, 0
+    bits = st.requested & mask
+    st.requested &= ~mask
     return bits
+
+
+def agreements(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(epoch, number of agreements on group in it)``: the same on every rank at the same point
+    of the same sequence of fddp calls. Where it has not moved since a point, no header (and no
+    request) has travelled on the group since then.
+
+    Example:
+        >>> before = agreements(None)
+        >>> ...  # a step
+        >>> if agreements(None) == before: ...  # nothing carried a request: agree now
+    """
+    st = state(group)
+    return st.epoch, st.agreed

@@ -36,6 +36,7 @@ from fddp._dist._groups import control_group
 
 __all__ = [
     "SIG", "CALL", "WHAT", "PRINT", "MODE", "BOTH", "NEW", "ASKED", "FAILED", "LEARN", "FLAGS", "FLAG_BITS", "EARLY", "SIZE", "TOKEN",
+    "PREEMPT", "WRITTEN", "UNWRITTEN",
     "blank", "build", "exchange", "flags_of", "tail_size", "tail", "from_tail", "CARRIED",
 ]
 
@@ -44,6 +45,11 @@ BOTH = 6
 NEW, ASKED, FAILED, LEARN = 2 * BOTH, 2 * BOTH + 1, 2 * BOTH + 2, 2 * BOTH + 3
 FLAGS = 2 * BOTH + 4
 FLAG_BITS = 4  # request bits a header carries, one field each
+# The request bits, one owner each: a new owner takes a free bit here, and takes only its own
+# bits back (``_agreement.take_requested(group, mask)``).
+PREEMPT = 1 << 0  # fddp.checkpoint.Manager: a rank got a signal: save at the step boundary, then stop
+WRITTEN = 1 << 1  # fddp.checkpoint.Manager: the writer's asynchronous write is in place
+UNWRITTEN = 1 << 2  # fddp.checkpoint.Manager: the writer's asynchronous write failed
 SIZE = FLAGS + FLAG_BITS
 TOKEN = digest("fddp: one collective of a call")  # the function field of a token's agreement
 

@@ -44,6 +44,10 @@ keeps only the newest few, :func:`latest` finds the newest, :func:`steps` lists 
 its lock (``.fddp-writer.lock``): a second job that would rotate the same checkpoints is refused,
 naming the first.
 
+A run that may be preempted saves through a :class:`Manager`: every few steps (optionally on a
+background thread), and at the next step boundary on every rank together once any rank gets
+``SIGTERM`` or ``SIGINT``.
+
 Every function that more than one rank calls together (``save`` and ``save_step`` with their
 barrier, ``save_sharded``, ``load_sharded``, ``load_step`` of a directory) is one fddp call: a
 failure on one rank raises there and :class:`fddp.PeerError` on its peers, within a moment.
@@ -58,12 +62,14 @@ Example:
 """
 
 from fddp.checkpoint._codec import CheckpointError
+from fddp.checkpoint._manager import Manager
 from fddp.checkpoint._sharded import PerRank, load_sharded, save_sharded
 from fddp.checkpoint._single import load, save
 from fddp.checkpoint._steps import latest, load_step, save_step, step_path, steps
 
 __all__ = [
     "CheckpointError",
+    "Manager",
     "PerRank",
     "save",
     "load",

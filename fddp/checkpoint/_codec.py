@@ -73,17 +73,19 @@ def is_namedtuple(x: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """Return a detached CPU tensor whose storage holds exactly its own elements.
+def _compact(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+    """Return a detached CPU tensor whose storage holds exactly its own elements (with ``copy``,
+    never the caller's memory: a snapshot that later in-place updates cannot change).
 
     ``torch.save`` writes a tensor's whole storage, so a 10-element view of a 100 MB gradient
     bucket would otherwise cost 100 MB on disk. Moving to the CPU first means the copy of a view
     never takes accelerator memory (torch.save copies to the host anyway), and the file loads on
     any machine.
     """
+    source = t
     t = t.detach().cpu()
     if t.layout is not torch.strided:
-        return t
+        return t.clone() if copy and t.device == source.device else t
     if t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg()
     exact = (
@@ -91,7 +93,10 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
         and t.storage_offset() == 0
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
     )
-    t = t if exact else t.clone(memory_format=torch.contiguous_format)
+    # A CPU tensor that is already compact is the caller's own memory: a snapshot copies it (one
+    # from an accelerator is a fresh host copy already).
+    shared = exact and t.untyped_storage().data_ptr() == source.detach().untyped_storage().data_ptr()
+    t = t if exact and not (copy and shared) else t.clone(memory_format=torch.contiguous_format)
     # Parameters and other subclasses are stored as plain tensors; weights_only accepts those.
     return t if type(t) is torch.Tensor else t.as_subclass(torch.Tensor)
 
@@ -144,28 +149,39 @@ def _checksums(leaves: list) -> list[tuple[int, ...] | None]:
     return crc32s([tensor_bytes(x) if isinstance(x, torch.Tensor) else None for x in leaves])
 
 
-def encode(tree: Any) -> dict:
+def encode(tree: Any, *, copy: bool = False, checksums: bool = True) -> dict:
     """The payload for ``tree``: format marker, structure, leaves, their paths and checksums.
+
+    With ``copy``, every tensor leaf is a copy (a snapshot that an asynchronous write can take its
+    time over while training updates the tree in place); without ``checksums``, they are left for
+    :func:`add_checksums` (one pass over the bytes, which the writing thread makes).
 
     Raises:
         TypeError: a leaf or dict key of a type the format cannot hold, naming its path.
     """
     leaves: list = []
     paths: list[str] = []
-    structure = _encode(tree, (), leaves, paths)
-    return {
+    structure = _encode(tree, (), leaves, paths, copy)
+    payload = {
         "format": FORMAT,
         "version": VERSION,
         "structure": structure,
         "paths": paths,
         "leaves": leaves,
-        "checksums": _checksums(leaves),
+        "checksums": None,
     }
+    return add_checksums(payload) if checksums else payload
 
 
-def _encode(node: Any, path: Path, leaves: list, paths: list) -> tuple:
+def add_checksums(payload: dict) -> dict:
+    """Fill in the CRC-32s of a payload that :func:`encode` made without them; return it."""
+    payload["checksums"] = _checksums(payload["leaves"])
+    return payload
+
+
+def _encode(node: Any, path: Path, leaves: list, paths: list, copy: bool) -> tuple:
     if isinstance(node, torch.Tensor) or type(node) in PRIMITIVES:
-        leaves.append(_compact(node) if isinstance(node, torch.Tensor) else node)
+        leaves.append(_compact(node, copy) if isinstance(node, torch.Tensor) else node)
         paths.append(path_str(path))
         return ("leaf",)
     if isinstance(node, PRIMITIVES):
@@ -185,15 +201,15 @@ def _encode(node: Any, path: Path, leaves: list, paths: list) -> tuple:
                 )
         kind = "odict" if isinstance(node, collections.OrderedDict) else "dict"
         keys = tuple(node)
-        return (kind, keys, tuple(_encode(node[k], path + (k,), leaves, paths) for k in keys))
+        return (kind, keys, tuple(_encode(node[k], path + (k,), leaves, paths, copy) for k in keys))
     if is_namedtuple(node):
         cls = type(node)
         fields = tuple(cls._fields)
-        children = tuple(_encode(v, path + (f,), leaves, paths) for f, v in zip(fields, node))
+        children = tuple(_encode(v, path + (f,), leaves, paths, copy) for f, v in zip(fields, node))
         return ("namedtuple", f"{cls.__module__}.{cls.__qualname__}", fields, children)
     if isinstance(node, (list, tuple)):
         kind = "list" if isinstance(node, list) else "tuple"
-        return (kind, tuple(_encode(v, path + (i,), leaves, paths) for i, v in enumerate(node)))
+        return (kind, tuple(_encode(v, path + (i,), leaves, paths, copy) for i, v in enumerate(node)))
     raise TypeError(
         f"fddp.checkpoint: leaf at {_at(path)} has unsupported type {type(node).__qualname__}; expected a "
         "tensor, a Python scalar, str, bytes or None, inside dicts, lists, tuples or NamedTuples"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from fddp.checkpoint import _codec, _ranks, _temp
 
-__all__ = ["load", "save", "write"]
+__all__ = ["load", "save", "write", "write_payload"]
 
 
 @_ranks.entry("checkpoint.save", together=lambda *args, barrier=False, **kwargs: barrier)
@@ -83,7 +83,12 @@ def write(path: str, tree: Any, belongs: Callable[[str], Any]) -> None:
 
     ``belongs(name)`` says which destinations' abandoned temporaries to delete first.
     """
-    payload = _codec.encode(tree)
+    write_payload(path, _codec.encode(tree), belongs)
+
+
+def write_payload(path: str, payload: dict, belongs: Callable[[str], Any]) -> None:
+    """:func:`write` of a tree already encoded (``_codec.encode``; an asynchronous save encodes
+    a snapshot on the training thread and writes it on another)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     _temp.clean(directory, belongs)

@@ -1,0 +1,343 @@
+"""Checkpoints that survive preemption (issue 47): :class:`fddp.checkpoint.Manager` saves on a signal
+at a step boundary on every rank together, and writes asynchronously without losing a checkpoint.
+
+- a real torchrun job of 2 ranks, one of them sent SIGTERM mid-training: both ranks save the step
+  they reached and exit cleanly, and a fresh job resumes from that checkpoint to the same
+  parameters, bitwise, as an uninterrupted run;
+- a process SIGKILLed in the middle of an asynchronous write: the previous checkpoint is the
+  latest and loads, the torn temporary never counts, and the next run cleans it up;
+- a failed asynchronous write (an injected OSError on the writer): every rank raises at the same
+  step, the next one, and every earlier checkpoint is intact;
+- step boundaries: a signal is learnt by every rank even where no fddp call runs between two
+  boundaries; where the steps make fddp calls, the manager adds no collective; threads and memory
+  stay flat over many asynchronous saves.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+
+import fddp
+from dist import run
+from fddp import checkpoint as ckpt
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def _env(marker: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        env.pop(k, None)
+    # The marker lets the test find and kill exactly the processes it started.
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", FDDP_PREEMPT_TEST_RUN=str(marker),
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]),
+    )  # fmt: skip
+    return env
+
+
+def _kill_leftovers(marker: Path) -> None:
+    tag = f"FDDP_PREEMPT_TEST_RUN={marker}\0".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if tag in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:  # gone, or not ours to read
+            pass
+
+
+class _Job:
+    """``tests/preempt_job.py`` under torchrun, 2 ranks; output in ``out/log``."""
+
+    def __init__(self, directory: Path, steps: int, delay: float, out: Path) -> None:
+        out.mkdir()
+        self.out = out
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+            str(TESTS / "preempt_job.py"), str(directory), str(steps), str(delay), str(out),
+        ]  # fmt: skip
+        with open(out / "log", "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(out))
+
+    def read(self, name: str) -> str | None:
+        try:
+            return (self.out / name).read_text()
+        except FileNotFoundError:
+            return None
+
+    def finish(self, timeout: float) -> str:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            _kill_leftovers(self.out)
+        log = (self.out / "log").read_text()
+        assert self.proc.returncode == 0, f"torchrun exited with {self.proc.returncode}:\n{log}"
+        return log
+
+
+def test_sigterm_to_one_rank_saves_the_step_both_reached_and_a_fresh_job_resumes_bitwise(tmp_path):
+    steps = 20
+    reference = _Job(tmp_path / "ref", steps, 0.0, tmp_path / "ref-out")
+    preempted = _Job(tmp_path / "ckpts", steps, 0.3, tmp_path / "preempted")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # rank 1 is mid-training: a few steps done, many to go
+        progress = preempted.read("progress-1")
+        if progress is not None and int(progress) >= 5:
+            break
+        assert preempted.proc.poll() is None, preempted.read("log")
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"rank 1 made no progress:\n{preempted.read('log')}")
+    os.kill(int(preempted.read("pid-1")), signal.SIGTERM)
+    preempted.finish(timeout=120)
+    reference.finish(timeout=120)
+
+    done = [json.loads(preempted.read(f"done-{r}")) for r in range(2)]
+    reached = done[0]["last"]
+    assert done[1] == done[0] and done[0]["preempted"] and 5 <= reached < steps, done
+    found = ckpt.steps(tmp_path / "ckpts")
+    assert found[-1][0] == reached and len(found) <= 2, found  # keep=2, the signal's save the newest
+    saved = ckpt.load(found[-1][1])
+    assert saved["step"] == reached
+    assert not [n for n in os.listdir(tmp_path / "ckpts") if ".tmp-" in n]
+
+    resumed = _Job(tmp_path / "ckpts", steps, 0.0, tmp_path / "resumed")
+    resumed.finish(timeout=120)
+    done = json.loads(resumed.read("done-0"))
+    assert done == {"start": reached, "last": steps, "preempted": False}, done
+    want, got = ckpt.load(tmp_path / "ref-out" / "final.pt"), ckpt.load(tmp_path / "resumed" / "final.pt")
+    for name in want["params"]:
+        assert torch.equal(got["params"][name], want["params"][name]), name
+    assert not torch.equal(got["params"]["w"], saved["params"]["w"])  # the resumed job trained
+
+
+KILLED = """
+import os, sys, time, torch
+import fddp.checkpoint as ckpt
+from fddp.checkpoint import _codec
+
+directory, hang_at = sys.argv[1], int(sys.argv[2])
+real = _codec.write
+
+def write(f, payload):
+    if f"ckpt-{hang_at:08d}.pt.tmp-" in f.name:
+        f.write(b"PK\\x03\\x04 half a checkpoint")  # torn: what a kill mid-write leaves
+        f.flush()
+        open(os.path.join(directory, "..", "writing"), "w").close()
+        time.sleep(600)  # until the test's SIGKILL
+    real(f, payload)
+
+_codec.write = write
+w = torch.zeros(4)
+with ckpt.Manager(directory, every=2, keep=3, async_=True) as manager:
+    for step in range(1, 9):
+        w += 1  # in place: the snapshot must not see later steps
+        manager.step(step, {"w": w, "step": step})
+        time.sleep(0.05)
+print("finished")
+"""
+
+
+def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    directory = tmp_path / "ckpts"
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    proc = subprocess.Popen([sys.executable, str(script), str(directory), "4"], env=_env(tmp_path), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "writing").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode() if proc.poll() else "slow"
+            time.sleep(0.05)
+        proc.kill()  # SIGKILL in the middle of the write of step 4
+        proc.wait()
+    finally:
+        _kill_leftovers(tmp_path)
+    names = os.listdir(directory)
+    assert any(n.startswith("ckpt-00000004.pt.tmp-") for n in names), names  # the torn temporary
+    assert [s for s, _ in ckpt.steps(directory)] == [2]  # never taken for a checkpoint
+    assert ckpt.load_step(ckpt.latest(directory), like={"w": torch.zeros(4), "step": 0})["step"] == 2
+    assert torch.equal(ckpt.load(ckpt.latest(directory))["w"], torch.full((4,), 2.0))
+
+    # The next run takes over the lock of the dead writer and deletes its abandoned temporary.
+    proc = subprocess.run([sys.executable, str(script), str(directory), "-1"], env=_env(tmp_path), capture_output=True, timeout=120)
+    assert proc.returncode == 0 and b"finished" in proc.stdout and b"took over" in proc.stderr, proc.stderr.decode()
+    assert sorted(os.listdir(directory)) == ["ckpt-00000004.pt", "ckpt-00000006.pt", "ckpt-00000008.pt"]  # the lock: released at exit
+    assert torch.equal(ckpt.load(ckpt.latest(directory))["w"], torch.full((4,), 8.0))
+
+
+def _failed_write_worker(directory: str) -> tuple:
+    """Every step saves asynchronously; the writer's write of step 4 fails with ENOSPC."""
+    from fddp.checkpoint import _codec
+
+    real = _codec.write
+
+    def write(f, payload):
+        if fddp.rank() == 0 and "ckpt-00000004.pt.tmp-" in f.name:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        real(f, payload)
+
+    _codec.write = write
+    params = fddp.broadcast({"w": torch.ones(3)})
+    raised = None
+    try:
+        with ckpt.Manager(directory, every=1, keep=2, async_=True, signals=()) as manager:
+            for step in range(1, 9):
+                grads = fddp.ddp_step(params, {"w": params["w"] * step})
+                params = {"w": params["w"] - 0.1 * grads["w"]}
+                try:
+                    manager.step(step, {"w": params["w"], "step": step})
+                except ckpt.CheckpointError as e:
+                    raised = (step, str(e), type(e.__cause__).__name__)
+                    break
+    finally:
+        _codec.write = real
+    fddp.broadcast({"after": torch.zeros(1)})  # the group is still in step
+    return raised, [s for s, _ in ckpt.steps(directory)], sorted(os.listdir(directory))
+
+
+def test_a_failed_async_write_raises_on_every_rank_at_the_next_step_and_keeps_earlier_checkpoints(tmp_path):
+    (r0, steps0, names), (r1, steps1, _) = run(_failed_write_worker, 2, str(tmp_path))
+    assert r0[0] == r1[0] == 5, (r0, r1)  # the step after the failed save of step 4, on both ranks
+    assert r0[2] == "OSError" and "No space left" in r0[1] and "step 4" in r0[1] and "intact" in r0[1], r0
+    assert "rank 0" in r1[1] and "step 4" in r1[1], r1
+    assert steps0 == steps1 == [2, 3], steps0  # nothing pruned for the failed save, nothing torn
+    assert names == [".fddp-writer.lock", "ckpt-00000002.pt", "ckpt-00000003.pt"], names
+    assert ckpt.load(tmp_path / "ckpt-00000003.pt")["step"] == 3
+
+
+def _boundaries_worker(directory: str) -> dict:
+    import torch.distributed as dist
+
+    from fddp._dist import _agreement
+
+    out = {}
+    # 1. No fddp call between boundaries: the boundary agrees itself; rank 1's signal reaches both.
+    with ckpt.Manager(os.path.join(directory, "quiet"), every=None, keep=2) as manager:
+        for step in range(1, 10):
+            if step == 3 and fddp.rank() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            manager.step(step, {"step": step})
+            if manager.should_stop:
+                break
+    out["quiet"] = (step, [s for s, _ in ckpt.steps(os.path.join(directory, "quiet"))])
+    out["handler restored"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    # ... and with the agreement off (no header to ride in): rank 0's signal, saved by both ranks.
+    fddp.set_checks(agreement=False)
+    try:
+        with ckpt.Manager(os.path.join(directory, "off"), every=None, keep=2) as manager:
+            for step in range(1, 10):
+                fddp.broadcast({"w": torch.ones(2)})
+                if step == 4 and fddp.rank() == 0:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                manager.step(step, {"step": step})
+                if manager.should_stop:
+                    break
+    finally:
+        fddp.set_checks(agreement=True)
+    out["off"] = (step, [s for s, _ in ckpt.steps(os.path.join(directory, "off"))])
+
+    # 2. Steps that make fddp calls carry the requests: the manager adds no collective to them.
+    params = fddp.broadcast({"w": torch.ones(64)})
+    counted = [0]
+    real = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        counted[0] += 1
+        return real(*args, **kwargs)
+
+    def loop(manager) -> int:
+        for step in range(1, 4):  # the history settles (the in-band header)
+            fddp.ddp_step(params, params)
+            manager.step(step, params) if manager else None
+        counted[0] = 0
+        dist.all_reduce = counting
+        try:
+            for step in range(4, 24):
+                fddp.ddp_step(params, params)
+                manager.step(step, params) if manager else None
+        finally:
+            dist.all_reduce = real
+        return counted[0]
+
+    out["collectives"] = loop(None)
+    with ckpt.Manager(os.path.join(directory, "loud"), every=None, signals=()) as manager:
+        out["collectives with a manager"] = loop(manager)
+
+    # 3. Many asynchronous saves: no thread, snapshot, Python object or queued request left behind.
+    # (tracemalloc sees Python's objects, RSS the snapshots' tensor data, 1 MiB a step.)
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def ours() -> int:  # Python memory allocated by fddp.checkpoint itself
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/fddp/checkpoint/*")])
+        return sum(stat.size for stat in snapshot.statistics("filename"))
+
+    threads = threading.active_count()
+    w = torch.zeros(1 << 18)
+    tracemalloc.start()
+    with ckpt.Manager(os.path.join(directory, "many"), every=1, keep=2, async_=True, signals=()) as manager:
+        for step in range(1, 61):
+            fddp.ddp_step(params, params)
+            w += 1  # in place, after the snapshot
+            manager.step(step, {"w": w, "step": step})
+            if step == 20:
+                base = ours(), rss()
+            out["max threads"] = max(out.get("max threads", 0), threading.active_count() - threads)
+        out["grown"] = ours() - base[0], rss() - base[1]
+    tracemalloc.stop()
+    out["threads left"] = threading.active_count() - threads
+    out["queued requests"] = len(_agreement._asked)
+    fddp.broadcast({"written": torch.zeros(1)})  # close() waits for this rank's write only: wait for rank 0's
+    out["many"] = [s for s, _ in ckpt.steps(os.path.join(directory, "many"))]
+    return out
+
+
+def test_step_boundaries_learn_signals_add_no_collective_and_leak_nothing(tmp_path):
+    for r, out in enumerate(run(_boundaries_worker, 2, str(tmp_path), timeout=180)):
+        assert out["quiet"] == (3, [3]), (r, out)  # both ranks saved step 3 and stopped there
+        assert out["off"] == (4, [4]), (r, out)
+        assert out["handler restored"], r
+        assert out["collectives with a manager"] == out["collectives"] == 20, (r, out)
+        assert out["max threads"] <= 1 and out["threads left"] == 0 and out["queued requests"] == 0, (r, out)
+        assert out["grown"][0] < 16 * 1024 and out["grown"][1] < 16 * 2**20, (r, out)  # 40 leaked snapshots: 40 MiB
+        assert out["many"] == [59, 60], (r, out)
+
+
+def test_manager_refuses_what_it_cannot_do(tmp_path):
+    with pytest.raises(ValueError, match="every must be an int >= 1"):
+        ckpt.Manager(tmp_path, every=0)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with ckpt.Manager(tmp_path):
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # ignored stays ignored
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with ckpt.Manager(tmp_path, signals=()) as first:
+        with pytest.raises(RuntimeError, match="is open on this process group"):
+            ckpt.Manager(tmp_path / "b", signals=())
+        del first
+    error = []
+    t = threading.Thread(target=lambda: error.append(pytest.raises(ValueError, ckpt.Manager, tmp_path)))
+    t.start()
+    t.join()
+    assert "main thread" in str(error[0].value)

@@ -313,3 +313,21 @@ def test_the_contrastive_example_gives_the_whole_batch_gradient(world):
     for res in run(_contrastive_worker, world):
         assert res["scale"] > 1e-3, res  # a gradient worth comparing
         assert res["grad_and_value"] <= 1e-14 and res["grad + ddp_step"] <= 1e-14, res
+
+
+def _docs_worker(block: str) -> str:
+    import torch.nn.functional as F
+
+    exec(compile(block, "docs/collectives.md", "exec"), {"torch": torch, "fddp": fddp, "F": F})
+    return "ok"
+
+
+def test_the_docs_examples_run_as_shown():
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "collectives.md").read_text()
+    blocks = re.findall(r"<!-- run by tests/test_lax.py -->\n```python\n(.*?)```", page, re.DOTALL)
+    assert len(blocks) == 3, "the batch norm, per-sample gradient and ensemble examples"
+    for block in blocks:
+        assert run(_docs_worker, 2, block) == ["ok", "ok"]

@@ -84,32 +84,12 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step  # noqa: E402  (benchmarks/step.py's models and batches)
-from step import LM  # noqa: E402
+from step import GPT2, LM  # noqa: E402
 
 import fddp  # noqa: E402
 
+MODELS = {k: v for k, v in step.MODELS.items() if k != "heldout"}  # gpt2: the model the unit rule was not tuned on
 
-class GPT2(nn.Module):
-    """Hugging Face's GPT-2 (``transformers``, the ``hf`` extra), random weights, a small config: 4
-    blocks, d=128, a 2048-token vocabulary, the embedding tied to the head. A model the unit rule
-    (``min_unit_mb``) was not tuned on. Its input is token ids; its output, one row of logits per
-    position."""
-
-    VOCAB, CONTEXT = 2048, 64
-
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-
-        config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=self.VOCAB, n_positions=self.CONTEXT,
-                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        self.model = transformers.GPT2LMHeadModel(config)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False).logits.flatten(0, 1)
-
-
-MODELS = {**step.MODELS, "gpt2": (GPT2, (8, GPT2.CONTEXT))}
 TOKENS = (LM, GPT2)  # models whose input is token ids
 
 

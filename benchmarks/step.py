@@ -126,12 +126,70 @@ class LM(nn.Module):
         return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True))).flatten(0, 1)
 
 
+class GPT2(nn.Module):
+    """Hugging Face's GPT-2 (``transformers``, the ``hf`` extra), random weights, a small config: 4
+    blocks, d=128, a 2048-token vocabulary, the embedding tied to the head. Its input is token ids;
+    its output, one row of logits per position."""
+
+    VOCAB, CONTEXT = 2048, 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, vocab_size=self.VOCAB, n_positions=self.CONTEXT,
+                                         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits.flatten(0, 1)
+
+
+class HeldOut(nn.Module):
+    """A held-out causal LM, written by hand and never used to choose a default: 6 blocks of
+    d=256 with their own attention (``scaled_dot_product_attention``) and GELU MLPs, pre-norm
+    LayerNorms, the token embedding tied to the head, a 4096-token vocabulary; 5.8M values in 76
+    tensors. Run it with ``--models heldout`` (not in the default set, so nothing is tuned on it)."""
+
+    VOCAB, CONTEXT = 4096, 64
+
+    class Block(nn.Module):
+        def __init__(self, d: int, heads: int) -> None:
+            super().__init__()
+            self.heads = heads
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            b, t, d = h.shape
+            q, k, v = self.qkv(self.ln1(h)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+            h = h + self.proj(a)
+            return h + self.down(F.gelu(self.up(self.ln2(h))))
+
+    def __init__(self, d: int = 256, layers: int = 6, heads: int = 8) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(self.VOCAB, d), nn.Parameter(torch.zeros(self.CONTEXT, d))
+        self.blocks = nn.ModuleList(self.Block(d, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids) + self.positions[: ids.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return (self.norm(h) @ self.tokens.weight.T).flatten(0, 1)  # the head tied to the embedding
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "mlp": (MLP, (64, 512)),
     "transformer": (Transformer, (16, 32, 32)),
     "conv": (ConvNet, (16, 3, 32, 32)),
     "lm": (LM, (8, LM.CONTEXT)),  # token ids; the targets are the next tokens
+    "gpt2": (GPT2, (8, GPT2.CONTEXT)),
+    "heldout": (HeldOut, (8, HeldOut.CONTEXT)),
 }
+DEFAULT_MODELS = ["mlp", "transformer", "conv", "lm"]  # gpt2 needs the hf extra; heldout is held out
 
 
 # ----------------------------------------------------------------------------------------------- modes
@@ -450,8 +508,9 @@ def model_and_batch(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Ten
     torch.manual_seed(0)
     model = ctor()
     g = torch.Generator().manual_seed(1 + fddp.rank())
-    if ctor is LM:  # a sequence one token longer: inputs and their next tokens
-        ids = torch.randint(0, LM.VOCAB, (shape[0], shape[1] + 1), generator=g)
+    vocab = getattr(ctor, "VOCAB", None)
+    if vocab is not None:  # token ids, a sequence one token longer: inputs and their next tokens
+        ids = torch.randint(0, vocab, (shape[0], shape[1] + 1), generator=g)
         return model, (ids[:, :-1].contiguous(), ids[:, 1:].reshape(-1))
     return model, (torch.randn(shape, generator=g), torch.randint(0, 10, (shape[0],), generator=g))
 
@@ -631,7 +690,7 @@ def plot(data: dict[str, Any], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=DEFAULT_MODELS, choices=list(MODELS))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=3)

@@ -38,7 +38,7 @@ from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import SyncOptions, setup
 from fddp.sync.hooks import LOW_PRECISION, Mean, WeightedMean
 
-__all__ = ["needed", "ddp_step", "active_transforms", "transform_stack", "refuse_under_transforms"]
+__all__ = ["needed", "ddp_step", "active_transforms", "transform_stack", "derivatives", "refuse_under_transforms"]
 
 _functorch = torch._C._functorch
 _TT = _functorch.TransformType
@@ -85,6 +85,55 @@ def transform_stack() -> tuple[str, ...]:
     if forward_ad._current_level >= 0:
         stack.append("dual level")
     return tuple(stack)
+
+
+def derivatives(t: torch.Tensor) -> str:
+    """What each active torch.func level (innermost first) makes of ``t``, in words: ``batched``
+    (a ``vmap`` level), ``tracked`` (a grad level differentiates it), ``tangent`` (a ``jvp`` level
+    gives it one; the levels below that batch the tangent or give it a tangent of its own follow
+    in brackets), ``-`` (the level passes it by); then, below every level, ``tracked`` where it
+    requires grad and ``dual`` where a forward-mode dual level gives it a tangent.
+
+    A function whose derivative rules issue collectives (a fully sharded gather: its tangent is
+    gathered too, its cotangent reduced) issues them according to this, not to the stack alone:
+    ``jvp`` with respect to the input and with respect to the parameters run under the same
+    stack, and only the second gathers tangents.
+
+    Example:
+        >>> jacfwd(lambda s: derivatives(s) and s)(s)  # 'jvp: tangent [vmap: batched], vmap: -'
+    """
+    words: list[str] = []
+    _describe(t, words)
+    return ", ".join(words)
+
+
+def _describe(t: torch.Tensor, words: list[str]) -> None:
+    if not torch._C._are_functorch_transforms_active():
+        if t.requires_grad:
+            words.append("tracked")
+        if forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None:
+            words.append("dual")
+        return
+    interp = retrieve_current_functorch_interpreter()
+    level, key = interp.level(), interp.key()
+    inner, word = t, "-"
+    if _functorch.maybe_get_level(t) == level:  # wrapped by this level (else it passes it by)
+        if key == _TT.Vmap:
+            inner, word = _functorch.get_unwrapped(t), "batched"
+        elif key == _TT.Jvp:
+            primal, tangent = forward_ad.unpack_dual(t)
+            inner = _functorch._unwrap_for_grad(primal, level)
+            if tangent is not None:
+                below: list[str] = []
+                with interp.lower():
+                    _describe(_functorch._unwrap_for_grad(tangent, level), below)
+                shown = [w for w in below if not w.endswith(": -")]
+                word = f"tangent [{', '.join(below)}]" if shown else "tangent"
+        elif key == _TT.Grad:
+            inner, word = _functorch._unwrap_for_grad(t, level), "tracked" if t.requires_grad else "-"
+    words.append(f"{'vmap' if key == _TT.Vmap else str(key).rsplit('.', 1)[-1].lower()}: {word}")
+    with interp.lower():
+        _describe(inner, words)
 
 
 def refuse_under_transforms(what: str, instead: str = "") -> None:

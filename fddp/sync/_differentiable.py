@@ -38,7 +38,7 @@ from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import SyncOptions, setup
 from fddp.sync.hooks import LOW_PRECISION, Mean, WeightedMean
 
-__all__ = ["needed", "ddp_step", "active_transforms", "transform_stack", "derivatives", "refuse_under_transforms"]
+__all__ = ["needed", "ddp_step", "active_transforms", "transform_levels", "transform_stack", "derivatives", "refuse_under_transforms"]
 
 _functorch = torch._C._functorch
 _TT = _functorch.TransformType
@@ -67,21 +67,28 @@ def active_transforms() -> list[Any]:
     return keys
 
 
-def transform_stack() -> tuple[str, ...]:
-    """The active torch.func transforms in words, innermost first, with each ``vmap``'s batch size
-    (what shapes a batched call's collectives), and whether a forward-mode dual level is open."""
-    stack: list[str] = []
+def transform_levels() -> tuple[tuple[int, str], ...]:
+    """The active torch.func levels, innermost first: each level's number and its transform in
+    words, a ``vmap``'s with its batch size (what shapes a batched call's collectives)."""
+    levels: list[tuple[int, str]] = []
 
     def walk() -> None:
         if not torch._C._are_functorch_transforms_active():
             return
         interp = retrieve_current_functorch_interpreter()
         key = interp.key()
-        stack.append(f"vmap({interp.batch_size()})" if key == _TT.Vmap else str(key).rsplit(".", 1)[-1].lower())
+        levels.append((interp.level(), f"vmap({interp.batch_size()})" if key == _TT.Vmap else str(key).rsplit(".", 1)[-1].lower()))
         with interp.lower():
             walk()
 
     walk()
+    return tuple(levels)
+
+
+def transform_stack() -> tuple[str, ...]:
+    """The active torch.func transforms in words, innermost first, with each ``vmap``'s batch size,
+    and whether a forward-mode dual level is open."""
+    stack = [word for _, word in transform_levels()]
     if forward_ad._current_level >= 0:
         stack.append("dual level")
     return tuple(stack)

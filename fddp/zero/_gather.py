@@ -24,6 +24,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from fddp import _dist
 from fddp.sync._comm import Comm
+from fddp.sync._differentiable import transform_levels
 from fddp.zero import _layout as shard_layout
 
 __all__ = ["Counters", "Pipeline", "Precision", "check_groups", "constants", "plain"]
@@ -307,12 +308,35 @@ class Pipeline:
         # when there is none), or when the pipeline is dropped without one (the finalizer).
         self.debt = _Debt(lay, segments)
         weakref.finalize(self, self.debt.settle, True)
+        # The forward's torch.func levels: a backward under others branches its sequences (enter_backward).
+        self.levels = frozenset(transform_levels()) if self.debt.segments else frozenset()
+        self.entered = False
 
     def tag(self, k: int) -> str:
         """What bucket ``k``'s collectives carry, in words (the sequence agreement names it)."""
         units = getattr(self.lay, "unit_of", None)
         name = units(k) if units is not None else None
         return f"bucket {k}" + (f" of unit {name!r}" if name is not None else "")
+
+    def enter_backward(self) -> None:
+        """The call's backward starts: the first of its rules that may issue a collective runs.
+
+        Called with the backward's torch.func levels still active (not under :func:`_eager`).
+        Where the backward runs under levels its forward did not (``jacrev`` and ``hessian`` map
+        the vjp over the outputs with a ``vmap`` of their own, so every reduction carries every
+        member), its collectives are not those the call's kind fixed: each agreed sequence
+        branches to that context's own (``fddp._dist.Segment.branch``). The usual backward, under
+        the forward's own levels or none, branches nothing and costs nothing.
+        """
+        if self.entered:
+            return
+        self.entered = True
+        if not self.debt.segments or not torch._C._are_functorch_transforms_active():
+            return
+        extra = [word for level in transform_levels() if level not in self.levels for word in (level[1],)]
+        if extra:
+            for seg in self.debt.segments:
+                seg.branch(f"a backward under {', '.join(extra)} (levels its forward did not run under)")
 
     # -- gathers --------------------------------------------------------------------------------
 

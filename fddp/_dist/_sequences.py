@@ -31,7 +31,10 @@ from fddp._dist._failures import fail, peer_error, raise_announced
 from fddp._dist._groups import REMEMBERED, GroupState, board, channel_of, checks, collective_device, global_ranks, rank, size, state
 from fddp._dist._waits import SLICE, wait
 
-__all__ = ["Segment"]
+__all__ = ["Segment", "BRANCH", "OWN"]
+
+BRANCH = ("branch point", None, 0, "")  # in a recording: the kind was learnt in another context from here on
+OWN = "the levels its forward ran under"  # the context of a call that does not branch (its own)
 
 
 class Segment:
@@ -48,7 +51,7 @@ class Segment:
     forwards before their backwards: micro-batches) each follow their own recording.
     """
 
-    __slots__ = ("group", "state", "key", "what", "call", "learning", "tokens", "expected", "pos", "closed")
+    __slots__ = ("group", "state", "key", "what", "call", "learning", "tokens", "expected", "pos", "closed", "base", "at")
 
     def __init__(self, group: dist.ProcessGroup | None, key: tuple, what: str, call: int) -> None:
         self.group, self.key, self.what, self.call = group, key, what, call
@@ -58,6 +61,8 @@ class Segment:
         self.expected: tuple = ()
         self.pos = 0
         self.closed = False
+        self.base: tuple | None = None  # learning, and branched: the kind's own key, kept with a branch point
+        self.at = 0  # ... at this position
 
     def issue(self, op: str, t: torch.Tensor, tag: str | None = None, numel: int | None = None) -> None:
         """Say that this rank is about to issue collective ``op`` of ``t`` for this call (``tag``
@@ -76,6 +81,12 @@ class Segment:
             self.tokens.append(token)
             return
         expected = self.expected[self.pos] if self.pos < len(self.expected) else None
+        if expected == BRANCH:  # the kind was learnt in another context from here on: agree on this one
+            self.branch(OWN)
+            if self.learning:
+                self.issue(op, t, tag, numel)
+                return
+            expected = self.expected[self.pos] if self.pos < len(self.expected) else None
         if token != expected:
             _deviate(self, f"is about to issue {describe_token(token)}", expected)
         self.pos += 1
@@ -90,11 +101,15 @@ class Segment:
         if st is not self.state:
             return  # the group's state was cleared (fddp.clear_caches) or a new epoch began since
         if self.learning:
-            st.recordings[self.key] = tuple(self.tokens)
-            st.recordings.move_to_end(self.key)
-            if len(st.recordings) > REMEMBERED:
-                st.recordings.popitem(last=False)
+            if self.base is not None:  # the kind itself, up to where this call branched
+                _record(st, self.base, (*self.tokens[: self.at], BRANCH))
+            _record(st, self.key, tuple(self.tokens))
         elif self.pos < len(self.expected):
+            if self.expected[self.pos] == BRANCH:
+                self.closed = False
+                self.branch(OWN)  # every rank must end there in the same context
+                self.close(doing)
+                return
             _deviate(self, doing, self.expected[self.pos])
 
     def branch(self, context: str) -> None:
@@ -107,8 +122,11 @@ class Segment:
         its context and whether it holds that recording; a rank that says another context, or is
         seen waiting in a collective instead, fails the group on every rank (fatal: the peers
         wait in collectives). Where some rank lacks the recording, all learn the rest, token by
-        token. Learning already, the tokens that follow are agreed anyway: only the key changes.
-        One store exchange per call that branches; the calls that do not pay nothing.
+        token. Learning already, the tokens that follow are agreed anyway: the call is recorded
+        under the new key, and the kind's own recording ends with a branch point (``BRANCH``),
+        where a later call of the kind in its own context (``OWN``: no branch of its own) agrees
+        on that context in the same way. One store exchange per call that branches; the calls
+        that do not pay nothing.
         """
         if self.learning is None or self.closed or torch.compiler.is_compiling() or size(self.group) == 1:
             return
@@ -117,6 +135,8 @@ class Segment:
             return
         key = (self.key, context)
         if self.learning:
+            if self.base is None:
+                self.base, self.at = self.key, len(self.tokens)
             self.key = key
             return
         known = key in st.recordings
@@ -177,6 +197,13 @@ class Segment:
             self.close("dropped a forward's graph without running its backward")
         except MismatchError:
             pass
+
+
+def _record(st: GroupState, key: tuple, tokens: tuple) -> None:
+    st.recordings[key] = tokens
+    st.recordings.move_to_end(key)
+    if len(st.recordings) > REMEMBERED:
+        st.recordings.popitem(last=False)
 
 
 def _timeout(group: dist.ProcessGroup | None) -> float:

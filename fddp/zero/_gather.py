@@ -269,7 +269,7 @@ class Pipeline:
     def __init__(
         self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
         order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
-        precision: "Precision | None" = None, segments: Sequence[Any] = (), window: Any = None,
+        precision: "Precision | None" = None, segments: Sequence[Any] = (), window: Any = None, levels: tuple = (),
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
         # An accumulation window (fddp.zero._window.Window): its open backwards reduce nothing, its
@@ -308,8 +308,9 @@ class Pipeline:
         # when there is none), or when the pipeline is dropped without one (the finalizer).
         self.debt = _Debt(lay, segments)
         weakref.finalize(self, self.debt.settle, True)
-        # The forward's torch.func levels: a backward under others branches its sequences (enter_backward).
-        self.levels = frozenset(transform_levels()) if self.debt.segments else frozenset()
+        # The forward's torch.func levels (fddp.sync._differentiable.transform_levels, which the
+        # caller walked): a backward under others branches its sequences (enter_backward).
+        self.levels = frozenset(levels)
         self.entered = False
 
     def tag(self, k: int) -> str:

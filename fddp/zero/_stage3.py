@@ -47,7 +47,7 @@ from torch.autograd import forward_ad
 
 from fddp import _dist, _layout
 from fddp._tree import paths
-from fddp.sync._differentiable import derivatives, transform_stack
+from fddp.sync._differentiable import derivatives, transform_levels, transform_stack
 from fddp.zero import _autograd, _gather, _units, _window
 from fddp.zero import _layout as shard_layout
 from fddp.zero._autograd import GatherCall
@@ -105,10 +105,10 @@ def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
-def _derivatives(shards: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> tuple[bool, str]:
-    """How the active transforms carry the shards and the inputs, in words, and whether a reverse
-    pass may run through the forward (then it owes its backward's collectives until that runs or
-    its graph is freed).
+def _derivatives(shards: Sequence[torch.Tensor], args: tuple, kwargs: dict, levels: tuple) -> tuple[bool, str]:
+    """How the active transforms (``levels``) carry the shards and the inputs, in words, and whether
+    a reverse pass may run through the forward (then it owes its backward's collectives until that
+    runs or its graph is freed).
 
     The collectives depend on both, not on the transforms alone: a shard with a tangent has its
     tangent gathered after it, a batched one is gathered with its members, a tracked one has its
@@ -120,13 +120,13 @@ def _derivatives(shards: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> t
     gradient of the input alone needs none of the shards' reductions, and keeps its gathered
     parameters in its graph instead of gathering them again.
     """
-    each = [derivatives(t) for t in shards]
+    each = derivatives(shards, levels)
     backward = any("tracked" in w for w in each)
-    if not torch._C._are_functorch_transforms_active():
+    if not levels:
         return backward, f"shards: {', '.join(sorted(set(each))) or 'none'}"  # autograd, a dual level
     shown = f"every shard {each[0]}" if len(set(each)) == 1 else "; ".join(f"shard {k} {w}" for k, w in enumerate(each))
     leaves = [t for t in torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    inputs = [f"input {i} {w}" for i, w in enumerate(map(derivatives, leaves)) if any(not p.endswith(": -") for p in w.split(", "))]
+    inputs = [f"input {i} {w}" for i, w in enumerate(derivatives(leaves, levels)) if any(not p.endswith(": -") for p in w.split(", "))]
     return backward, "; ".join([shown, *inputs])
 
 
@@ -338,7 +338,8 @@ class FullyShardedForward:
             # not left to time out inside a gather.
             _dist.count_call(lay.group, "zero.fully_shard")
             differentiated = _differentiated(shards.shards)
-            backward, carried = _derivatives(shards.shards, args, kwargs) if differentiated else (False, "")
+            levels = transform_levels() if differentiated else ()  # walked once a call: the kind, the words, the pipeline's
+            backward, carried = _derivatives(shards.shards, args, kwargs, levels) if differentiated else (False, "")
             window = self._window if backward else None
             if window is not None and not window.open:
                 self._window = None  # this call closes the window: later ones are plain again
@@ -346,16 +347,16 @@ class FullyShardedForward:
             # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
             # kind of call runs, then checked before each one, so that a rank that runs its units
             # otherwise fails at once instead of pairing them with its peers' other units.
-            kind = self._kind(differentiated, backward, window, shards.shards, carried)
+            kind = self._kind(differentiated, backward, window, shards.shards, carried, levels)
             segments = _agree_on(lay, "zero.fully_shard", kind, sequenced=True, precision=self._precision)
             self._buffers.start(self.model)
-            out = self._forward(lay, shards, differentiated, backward, window, segments, args, kwargs)
+            out = self._forward(lay, shards, differentiated, backward, window, segments, args, kwargs, levels)
             self._buffers.check(self.model)
             return out
 
     def _kind(
         self, differentiated: bool, backward: bool, window: _window.Window | None = None, shards: Sequence[torch.Tensor] = (),
-        carried: str = "",
+        carried: str = "", levels: tuple = (),
     ) -> tuple[tuple, ...]:
         """This call's kind as signature rows: the model, the forward's kind and what its transforms
         carry (:func:`_derivatives`), the prefetch order."""
@@ -367,7 +368,7 @@ class FullyShardedForward:
             forward = "an evaluation forward (no gradients)"
         return (
             ("model", f"fully_shard's model #{self.serial}, {type(self.model).__name__}", None),
-            ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack()) or 'no transform'}", None),
+            ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack(levels)) or 'no transform'}", None),
             *((("derivatives", carried, None),) if carried else ()),
             ("prefetch order", f"{_dist.digest(tuple(self._order)):016x}", None),
             *(window.rows([_gather.plain(t) for t in shards]) if window is not None else ()),
@@ -375,13 +376,13 @@ class FullyShardedForward:
 
     def _forward(
         self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, backward: bool,
-        window: _window.Window | None, segments: list[Any], args: tuple, kwargs: dict,
+        window: _window.Window | None, segments: list[Any], args: tuple, kwargs: dict, levels: tuple = (),
     ) -> Any:  # fmt: skip
         keep = window is not None and window.keep_gathered
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
             release=backward and self.remat == "params" and not keep, precision=self._precision, segments=segments,
-            window=window,
+            window=window, levels=levels,
         )  # fmt: skip
         leaves = _autograd.boundary(pipe, shards.shards) if backward else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated, backward)

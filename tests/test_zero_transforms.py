@@ -385,3 +385,56 @@ def test_forward_mode_with_respect_to_the_shards_the_input_and_both(name, world,
         for cell in FORWARD_CELLS:
             assert r["diff"][cell] <= 1e-12, (cell, r)
         assert r["train grad"] <= 1e-12 and r["second model"], r
+
+
+# --- ranks that differentiate otherwise: named, not paired --------------------------------------------
+
+
+def _otherwise_worker(case: str) -> dict:
+    import time
+
+    r = fddp.rank()
+    # The backward case ends its group (fatal by design): a group of its own, which dies with it.
+    group = tdist.new_group() if case != "forward" else None
+    fn, v = fddp.zero.fully_shard(_mlp(), min_unit_mb=0, group=group)
+    x = _data(r)["x"]
+    out: dict = {}
+    if case == "forward":  # jvp w.r.t. the shards on rank 0, w.r.t. the input on rank 1: the header differs
+        ones = fddp.zero.Sharded([torch.ones_like(s) for s in v.shards], v.layout)
+        try:
+            jvp(lambda s: fn(s, x), (v,), (ones,)) if r == 0 else jvp(lambda x_: fn(v, x_), (x,), (torch.ones_like(x),))
+            out["error"] = "none"
+        except (fddp.MismatchError, fddp.PeerError) as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["after"] = torch.equal(fddp.zero.gather(v).wait()["0.weight"], _mlp().state_dict()["0.weight"])
+        return out
+    # Both kinds learnt on every rank (jacrev's first: the kind's own sequence ends at a branch
+    # point, where a plain backward agrees on its context too; or grad's first: the plain backward
+    # checks its own sequence and waits in its reduction); then rank 0's backward runs under
+    # jacrev's vmap, rank 1's plainly.
+    f = lambda s: fn(s, x)  # noqa: E731
+    for learn in ("jacrev", "grad") if case == "backward" else ("grad", "jacrev"):
+        jacrev(f)(v) if learn == "jacrev" else grad(lambda s: f(s).sum())(v)
+    start = time.monotonic()
+    try:
+        jacrev(f)(v) if r == 0 else grad(lambda s: f(s).sum())(v)
+        out["error"] = "none"
+    except (fddp.MismatchError, fddp.PeerError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def test_ranks_that_differentiate_otherwise_are_named():
+    """jvp w.r.t. the shards on one rank and w.r.t. the input on another: a MismatchError at the
+    header, naming the derivatives, and the group goes on. A backward under jacrev's vmap on one
+    rank and a plain one on another: every rank raises in seconds (the branch's agreement on the
+    store sees the peer waiting in its reduction), instead of pairing reductions of other sizes."""
+    forward = run(_otherwise_worker, 2, "forward", timeout=120)
+    for r in forward:
+        assert r["error"].startswith("MismatchError") and "derivatives" in r["error"] and r["after"], r
+    for case in ("backward", "backward, the plain one learnt first"):
+        backward = run(_otherwise_worker, 2, case, timeout=120)
+        assert any("MismatchError" in r["error"] and "under vmap(9)" in r["error"] for r in backward), (case, backward)
+        for r in backward:
+            assert r["error"] != "none" and r["seconds"] < 20, (case, r)

@@ -153,7 +153,8 @@ class Segment:
         if stuck is not None:
             e = MismatchError(
                 f"fddp.{self.what}: this rank runs the backward of its call {self.call + 1} under {context}, and {stuck}. "
-                "Every rank must differentiate a call alike (the same transforms around its backward)."
+                "Every rank must differentiate a call alike, with the same transforms around its backward (jacrev or "
+                "hessian on every rank, or on none)"
             )
             fail(self.group, self.what, e)
             raise e

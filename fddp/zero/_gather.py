@@ -337,7 +337,7 @@ class Pipeline:
         extra = [word for level in transform_levels() if level not in self.levels for word in (level[1],)]
         if extra:
             for seg in self.debt.segments:
-                seg.branch(f"a backward under {', '.join(extra)} (levels its forward did not run under)")
+                seg.branch(f"{', '.join(extra)} (levels its forward did not run under)")
 
     # -- gathers --------------------------------------------------------------------------------
 

@@ -356,6 +356,12 @@ def _forward_mode_worker(name: str, directory: str) -> dict:
         for cell in FORWARD_CELLS:
             got, ref = cells[cell]
             out["diff"][cell] = max(out["diff"].get(cell, 0.0), _max_diff(got(), ref()))
+    # The gradient of the input alone: no shard is tracked, so no backward is owed (nothing reduced;
+    # the gathered parameters stay in the graph).
+    y0 = _randn(40 + r, *fn(v, x).shape)
+    gx = grad(lambda x_: _mse(fn(v, x_), y0))(x)
+    out["grad input"] = _max_diff(gx, grad(lambda x_: _mse(psi(group, x_), y0))(x))
+    out["owed"] = fddp._dist._groups.state(None).owed
     # The group carries on: a checkpoint, a second model, a training loop (what the issue saw refused).
     fddp.checkpoint.save_sharded(directory, {"shards": v})
     fn2, v2 = fddp.zero.fully_shard(_mlp(1), min_unit_mb=0)
@@ -385,6 +391,7 @@ def test_forward_mode_with_respect_to_the_shards_the_input_and_both(name, world,
         for cell in FORWARD_CELLS:
             assert r["diff"][cell] <= 1e-12, (cell, r)
         assert r["train grad"] <= 1e-12 and r["second model"], r
+        assert r["grad input"] <= 1e-12 and r["owed"] == 0, r
 
 
 # --- ranks that differentiate otherwise: named, not paired --------------------------------------------

@@ -7,6 +7,12 @@ agreed across the ranks as a *token* before it is issued (a header-sized all-red
 first time only); later calls of that kind check each token locally against the recording. A
 rank that would issue another collective, or ends the call short, fails (fatal) instead of
 pairing its collective with a different one on its peers.
+
+What the header cannot know, the call's later context (a backward that runs under a transform
+its forward did not: ``jacrev`` maps the vjp over the outputs, so every reduction carries every
+member), branches the sequence (:meth:`Segment.branch`): the ranks agree on that context on the
+group's store, which pairs with no collective, and follow, or learn, the recording of the call's
+kind in that context.
 """
 
 from __future__ import annotations
@@ -21,11 +27,14 @@ from fddp._dist import _header
 from fddp._dist._diagnosis import describe_token, disagree, ordinal
 from fddp._dist._digest import digest
 from fddp._dist._errors import MismatchError
-from fddp._dist._failures import fail, raise_announced
-from fddp._dist._groups import REMEMBERED, GroupState, board, channel_of, checks, collective_device, global_ranks, size, state
+from fddp._dist._failures import fail, peer_error, raise_announced
+from fddp._dist._groups import REMEMBERED, GroupState, board, channel_of, checks, collective_device, global_ranks, rank, size, state
 from fddp._dist._waits import SLICE, wait
 
-__all__ = ["Segment"]
+__all__ = ["Segment", "BRANCH", "OWN"]
+
+BRANCH = ("branch point", None, 0, "")  # in a recording: the kind was learnt in another context from here on
+OWN = "the levels its forward ran under"  # the context of a call that does not branch (its own)
 
 
 class Segment:
@@ -42,7 +51,7 @@ class Segment:
     forwards before their backwards: micro-batches) each follow their own recording.
     """
 
-    __slots__ = ("group", "state", "key", "what", "call", "learning", "tokens", "expected", "pos", "closed")
+    __slots__ = ("group", "state", "key", "what", "call", "learning", "tokens", "expected", "pos", "closed", "base", "at")
 
     def __init__(self, group: dist.ProcessGroup | None, key: tuple, what: str, call: int) -> None:
         self.group, self.key, self.what, self.call = group, key, what, call
@@ -52,6 +61,8 @@ class Segment:
         self.expected: tuple = ()
         self.pos = 0
         self.closed = False
+        self.base: tuple | None = None  # learning, and branched: the kind's own key, kept with a branch point
+        self.at = 0  # ... at this position
 
     def issue(self, op: str, t: torch.Tensor, tag: str | None = None, numel: int | None = None) -> None:
         """Say that this rank is about to issue collective ``op`` of ``t`` for this call (``tag``
@@ -70,6 +81,12 @@ class Segment:
             self.tokens.append(token)
             return
         expected = self.expected[self.pos] if self.pos < len(self.expected) else None
+        if expected == BRANCH:  # the kind was learnt in another context from here on: agree on this one
+            self.branch(OWN)
+            if self.learning:
+                self.issue(op, t, tag, numel)
+                return
+            expected = self.expected[self.pos] if self.pos < len(self.expected) else None
         if token != expected:
             _deviate(self, f"is about to issue {describe_token(token)}", expected)
         self.pos += 1
@@ -84,12 +101,69 @@ class Segment:
         if st is not self.state:
             return  # the group's state was cleared (fddp.clear_caches) or a new epoch began since
         if self.learning:
-            st.recordings[self.key] = tuple(self.tokens)
-            st.recordings.move_to_end(self.key)
-            if len(st.recordings) > REMEMBERED:
-                st.recordings.popitem(last=False)
+            if self.base is not None:  # the kind itself, up to where this call branched
+                _record(st, self.base, (*self.tokens[: self.at], BRANCH))
+            _record(st, self.key, tuple(self.tokens))
         elif self.pos < len(self.expected):
+            if self.expected[self.pos] == BRANCH:
+                self.closed = False
+                self.branch(OWN)  # every rank must end there in the same context
+                self.close(doing)
+                return
             _deviate(self, doing, self.expected[self.pos])
+
+    def branch(self, context: str) -> None:
+        """The rest of the call runs in ``context``, which its header could not fix (a backward under
+        a transform its forward did not run under: ``jacrev``'s ``vmap`` of the vjp); its
+        collectives follow the recording of the call's kind in that context from here on.
+
+        Checking, the ranks agree on the context first, on the group's store (a collective would
+        pair with a peer's reduction where that peer's backward runs otherwise): every rank says
+        its context and whether it holds that recording; a rank that says another context, or is
+        seen waiting in a collective instead, fails the group on every rank (fatal: the peers
+        wait in collectives). Where some rank lacks the recording, all learn the rest, token by
+        token. Learning already, the tokens that follow are agreed anyway: the call is recorded
+        under the new key, and the kind's own recording ends with a branch point (``BRANCH``),
+        where a later call of the kind in its own context (``OWN``: no branch of its own) agrees
+        on that context in the same way. One store exchange per call that branches; the calls
+        that do not pay nothing.
+        """
+        if self.learning is None or self.closed or torch.compiler.is_compiling() or size(self.group) == 1:
+            return
+        st = state(self.group)
+        if st is not self.state:
+            return
+        key = (self.key, context)
+        if self.learning:
+            if self.base is None:
+                self.base, self.at = self.key, len(self.tokens)
+            self.key = key
+            return
+        known = key in st.recordings
+        try:
+            posts, stuck = _posted_everywhere(self, "branch", f"{int(known)}{context}", "did not reach it within the group's timeout")
+        except Exception as e:  # noqa: BLE001 - the store is gone: nothing can be agreed
+            posts, stuck = None, f"the store could not be read ({e})"
+        if posts is None and stuck is None:
+            raise peer_error(self.what, st.failed)  # a peer failed meanwhile
+        if posts is not None:
+            other = next(((r, p[1:]) for r, p in enumerate(posts) if p[1:] != context), None)
+            if other is not None:
+                stuck = f"rank {other[0]} runs it under {other[1]}"
+        if stuck is not None:
+            e = MismatchError(
+                f"fddp.{self.what}: this rank runs the backward of its call {self.call + 1} under {context}, and {stuck}. "
+                "Every rank must differentiate a call alike, with the same transforms around its backward (jacrev or "
+                "hessian on every rank, or on none)"
+            )
+            fail(self.group, self.what, e)
+            raise e
+        self.key = key
+        if all(p[0] == "1" for p in posts):
+            self.expected = st.recordings[key]
+            st.recordings.move_to_end(key)
+        else:
+            self.learning, self.tokens = True, list(self.expected[: self.pos])
 
     def drop(self, owed: bool = False) -> None:
         """The call will never issue the rest: its graph was freed without its backward.
@@ -126,6 +200,13 @@ class Segment:
             pass
 
 
+def _record(st: GroupState, key: tuple, tokens: tuple) -> None:
+    st.recordings[key] = tokens
+    st.recordings.move_to_end(key)
+    if len(st.recordings) > REMEMBERED:
+        st.recordings.popitem(last=False)
+
+
 def _timeout(group: dist.ProcessGroup | None) -> float:
     """The group's collective timeout, in seconds."""
     pg = group if group is not None else dist.group.WORLD
@@ -137,38 +218,52 @@ def _timeout(group: dist.ProcessGroup | None) -> float:
 
 def _dropped_everywhere(seg: Segment) -> str | None:
     """Say on the group's store that this rank dropped ``seg``'s backward; wait until every rank
-    has. ``None`` when they all did; else words for the peer that did not (waiting in a
-    collective, on the deadlock board, or silent until the group's timeout)."""
+    has. ``None`` when they all did (or a peer failed: the next call raises it); else words for
+    the peer that did not (waiting in a collective, on the deadlock board, or silent until the
+    group's timeout)."""
+    return _posted_everywhere(seg, "dropped", "", "did not free theirs within the group's timeout")[1]
+
+
+def _posted_everywhere(seg: Segment, topic: str, mine: str, late: str) -> tuple[list[str] | None, str | None]:
+    """Post ``mine`` on the group's store under ``topic`` for ``seg``'s call; wait until every rank
+    of the group has posted there. Returns every rank's post, by rank in the group, and ``None``;
+    or ``None`` and words for the peers that did not post (waiting in a collective instead, on the
+    deadlock board, or ``late``: silent until the group's timeout); or ``(None, None)`` where a
+    peer posted a fatal failure meanwhile (``seg.state.failed``)."""
     st, group = seg.state, seg.group
     channel = channel_of(st, group)
     if channel is None:
-        return "there is no store to ask the peers whether they dropped it too"
+        return None, "there is no store to ask the peers"
     n, store = size(group), channel.store
-    key = f"{channel.scope}/dropped/{seg.call}"
+    key = f"{channel.scope}/{topic}/{seg.call}"
+    store.set(f"{key}/{rank(group)}", mine)
     store.add(key, 1)
     me = dist.get_rank()
     ranks = [r for r in (global_ranks(group) or []) if r != me]
     posts = board() if st.rank is None else None  # a fault-tolerant group posts nothing there
     deadline = time.monotonic() + _timeout(group)
     seen: dict | None = None
+    pause = 0.001  # an agreement the peers reach at once (a branch) costs a few store round trips
     while store.add(key, 0) < n:
         failure = channel.fatal()
         if failure is not None:
             st.failed = failure
-            return None  # a peer failed: the next call raises its error
+            return None, None
         if time.monotonic() > deadline:
-            return f"{n - store.add(key, 0)} of its peers did not free theirs within the group's timeout"
+            return None, f"{n - store.add(key, 0)} of its peers {late}"
         waiting = {r: w for r, w in (posts.read(ranks) if posts is not None else {}).items() if me in w.ranks}
         if waiting and waiting == seen:  # the same waits a slice apart: not a stale post
-            return "; ".join(
+            return None, "; ".join(
                 f"rank {r} waits in fddp.{w.what} on {w.label} instead (its call {w.call}, {w.doing})" for r, w in sorted(waiting.items())
             )
-        seen = waiting
-        time.sleep(SLICE.total_seconds())
+        seen = waiting if pause >= SLICE.total_seconds() else None
+        time.sleep(pause)
+        pause = min(2 * pause, SLICE.total_seconds())
+    out = [store.get(f"{key}/{r}").decode() for r in range(n)]
     if store.add(key + "/read", 1) == n:  # the last to read removes the keys: a long run leaves none behind
-        store.delete_key(key)
-        store.delete_key(key + "/read")
-    return None
+        for k in (key, key + "/read", *(f"{key}/{r}" for r in range(n))):
+            store.delete_key(k)
+    return out, None
 
 
 def _deviate(seg: Segment, doing: str, expected: tuple | None) -> None:

@@ -24,7 +24,7 @@ Three paths, chosen per call:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import optree
 import torch
@@ -38,7 +38,7 @@ from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import SyncOptions, setup
 from fddp.sync.hooks import LOW_PRECISION, Mean, WeightedMean
 
-__all__ = ["needed", "ddp_step", "active_transforms", "transform_stack", "refuse_under_transforms"]
+__all__ = ["needed", "ddp_step", "active_transforms", "transform_levels", "transform_stack", "derivatives", "refuse_under_transforms"]
 
 _functorch = torch._C._functorch
 _TT = _functorch.TransformType
@@ -67,24 +67,117 @@ def active_transforms() -> list[Any]:
     return keys
 
 
-def transform_stack() -> tuple[str, ...]:
-    """The active torch.func transforms in words, innermost first, with each ``vmap``'s batch size
-    (what shapes a batched call's collectives), and whether a forward-mode dual level is open."""
-    stack: list[str] = []
+def transform_levels() -> tuple[tuple[int, str], ...]:
+    """The active torch.func levels, innermost first: each level's number and its transform in
+    words, a ``vmap``'s with its batch size (what shapes a batched call's collectives)."""
+    levels: list[tuple[int, str]] = []
 
     def walk() -> None:
         if not torch._C._are_functorch_transforms_active():
             return
         interp = retrieve_current_functorch_interpreter()
         key = interp.key()
-        stack.append(f"vmap({interp.batch_size()})" if key == _TT.Vmap else str(key).rsplit(".", 1)[-1].lower())
+        levels.append((interp.level(), f"vmap({interp.batch_size()})" if key == _TT.Vmap else _name(key)))
         with interp.lower():
             walk()
 
     walk()
+    return tuple(levels)
+
+
+def transform_stack(levels: tuple[tuple[int, str], ...] | None = None) -> tuple[str, ...]:
+    """The active torch.func transforms in words, innermost first, with each ``vmap``'s batch size,
+    and whether a forward-mode dual level is open. ``levels``: :func:`transform_levels`, where the
+    caller has them."""
+    stack = [word for _, word in (transform_levels() if levels is None else levels)]
     if forward_ad._current_level >= 0:
         stack.append("dual level")
     return tuple(stack)
+
+
+def derivatives(tensors: Sequence[torch.Tensor], levels: tuple[tuple[int, str], ...] | None = None) -> list[str]:
+    """What each active torch.func level (innermost first) makes of each tensor, in words:
+    ``batched`` (a ``vmap`` level), ``tracked`` (a grad level differentiates it), ``tangent`` (a
+    ``jvp`` level gives it one; the levels below that batch the tangent or give it a tangent of
+    its own follow in brackets), ``-`` (the level passes it by); then, below every level,
+    ``tracked`` where it requires grad and ``dual`` where a forward-mode dual level gives it a
+    tangent. ``levels``: :func:`transform_levels`, where the caller has them.
+
+    A function whose derivative rules issue collectives (a fully sharded gather: its tangent is
+    gathered too, its cotangent reduced) issues them according to this, not to the stack alone:
+    ``jvp`` with respect to the input and with respect to the parameters run under the same
+    stack, and only the second gathers tangents.
+
+    Example:
+        >>> jacfwd(lambda s: derivatives([s]) and s)(s)  # ['jvp: tangent [vmap: batched], vmap: -']
+    """
+    levels = transform_levels() if levels is None else levels
+    if any(word == "jvp" for _, word in levels):
+        out = []
+        for t in tensors:  # a tangent is unpacked with the interpreters lowered to its level
+            words: list[str] = []
+            _describe(t, words)
+            out.append(", ".join(words))
+        return out
+    return [_describe_levels(t, levels) for t in tensors]
+
+
+def _base(t: torch.Tensor, words: list[str]) -> None:
+    """Below every level: tracked by autograd, a tangent of a forward-mode dual level."""
+    if t.requires_grad:
+        words.append("tracked")
+    if forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None:
+        words.append("dual")
+
+
+def _describe_levels(t: torch.Tensor, levels: tuple[tuple[int, str], ...]) -> str:
+    """:func:`derivatives` of one tensor without a ``jvp`` level: its wrappers peeled level by
+    level, without entering the interpreters (a seventh of the cost, on the training path)."""
+    words: list[str] = []
+    for level, word in levels:
+        name = "vmap" if word.startswith("vmap") else word
+        if _functorch.maybe_get_level(t) != level:
+            words.append(f"{name}: -")
+        elif name == "vmap":
+            t = _functorch.get_unwrapped(t)
+            words.append("vmap: batched")
+        elif name == "grad":
+            words.append("grad: tracked" if t.requires_grad else "grad: -")
+            t = _functorch._unwrap_for_grad(t, level)
+        else:  # functionalize: its wrapper kept, which no level below unwraps
+            words.append(f"{name}: -")
+    _base(t, words)
+    return ", ".join(words)
+
+
+def _describe(t: torch.Tensor, words: list[str]) -> None:
+    if not torch._C._are_functorch_transforms_active():
+        _base(t, words)
+        return
+    interp = retrieve_current_functorch_interpreter()
+    level, key = interp.level(), interp.key()
+    inner, word = t, "-"
+    if _functorch.maybe_get_level(t) == level:  # wrapped by this level (else it passes it by)
+        if key == _TT.Vmap:
+            inner, word = _functorch.get_unwrapped(t), "batched"
+        elif key == _TT.Jvp:
+            primal, tangent = forward_ad.unpack_dual(t)
+            inner = _functorch._unwrap_for_grad(primal, level)
+            if tangent is not None:
+                below: list[str] = []
+                with interp.lower():
+                    _describe(_functorch._unwrap_for_grad(tangent, level), below)
+                shown = [w for w in below if not w.endswith(": -")]
+                word = f"tangent [{', '.join(below)}]" if shown else "tangent"
+        elif key == _TT.Grad:
+            inner, word = _functorch._unwrap_for_grad(t, level), "tracked" if t.requires_grad else "-"
+    words.append(f"{_name(key)}: {word}")
+    with interp.lower():
+        _describe(inner, words)
+
+
+def _name(key: Any) -> str:
+    return "vmap" if key == _TT.Vmap else str(key).rsplit(".", 1)[-1].lower()
 
 
 def refuse_under_transforms(what: str, instead: str = "") -> None:

@@ -142,7 +142,9 @@ def ddp_step(
             raise RuntimeError(
                 f"fddp.ddp_step: compression={options.hook!r} returns this rank's shards, which have no "
                 "derivative and no batching rule; call it eagerly, outside torch.func transforms, on "
-                "gradients that do not require grad (detach them)"
+                "gradients that do not require grad (detach them). To differentiate through stage 2's sync, "
+                "differentiate through fddp.zero.unshard(shards) instead: its backward reduces the cotangents "
+                "into gradient shards, ReduceScatter's numbers"
             )
         out, info = _differentiable.ddp_step(params, grads, options, compression_state, w)
         return (out, info) if return_info else out

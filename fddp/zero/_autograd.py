@@ -71,6 +71,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, ct: torch.Tensor) -> tuple:
         call = ctx.call
+        call.pipe.enter_backward()
         if constants((ct,)):  # torch.func.grad's backward, .backward(): reduce without the Function
             out = _Reduce.forward(call, ct.detach())
         else:
@@ -164,6 +165,7 @@ class _Refill(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor | None) -> tuple:
+        ctx.pipe.enter_backward()
         ctx.pipe.refill(ctx.ks)
         return (None, None, *cts)
 

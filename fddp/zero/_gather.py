@@ -24,6 +24,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from fddp import _dist
 from fddp.sync._comm import Comm
+from fddp.sync._differentiable import transform_levels
 from fddp.zero import _layout as shard_layout
 
 __all__ = ["Counters", "Pipeline", "Precision", "check_groups", "constants", "plain"]
@@ -268,7 +269,7 @@ class Pipeline:
     def __init__(
         self, lay: shard_layout.ShardLayout, what: str, shards: Sequence[torch.Tensor], depth: int,
         order: Sequence[int], counters: Counters, remat: frozenset[int] = frozenset(), release: bool = False,
-        precision: "Precision | None" = None, segments: Sequence[Any] = (), window: Any = None,
+        precision: "Precision | None" = None, segments: Sequence[Any] = (), window: Any = None, levels: tuple = (),
     ) -> None:  # fmt: skip
         self.lay, self.what, self.depth, self.counters = lay, what, depth, counters
         # An accumulation window (fddp.zero._window.Window): its open backwards reduce nothing, its
@@ -307,12 +308,36 @@ class Pipeline:
         # when there is none), or when the pipeline is dropped without one (the finalizer).
         self.debt = _Debt(lay, segments)
         weakref.finalize(self, self.debt.settle, True)
+        # The forward's torch.func levels (fddp.sync._differentiable.transform_levels, which the
+        # caller walked): a backward under others branches its sequences (enter_backward).
+        self.levels = frozenset(levels)
+        self.entered = False
 
     def tag(self, k: int) -> str:
         """What bucket ``k``'s collectives carry, in words (the sequence agreement names it)."""
         units = getattr(self.lay, "unit_of", None)
         name = units(k) if units is not None else None
         return f"bucket {k}" + (f" of unit {name!r}" if name is not None else "")
+
+    def enter_backward(self) -> None:
+        """The call's backward starts: the first of its rules that may issue a collective runs.
+
+        Called with the backward's torch.func levels still active (not under :func:`_eager`).
+        Where the backward runs under levels its forward did not (``jacrev`` and ``hessian`` map
+        the vjp over the outputs with a ``vmap`` of their own, so every reduction carries every
+        member), its collectives are not those the call's kind fixed: each agreed sequence
+        branches to that context's own (``fddp._dist.Segment.branch``). The usual backward, under
+        the forward's own levels or none, branches nothing and costs nothing.
+        """
+        if self.entered:
+            return
+        self.entered = True
+        if not self.debt.segments or not torch._C._are_functorch_transforms_active():
+            return
+        extra = [word for level in transform_levels() if level not in self.levels for word in (level[1],)]
+        if extra:
+            for seg in self.debt.segments:
+                seg.branch(f"{', '.join(extra)} (levels its forward did not run under)")
 
     # -- gathers --------------------------------------------------------------------------------
 

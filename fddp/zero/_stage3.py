@@ -47,7 +47,7 @@ from torch.autograd import forward_ad
 
 from fddp import _dist, _layout
 from fddp._tree import paths
-from fddp.sync._differentiable import active_transforms, transform_stack
+from fddp.sync._differentiable import derivatives, transform_levels, transform_stack
 from fddp.zero import _autograd, _gather, _units, _window
 from fddp.zero import _layout as shard_layout
 from fddp.zero._autograd import GatherCall
@@ -57,7 +57,6 @@ from fddp.zero._units import Unit, UnitLayout
 
 __all__ = ["FullyShardedForward", "fully_shard", "unshard"]
 
-_functorch = torch._C._functorch
 
 
 def _torch_flatten(s: shard_layout.Sharded) -> tuple[list[Any], Any]:
@@ -106,18 +105,29 @@ def _differentiated(leaves: Sequence[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
 
 
-def _backward_may_follow(leaves: Sequence[torch.Tensor], args: tuple, kwargs: dict) -> bool:
-    """Whether a reverse pass may run through a differentiated forward (then it owes its backward's
-    collectives until that runs or its graph is freed). Not under forward-mode AD or ``vmap``
-    alone, with nothing that requires grad: their derivatives are computed in the forward itself,
-    and no backward will ever come."""
-    if torch._C._are_functorch_transforms_active() and _functorch.TransformType.Grad in active_transforms():
-        return True  # torch.func.grad / vjp (vjp's level is a Grad one), wherever it sits in the stack
-    if not torch.is_grad_enabled():
-        return False
-    if any(_gather.plain(t).requires_grad for t in leaves):
-        return True
-    return any(isinstance(t, torch.Tensor) and _gather.plain(t).requires_grad for t in torch_pytree.tree_leaves((args, kwargs)))
+def _derivatives(shards: Sequence[torch.Tensor], args: tuple, kwargs: dict, levels: tuple) -> tuple[bool, str]:
+    """How the active transforms (``levels``) carry the shards and the inputs, in words, and whether
+    a reverse pass may run through the forward (then it owes its backward's collectives until that
+    runs or its graph is freed).
+
+    The collectives depend on both, not on the transforms alone: a shard with a tangent has its
+    tangent gathered after it, a batched one is gathered with its members, a tracked one has its
+    cotangent reduced; and with ``remat="unit"`` a unit whose inputs carry a tangent gathers its
+    parameters again for its forward-mode rule. ``jvp`` with respect to the input and with respect
+    to the shards run under the same stack, but only the second gathers tangents: the words are
+    part of the call's kind, so each learns and checks its own sequence. A backward follows only
+    where some shard is tracked (a grad level differentiates it, or it requires grad): the
+    gradient of the input alone needs none of the shards' reductions, and keeps its gathered
+    parameters in its graph instead of gathering them again.
+    """
+    each = derivatives(shards, levels)
+    backward = any("tracked" in w for w in each)
+    if not levels:
+        return backward, f"shards: {', '.join(sorted(set(each))) or 'none'}"  # autograd, a dual level
+    shown = f"every shard {each[0]}" if len(set(each)) == 1 else "; ".join(f"shard {k} {w}" for k, w in enumerate(each))
+    leaves = [t for t in torch_pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    inputs = [f"input {i} {w}" for i, w in enumerate(derivatives(leaves, levels)) if any(not p.endswith(": -") for p in w.split(", "))]
+    return backward, "; ".join([shown, *inputs])
 
 
 _serials = itertools.count()
@@ -328,7 +338,8 @@ class FullyShardedForward:
             # not left to time out inside a gather.
             _dist.count_call(lay.group, "zero.fully_shard")
             differentiated = _differentiated(shards.shards)
-            backward = differentiated and _backward_may_follow(shards.shards, args, kwargs)
+            levels = transform_levels() if differentiated else ()  # walked once a call: the kind, the words, the pipeline's
+            backward, carried = _derivatives(shards.shards, args, kwargs, levels) if differentiated else (False, "")
             window = self._window if backward else None
             if window is not None and not window.open:
                 self._window = None  # this call closes the window: later ones are plain again
@@ -336,17 +347,19 @@ class FullyShardedForward:
             # (the gathers, and the backward's) are agreed as a sequence: learnt the first time a
             # kind of call runs, then checked before each one, so that a rank that runs its units
             # otherwise fails at once instead of pairing them with its peers' other units.
-            kind = self._kind(differentiated, backward, window, shards.shards)
+            kind = self._kind(differentiated, backward, window, shards.shards, carried, levels)
             segments = _agree_on(lay, "zero.fully_shard", kind, sequenced=True, precision=self._precision)
             self._buffers.start(self.model)
-            out = self._forward(lay, shards, differentiated, backward, window, segments, args, kwargs)
+            out = self._forward(lay, shards, differentiated, backward, window, segments, args, kwargs, levels)
             self._buffers.check(self.model)
             return out
 
     def _kind(
-        self, differentiated: bool, backward: bool, window: _window.Window | None = None, shards: Sequence[torch.Tensor] = ()
+        self, differentiated: bool, backward: bool, window: _window.Window | None = None, shards: Sequence[torch.Tensor] = (),
+        carried: str = "", levels: tuple = (),
     ) -> tuple[tuple, ...]:
-        """This call's kind as signature rows: the model, the forward's kind, the prefetch order."""
+        """This call's kind as signature rows: the model, the forward's kind and what its transforms
+        carry (:func:`_derivatives`), the prefetch order."""
         if backward:
             forward = "a training forward (its backward gathers and reduces)"
         elif differentiated:
@@ -355,20 +368,21 @@ class FullyShardedForward:
             forward = "an evaluation forward (no gradients)"
         return (
             ("model", f"fully_shard's model #{self.serial}, {type(self.model).__name__}", None),
-            ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack()) or 'no transform'}", None),
+            ("forward", f"{forward}, remat={self.remat!r}, under {', '.join(transform_stack(levels)) or 'no transform'}", None),
+            *((("derivatives", carried, None),) if carried else ()),
             ("prefetch order", f"{_dist.digest(tuple(self._order)):016x}", None),
             *(window.rows([_gather.plain(t) for t in shards]) if window is not None else ()),
         )
 
     def _forward(
         self, lay: UnitLayout, shards: shard_layout.Sharded, differentiated: bool, backward: bool,
-        window: _window.Window | None, segments: list[Any], args: tuple, kwargs: dict,
+        window: _window.Window | None, segments: list[Any], args: tuple, kwargs: dict, levels: tuple = (),
     ) -> Any:  # fmt: skip
         keep = window is not None and window.keep_gathered
         pipe = Pipeline(
             lay, "zero.fully_shard", shards.shards, self.prefetch, self._order, self.counters, self._remat_buckets,
             release=backward and self.remat == "params" and not keep, precision=self._precision, segments=segments,
-            window=window,
+            window=window, levels=levels,
         )  # fmt: skip
         leaves = _autograd.boundary(pipe, shards.shards) if backward else tuple(shards.shards)
         run = _Call(self, pipe, leaves, differentiated, backward)

@@ -178,6 +178,7 @@ class Remat(torch.autograd.Function):
         live = [j for j, ct in enumerate(cts) if ct is not None]
         if not live:
             return (None,) * (1 + 2 * nb + len(tensors))
+        ucall.calls[0].pipe.enter_backward()
         # Gathered again: plainly when nothing wraps the shards; else through the Function, whose
         # jvp carries an outer forward-mode level's tangents (forward-over-reverse).
         plain = _gather.constants((*shards, *cts))

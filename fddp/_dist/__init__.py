@@ -35,7 +35,7 @@ from fddp._dist._agreement import (
 )
 from fddp._dist._channel import Failure
 from fddp._dist._diagnosis import describe_token, name_difference
-from fddp._dist._digest import checksum, digest, replica_digest, traced_digest
+from fddp._dist._digest import MASK, checksum, digest, replica_digest, traced_digest
 from fddp._dist._errors import MismatchError, PeerError, collective
 from fddp._dist._failures import fail, raise_if_failed_here
 from fddp._dist._groups import (
@@ -57,6 +57,7 @@ from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
 __all__ = [
+    "MASK",
     "PREEMPT",
     "UNWRITTEN",
     "WRITTEN",

@@ -38,7 +38,10 @@ from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import SyncOptions, setup
 from fddp.sync.hooks import LOW_PRECISION, Mean, WeightedMean
 
-__all__ = ["needed", "ddp_step", "active_transforms", "transform_levels", "transform_stack", "derivatives", "refuse_under_transforms"]
+__all__ = [
+    "needed", "ddp_step", "active_transforms", "transform_levels", "transform_stack", "derivatives", "refuse_under_transforms",
+    "refuse_compiled_rules", "zeros_for_none",
+]
 
 _functorch = torch._C._functorch
 _TT = _functorch.TransformType
@@ -191,6 +194,23 @@ def refuse_under_transforms(what: str, instead: str = "") -> None:
     raise RuntimeError(f"fddp.{what} cannot run inside {name}{'; ' + instead if instead else ''}")
 
 
+def refuse_compiled_rules(what: str) -> None:
+    """Raise, naming ``fddp.<what>``, where a ``jvp`` or ``vmap`` level is active while dynamo
+    traces: it traces neither a custom Function's forward-mode nor its batching rule."""
+    for key in active_transforms():
+        if key in (_TT.Jvp, _TT.Vmap):
+            raise NotImplementedError(
+                f"fddp.{what} cannot run inside {_TRANSFORM_NAMES[key]} within torch.compile (torch "
+                f"{torch.__version__} traces neither its forward-mode nor its batching rule); call it eagerly there"
+            )
+
+
+def zeros_for_none(ts: Sequence[torch.Tensor | None], metas: Sequence[tuple]) -> list[torch.Tensor]:
+    """Tangents or cotangents with a zero one, of ``(shape, dtype, device)`` from ``metas``, in
+    place of each ``None`` (an input or output the transform does not carry)."""
+    return [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(ts, metas)]
+
+
 def needed(leaves: list[Any]) -> bool:
     """Whether ``ddp_step`` must take a differentiable path for these gradient leaves."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
@@ -294,7 +314,7 @@ class _Mean(torch.autograd.Function):
             raise RuntimeError(
                 f"fddp.ddp_step: {call.describe()} has no derivative, but forward mode (torch.func.jvp, jacfwd) asked for one"
             )
-        filled = [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(tangents, ctx.metas)]
+        filled = zeros_for_none(tangents, ctx.metas)
         return tuple(_Mean.apply(call.derived(weighted=True, mode="forward mode"), *filled))
 
     @staticmethod
@@ -374,12 +394,7 @@ def ddp_step(params: Any, grads: Any, options: SyncOptions, state: Any, weight: 
 
 
 def _compiled(call: _Call, leaves: list[torch.Tensor], spec: Any) -> tuple[Any, SyncInfo | None]:
-    for key in active_transforms():
-        if key in (_TT.Jvp, _TT.Vmap):
-            raise NotImplementedError(
-                f"fddp.ddp_step cannot run inside {_TRANSFORM_NAMES[key]} within torch.compile (torch "
-                f"{torch.__version__} traces neither its forward-mode nor its batching rule); call it eagerly there"
-            )
+    refuse_compiled_rules("ddp_step")
     o = call.options
     sync = setup(optree.tree_unflatten(spec, leaves), o, "ddp_step", call.state, weight=call.weight, agree=False)
     sync.announce()  # traced: the header is in the graph (fddp._dist's compiled agreement)

@@ -46,13 +46,12 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.autograd import forward_ad
 
 from fddp import _dist
 from fddp._tree import LeafSpec, paths, specs_of, tensor_leaves
 from fddp.runtime import require_initialized
 from fddp.sync._comm import Comm
-from fddp.sync._differentiable import _TRANSFORM_NAMES, _TT, active_transforms
+from fddp.sync._differentiable import needed, refuse_compiled_rules, zeros_for_none
 
 __all__ = ["psum", "pmean", "pmax", "all_gather", "reduce_scatter"]
 
@@ -218,7 +217,7 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple:
         op = ctx.op
-        filled = _filled(cts, [_out_meta(op, m, i) for i, m in enumerate(ctx.metas)])
+        filled = zeros_for_none(cts, [_out_meta(op, m, i) for i, m in enumerate(ctx.metas)])
         if op.kind == "max":
             masks = _masks(ctx.saved_tensors)
             both = _Collective.apply(dataclasses.replace(op, kind="sum", role=" (backward)"), *filled, *masks)
@@ -228,7 +227,7 @@ class _Collective(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, _op_tangent: Any, *tangents: torch.Tensor | None) -> tuple:
         op = ctx.op
-        filled = _filled(tangents, ctx.metas)
+        filled = zeros_for_none(tangents, ctx.metas)
         if op.kind == "max":
             masks = _masks(ctx.saved_tensors)
             held = [t * m for t, m in zip(filled, masks)]  # the tangents of the ranks that hold the maximum
@@ -250,11 +249,6 @@ def _out_meta(op: _Op, meta: tuple, i: int) -> tuple:
     """The shape of output ``i`` (a cotangent's), from its input's meta."""
     shape, dtype, device = meta
     return (_result_shape(op, tuple(shape), op.axes[i] if op.axes else 0, _dist.size(op.group)), dtype, device)
-
-
-def _filled(ts: tuple, metas: list[tuple]) -> list[torch.Tensor]:
-    """Cotangents or tangents, a zero one in place of each ``None`` (an unused output)."""
-    return [torch.zeros(s, dtype=d, device=v) if t is None else t for t, (s, d, v) in zip(ts, metas)]
 
 
 def _result_shape(op: _Op, shape: tuple, axis: int, n: int) -> tuple:
@@ -315,14 +309,6 @@ class _Traced(torch.autograd.Function):
 # ------------------------------------------------------------------------------------ the front end
 
 
-def _needed(leaves: list[torch.Tensor]) -> bool:
-    """Whether the differentiable path is needed (a transform, a dual level, a tensor that
-    requires grad), as for ``fddp.ddp_step``."""
-    if torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0:
-        return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
-
-
 def _run(kind: str, tree: Any, group: dist.ProcessGroup | None, axis: int | None = None, tiled: bool = False) -> Any:
     what = _KINDS[kind]
     require_initialized(what)
@@ -332,24 +318,22 @@ def _run(kind: str, tree: Any, group: dist.ProcessGroup | None, axis: int | None
     if not leaves:
         return tree
     n = _dist.size(group)
-    names = paths(spec) if not torch.compiler.is_compiling() else [str(i) for i in range(len(leaves))]
-    axes = tuple(_axis(what, kind, t, axis, tiled, n, name) for t, name in zip(leaves, names)) if axis is not None else ()
-    for t, name in zip(leaves, names):
+
+    def name(i: int) -> str:  # a leaf's path, for a message only (dynamo traces no optree accessors)
+        return str(i) if torch.compiler.is_compiling() else paths(spec)[i]
+
+    axes = tuple(_axis(what, kind, t, axis, tiled, n, lambda i=i: name(i)) for i, t in enumerate(leaves)) if axis is not None else ()
+    for i, t in enumerate(leaves):
         if t.dtype == torch.bool or t.is_complex():
-            raise TypeError(f"fddp.{what}: leaf {name!r} is {t.dtype}; collectives here take real floating-point or integer tensors")
+            raise TypeError(f"fddp.{what}: leaf {name(i)!r} is {t.dtype}; collectives here take real floating-point or integer tensors")
         if kind == "mean" and not t.is_floating_point():
-            raise TypeError(f"fddp.{what}: leaf {name!r} is {t.dtype}, which has no mean; use fddp.psum, or cast it to a float dtype")
+            raise TypeError(f"fddp.{what}: leaf {name(i)!r} is {t.dtype}, which has no mean; use fddp.psum, or cast it to a float dtype")
     op = _Op(kind, group, axes, tiled, spec)
     if torch.compiler.is_compiling():
-        for key in active_transforms():
-            if key in (_TT.Jvp, _TT.Vmap):
-                raise NotImplementedError(
-                    f"fddp.{what} cannot run inside {_TRANSFORM_NAMES[key]} within torch.compile (torch "
-                    f"{torch.__version__} traces neither forward-mode nor batching rules of custom Functions); call it eagerly there"
-                )
+        refuse_compiled_rules(what)
         _dist.agree(group, what, [], signature=_traced_signature(kind, axes, tiled, leaves))  # the compiled header, in the graph
         out = _Traced.apply(op, *leaves) if len(leaves) != 2 else _traced_pair(op, leaves)
-    elif _needed(leaves):
+    elif needed(leaves):  # a transform, a dual level, a tensor that requires grad: as ddp_step's
         out = _Collective.apply(op, *leaves)
     else:
         out = _issue(op, tuple(leaves))
@@ -370,34 +354,32 @@ def _traced_signature(kind: str, axes: tuple[int, ...], tiled: bool, leaves: lis
     for t in leaves:
         words += [t.dim(), *(operator.index(d) for d in t.shape), _dist.traced_digest(str(t.dtype))]
     for w in words:
-        h = (h * 1_000_003 + w) % _MASK
+        h = (h * 1_000_003 + w) % _dist.MASK  # within the digests' range
     return h
 
 
-_MASK = (1 << 62) - 1  # the digests' range (fddp._dist._digest.MASK)
-
-
-def _axis(what: str, kind: str, t: torch.Tensor, axis: int, tiled: bool, n: int, name: str) -> int:
-    """``axis`` made non-negative for this leaf, checked against its shape."""
+def _axis(what: str, kind: str, t: torch.Tensor, axis: int, tiled: bool, n: int, name: Callable[[], str]) -> int:
+    """``axis`` made non-negative for this leaf, checked against its shape (``name()``: the
+    leaf's path, for a message)."""
     if isinstance(axis, bool) or not isinstance(axis, int):
         raise TypeError(f"fddp.{what}: the axis must be an int, got {type(axis).__name__}")
     nd = t.dim()
     bound = nd + 1 if kind == "gather" and not tiled else nd  # a new axis may go after the last
     if not -bound <= axis < bound:
         raise ValueError(
-            f"fddp.{what}: axis {axis} is out of range for leaf {name!r} of shape {tuple(t.shape)} (valid: [{-bound}, {bound}))"
+            f"fddp.{what}: axis {axis} is out of range for leaf {name()!r} of shape {tuple(t.shape)} (valid: [{-bound}, {bound}))"
         )
     a = axis % bound
     if kind == "scatter":
         size = t.shape[a]
         if tiled and size % n:
             raise ValueError(
-                f"fddp.{what}: leaf {name!r} has {size} entries along axis {a}, which {n} ranks cannot split evenly "
+                f"fddp.{what}: leaf {name()!r} has {size} entries along axis {a}, which {n} ranks cannot split evenly "
                 f"(tiled=True needs a multiple of {n}); pad it, or scatter another axis"
             )
         if not tiled and size != n:
             raise ValueError(
-                f"fddp.{what}: leaf {name!r} has {size} entries along axis {a}, where tiled=False needs one per rank ({n}); "
+                f"fddp.{what}: leaf {name()!r} has {size} entries along axis {a}, where tiled=False needs one per rank ({n}); "
                 "pass tiled=True to split that axis into equal chunks"
             )
     return a

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -220,6 +221,20 @@ def count_all_reduces():
 
 class _Calls(list):
     headers = 0
+
+
+def kill_marked(variable: str, value: Any) -> None:
+    """SIGKILL every process whose environment holds ``variable=value``: the processes a test
+    launched with that marker (torchrun's workers run in sessions of their own, so killing the
+    launcher's process group would miss them)."""
+    tag = f"{variable}={value}\0".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if tag in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:  # gone, or not ours to read
+            pass
 
 
 @atexit.register

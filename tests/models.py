@@ -1,4 +1,4 @@
-"""Small models shared by the tests: an MLP, a conv net and a TransformerEncoder, with data makers."""
+"""Small models shared by the tests: an MLP, a conv net, a TransformerEncoder and a tiny GPT, with data makers."""
 
 from __future__ import annotations
 
@@ -39,6 +39,23 @@ class Transformer(nn.Module):
 
 
 MODELS = {"mlp": mlp, "conv": ConvNet, "transformer": Transformer}
+
+
+class TinyGPT(nn.Module):
+    """Embeddings, one pre-norm MLP block (``hidden`` wide), a final norm and a head: matrices,
+    biases and norms (the optimizer tests on shards cut it across ranks)."""
+
+    def __init__(self, vocab: int, width: int, hidden: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.block = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids)
+        h = h + self.block(h)
+        return self.head(self.ln(h)).flatten(0, 1)
 
 
 def make_model(name: str, seed: int = 0) -> nn.Module:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import fddp.checkpoint as ckpt
+from dist import kill_marked
 from fddp import runtime
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -106,17 +106,6 @@ def _torchrun(script: Path, args: tuple[str, ...], run_dir: Path) -> tuple[subpr
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), log
 
 
-def _kill_leftovers(run_dir: Path) -> None:
-    marker = f"FDDP_FAULT_TEST_RUN={run_dir}\0".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:  # gone, or not ours to read
-            pass
-
-
 def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> tuple[int, str]:
     """Wait for torchrun (killing it and its workers after ``timeout`` s); return its code and output."""
     try:
@@ -125,7 +114,7 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> tuple[int, str
         proc.kill()
         proc.wait()
     finally:
-        _kill_leftovers(log.parent)
+        kill_marked("FDDP_FAULT_TEST_RUN", log.parent)
     return proc.returncode, log.read_text()
 
 

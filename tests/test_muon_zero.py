@@ -26,32 +26,20 @@ import pytest
 import torch
 import torch.distributed as tdist
 import torch.nn.functional as F
+from test_optim_sharded import trainable
 from torch import nn
 
 import fddp
 from dist import run
+from models import TinyGPT
 
 STEPS, VOCAB, CONTEXT, WIDTH = 4, 32, 6, 32
 CAPS = dict(bucket_cap_mb=0.004, first_bucket_mb=0.002)  # buckets cut through the matrices
 
 
-class TinyGPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.block = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 3 * WIDTH), nn.GELU(), nn.Linear(3 * WIDTH, WIDTH))
-        self.ln = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.tok(ids)
-        h = h + self.block(h)
-        return self.head(self.ln(h)).flatten(0, 1)
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return TinyGPT()
+    return TinyGPT(VOCAB, WIDTH, 3 * WIDTH)
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,15 +60,7 @@ def _fddp(mode: str) -> dict:
     f32 = mode.endswith("f32")  # Newton-Schulz in float32 (optax's dtype): the pieces travel in float32
     mode = mode.removesuffix(" f32")
     opt, rank = _opt(ns_dtype=None if f32 else torch.bfloat16), fddp.rank()
-    if mode == "zero3":
-        apply_fn, shards = fddp.zero.fully_shard(_model(), min_unit_mb=0)
-        grad_fn = fddp.grad_and_value(lambda s, x, y: F.cross_entropy(apply_fn(s, x), y))
-        params = None
-    else:
-        apply_fn, params = fddp.functionalize(_model())
-        params = fddp.broadcast(params)
-        shards = fddp.zero.shard(params, **CAPS) if mode in ("zero1", "zero2") else params
-        grad_fn = torch.func.grad_and_value(lambda p, x, y: F.cross_entropy(apply_fn(p, x), y))
+    apply_fn, params, shards, grad_fn = trainable(mode, _model(), CAPS)
     state = opt.init(shards)
     outer = fddp.diloco.diloco(3, fddp.optim.sgd(0.7, momentum=0.9, nesterov=True)) if mode == "diloco" else None
     outer_state = outer.init(params) if outer is not None else None

@@ -33,31 +33,30 @@ from torch import nn
 
 import fddp
 from dist import run
+from models import TinyGPT
 
 STEPS, MICRO, WARMUP, PEAK = 5, 4, 2, 3e-2
 VOCAB, CONTEXT, WIDTH = 64, 6, 64
 CAPS = dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0002)  # ZeRO-1/2: buckets cut through leaves
 
 
-class TinyGPT(nn.Module):
-    """Embeddings, one pre-norm MLP block, a final norm and a head: matrices, biases and norms."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(VOCAB, WIDTH)
-        self.block = nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
-        self.ln = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.tok(ids)
-        h = h + self.block(h)
-        return self.head(self.ln(h)).flatten(0, 1)
+def trainable(mode: str, model: nn.Module, caps: dict) -> tuple:
+    """``(apply_fn, params, shards, grad_fn)`` of ``model`` trained in ``mode``: stage 3's shards
+    (its params too) and a grad_and_value whose gradient shards come out averaged; else the
+    broadcast params, their ZeRO-1/2 shards cut by ``caps`` (or the params, replicated), and a
+    local torch.func gradient."""
+    if mode == "zero3":
+        apply_fn, shards = fddp.zero.fully_shard(model, min_unit_mb=0)
+        return apply_fn, shards, shards, fddp.grad_and_value(lambda s, x, y: F.cross_entropy(apply_fn(s, x), y))
+    apply_fn, params = fddp.functionalize(model)
+    params = fddp.broadcast(params)
+    shards = fddp.zero.shard(params, **caps) if mode in ("zero1", "zero2") else params
+    return apply_fn, params, shards, torch.func.grad_and_value(lambda p, x, y: F.cross_entropy(apply_fn(p, x), y))
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return TinyGPT()
+    return TinyGPT(VOCAB, WIDTH, 4 * WIDTH)
 
 
 def _micro(step: int, m: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,15 +93,7 @@ def _fddp(mode: str, max_norm: float) -> tuple[dict, list[float]]:
     """``STEPS`` steps of the recipe in ``mode``; the gathered parameters and the logged norms."""
     opt = _recipe(max_norm)
     rank, norms = fddp.rank(), []
-    if mode == "zero3":
-        apply_fn, params = fddp.zero.fully_shard(_model(), min_unit_mb=0)
-        shards = params
-        grad_fn = fddp.grad_and_value(lambda s, x, y: F.cross_entropy(apply_fn(s, x), y))
-    else:
-        apply_fn, params = fddp.functionalize(_model())
-        params = fddp.broadcast(params)
-        shards = fddp.zero.shard(params, **CAPS) if mode in ("zero1", "zero2") else params
-        grad_fn = torch.func.grad_and_value(lambda p, x, y: F.cross_entropy(apply_fn(p, x), y))
+    apply_fn, params, shards, grad_fn = trainable(mode, _model(), CAPS)
     state = opt.init(shards)
     outer = fddp.diloco.diloco(3, fddp.optim.sgd(0.7, momentum=0.9, nesterov=True)) if mode == "diloco" else None
     outer_state = outer.init(params) if outer is not None else None

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import fddp
-from dist import run
+from dist import kill_marked, run
 from fddp import checkpoint as ckpt
 
 TESTS = Path(__file__).resolve().parent
@@ -47,17 +47,6 @@ def _env(marker: Path) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")]),
     )  # fmt: skip
     return env
-
-
-def _kill_leftovers(marker: Path) -> None:
-    tag = f"FDDP_PREEMPT_TEST_RUN={marker}\0".encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if tag in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:  # gone, or not ours to read
-            pass
 
 
 class _Job:
@@ -86,7 +75,7 @@ class _Job:
             self.proc.kill()
             self.proc.wait()
         finally:
-            _kill_leftovers(self.out)
+            kill_marked("FDDP_PREEMPT_TEST_RUN", self.out)
         log = (self.out / "log").read_text()
         assert self.proc.returncode == 0, f"torchrun exited with {self.proc.returncode}:\n{log}"
         return log
@@ -168,7 +157,7 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint_loadable(tmp
         proc.kill()  # SIGKILL in the middle of the write of step 4
         proc.wait()
     finally:
-        _kill_leftovers(tmp_path)
+        kill_marked("FDDP_PREEMPT_TEST_RUN", tmp_path)
     names = os.listdir(directory)
     assert any(n.startswith("ckpt-00000004.pt.tmp-") for n in names), names  # the torn temporary
     assert [s for s, _ in ckpt.steps(directory)] == [2]  # never taken for a checkpoint

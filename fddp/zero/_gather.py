@@ -334,7 +334,7 @@ class Pipeline:
         self.entered = True
         if not self.debt.segments or not torch._C._are_functorch_transforms_active():
             return
-        extra = [word for level in transform_levels() if level not in self.levels for word in (level[1],)]
+        extra = [word for level, word in transform_levels() if (level, word) not in self.levels]
         if extra:
             for seg in self.debt.segments:
                 seg.branch(f"{', '.join(extra)} (levels its forward did not run under)")

@@ -58,7 +58,6 @@ from fddp.zero._units import Unit, UnitLayout
 __all__ = ["FullyShardedForward", "fully_shard", "unshard"]
 
 
-
 def _torch_flatten(s: shard_layout.Sharded) -> tuple[list[Any], Any]:
     return list(s.shards), s.layout
 

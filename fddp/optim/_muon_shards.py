@@ -37,7 +37,7 @@ from . import _checks as checks
 from . import _flat as flat
 from ._base import Applied, Apply
 from ._checks import Params
-from ._newton_schulz import MuonConfig, MuonState, check_matrices, decays, lr_now, momentum_step, orthogonalize, step_by
+from ._newton_schulz import MuonConfig, MuonState, check_matrices, decayed, decays, lr_now, momentum_step, orthogonalize, step_by
 from ._slices import members_of
 
 __all__ = ["Plan", "owners", "plan", "step"]
@@ -199,7 +199,7 @@ def step(
     if ps is None:
         new = [torch.zeros_like(g) for g in gs]
     else:
-        new = [torch.mul(p, decay.to(p.dtype) if isinstance(decay, Tensor) else decay) for p in ps]
+        new = [decayed(p, decay) for p in ps]
     at = 0
     for k, a, n, j in pl.send:
         step_by(new[k][a : a + n], back[at : at + n].to(device), steps[j])

@@ -17,7 +17,7 @@ from ._checks import ScalarOrSchedule, Updates, lr_at
 from ._flat import multi_tensor_ok
 
 __all__ = [
-    "ADJUST", "MuonConfig", "MuonState", "NS_COEFFICIENTS", "check_matrices", "decays", "descend", "lr_now", "momentum_step",
+    "ADJUST", "MuonConfig", "MuonState", "NS_COEFFICIENTS", "check_matrices", "decayed", "decays", "descend", "lr_now", "momentum_step",
     "orthogonalize", "step_by",
 ]
 
@@ -125,11 +125,16 @@ def decays(cfg: MuonConfig, lr: float | Tensor) -> float | Tensor:
     return 1 - lr * cfg.weight_decay
 
 
-def descend(p: Tensor, o: Tensor, decay: float | Tensor, step: float | Tensor, *, in_place: bool = False) -> Tensor:
-    """``p * decay - step * o``, as torch's ``param.mul_(decay); param.add_(o, alpha=-step)``."""
+def decayed(p: Tensor, decay: float | Tensor, *, in_place: bool = False) -> Tensor:
+    """``p * decay``, as torch's ``param.mul_(decay)`` (a schedule's tensor in ``p``'s dtype)."""
     if isinstance(decay, Tensor):
         decay = decay.to(p.dtype)
-    return step_by(p.mul_(decay) if in_place else torch.mul(p, decay), o, step)
+    return p.mul_(decay) if in_place else torch.mul(p, decay)
+
+
+def descend(p: Tensor, o: Tensor, decay: float | Tensor, step: float | Tensor, *, in_place: bool = False) -> Tensor:
+    """``p * decay - step * o``, as torch's ``param.mul_(decay); param.add_(o, alpha=-step)``."""
+    return step_by(decayed(p, decay, in_place=in_place), o, step)
 
 
 def step_by(q: Tensor, o: Tensor, step: float | Tensor) -> Tensor:

@@ -68,6 +68,7 @@ class _Job:
         self.out = out
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+            "--shutdown-timeout=100",  # a signalled agent SIGKILLs its workers after this (30 s by default): a loaded machine is slow
             str(TESTS / "preempt_job.py"), str(directory), str(steps), str(delay), str(out),
         ]  # fmt: skip
         env = _env(out)

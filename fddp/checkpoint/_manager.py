@@ -180,7 +180,8 @@ class Manager:
                 raise RuntimeError(
                     f"fddp.checkpoint.Manager: a manager of {other.directory!r} is open on this process group; its step "
                     "boundaries and this one's would take each other's requests. Close it first (manager.close(), or a "
-                    "with block), or give this one a group of its own (group=torch.distributed.new_group())"
+                    "with block), or give this one a group of its own (group=torch.distributed.new_group()) and a prefix or "
+                    "directory of its own"
                 )
         self.directory, self.every, self.keep, self.async_ = os.fspath(directory), every, keep, bool(async_)
         self.prefix, self.group, self.grace = prefix, group, float(grace)

@@ -6,8 +6,12 @@ Trains a linear model for STEPS steps (sleeping DELAY s after each, so that a si
 with a :class:`fddp.checkpoint.Manager` saving asynchronously every 4 steps into DIR, resuming
 from DIR's latest checkpoint when there is one. Each rank writes into OUT its pid (``pid-<rank>``,
 at the start), the step it finished last (``progress-<rank>``) and, at the end, what it did
-(``done-<rank>``: JSON); rank 0 saves the final parameters (``final.pt``). Batches are a function
+(``done-<rank>``: JSON; ``exit-<rank>`` once all is shut down); rank 0 saves the final parameters (``final.pt``). Batches are a function
 of the step and the rank only, so a resumed run computes what an uninterrupted one does.
+
+With ``FDDP_PREEMPT_TEST_SLOW=STEP:SECONDS`` in the environment, rank 0's write of the checkpoint
+of STEP (the asynchronous save's, on its thread) writes ``OUT/writing-STEP`` and then takes
+SECONDS longer: a save still in flight when the test's signal arrives.
 """
 
 from __future__ import annotations
@@ -29,8 +33,26 @@ def _write(path: str, text: str) -> None:
     os.replace(path + ".part", path)  # the test never reads half a file
 
 
+def _slow_write(out: str) -> None:
+    """Make rank 0's write of one step's checkpoint slow (``FDDP_PREEMPT_TEST_SLOW``, see above)."""
+    from fddp.checkpoint import _codec
+
+    slow_step, seconds = os.environ["FDDP_PREEMPT_TEST_SLOW"].split(":")
+    real = _codec.write
+
+    def write(f, payload):  # noqa: ANN001 - _codec.write's signature
+        if f"ckpt-{int(slow_step):08d}.pt.tmp-" in f.name:
+            _write(os.path.join(out, f"writing-{slow_step}"), "")
+            time.sleep(float(seconds))
+        real(f, payload)
+
+    _codec.write = write
+
+
 def main() -> None:
     directory, steps, delay, out = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    if "FDDP_PREEMPT_TEST_SLOW" in os.environ:
+        _slow_write(out)
     torch.set_num_threads(1)
     fddp.init(timeout=60)
     rank = fddp.rank()
@@ -63,6 +85,7 @@ def main() -> None:
     if rank == 0:
         ckpt.save(os.path.join(out, "final.pt"), {"params": params})
     fddp.shutdown()
+    _write(os.path.join(out, f"exit-{rank}"), "")  # the end of a normal exit (a signal's default action never gets here)
 
 
 if __name__ == "__main__":

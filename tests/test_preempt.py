@@ -11,6 +11,16 @@ at a step boundary on every rank together, and writes asynchronously without los
 - step boundaries: a signal is learnt by every rank even where no fddp call runs between two
   boundaries; where the steps make fddp calls, the manager adds no collective; threads and memory
   stay flat over many asynchronous saves.
+
+Issue 53, jobs stopped as schedulers stop them:
+
+- SIGTERM, and SIGINT, to torchrun's agent and its 2 workers together (what SLURM does; the agent
+  forwards it, so each worker gets it twice): both workers save the step they reached and stop,
+  with and without an asynchronous save in flight;
+- a signal repeated within the grace period is one request, also while ``close`` runs; a later
+  one before the save interrupts;
+- one writer per directory and prefix in a process: a second Manager, or ``save_step``, of another
+  group on a series is refused naming both.
 """
 
 from __future__ import annotations
@@ -50,17 +60,22 @@ def _env(marker: Path) -> dict[str, str]:
 
 
 class _Job:
-    """``tests/preempt_job.py`` under torchrun, 2 ranks; output in ``out/log``."""
+    """``tests/preempt_job.py`` under torchrun, 2 ranks; output in ``out/log``. ``slow``: rank 0's
+    write of one step's checkpoint is slow (``"STEP:SECONDS"``, see preempt_job.py)."""
 
-    def __init__(self, directory: Path, steps: int, delay: float, out: Path) -> None:
+    def __init__(self, directory: Path, steps: int, delay: float, out: Path, slow: str | None = None) -> None:
         out.mkdir()
         self.out = out
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+            "--shutdown-timeout=100",  # a signalled agent SIGKILLs its workers after this (30 s by default): a loaded machine is slow
             str(TESTS / "preempt_job.py"), str(directory), str(steps), str(delay), str(out),
         ]  # fmt: skip
+        env = _env(out)
+        if slow is not None:
+            env["FDDP_PREEMPT_TEST_SLOW"] = slow
         with open(out / "log", "w") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(out))
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
     def read(self, name: str) -> str | None:
         try:
@@ -68,7 +83,19 @@ class _Job:
         except FileNotFoundError:
             return None
 
-    def finish(self, timeout: float) -> str:
+    def wait_for(self, name: str, at_least: int | None = None, timeout: float = 180) -> None:
+        """Wait until the job has written ``name`` (holding a number >= ``at_least``, if given)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.read(name)
+            if text is not None and (at_least is None or int(text) >= at_least):
+                return
+            assert self.proc.poll() is None, self.read("log")
+            time.sleep(0.05)
+        pytest.fail(f"no {name} within {timeout} s:\n{self.read('log')}")
+
+    def finish(self, timeout: float, ok: bool = True) -> str:
+        """Wait for torchrun to end; ``ok``: it must exit 0 (not so where the agent itself got the signal)."""
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -77,7 +104,7 @@ class _Job:
         finally:
             kill_marked("FDDP_PREEMPT_TEST_RUN", self.out)
         log = (self.out / "log").read_text()
-        assert self.proc.returncode == 0, f"torchrun exited with {self.proc.returncode}:\n{log}"
+        assert self.proc.returncode == 0 or not ok, f"torchrun exited with {self.proc.returncode}:\n{log}"
         return log
 
 
@@ -115,6 +142,43 @@ def test_sigterm_to_one_rank_saves_the_step_both_reached_and_a_fresh_job_resumes
     for name in want["params"]:
         assert torch.equal(got["params"][name], want["params"][name]), name
     assert not torch.equal(got["params"]["w"], saved["params"]["w"])  # the resumed job trained
+
+
+def _signal_the_step(job: _Job, sig: int) -> None:
+    """What SLURM does at ``scancel``, the time limit or ``--signal`` (and a Ctrl-C under ``srun``):
+    signal every process of the job step, torchrun's agent and its workers together; the agent
+    forwards the signal to its workers too, so each worker gets it twice within milliseconds."""
+    for pid in [job.proc.pid] + [int(job.read(f"pid-{r}")) for r in range(2)]:
+        os.kill(pid, sig)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_torchrun_agent_and_its_workers_saves_the_step_both_reached(tmp_path, sig):
+    # Two jobs at once: in one, no save is in flight when the signal comes; in the other, the
+    # asynchronous save of step 4 is still being written (2 s more): it must complete, and the
+    # signal's save of the reached step after it.
+    plain = _Job(tmp_path / "plain", 60, 0.3, tmp_path / "plain-out")
+    slow = _Job(tmp_path / "slow", 60, 0.5, tmp_path / "slow-out", slow="4:2")
+    try:
+        plain.wait_for("progress-1", at_least=2)
+        _signal_the_step(plain, sig)
+        slow.wait_for("writing-4")
+        _signal_the_step(slow, sig)
+    finally:
+        logs = {"plain": plain.finish(timeout=120, ok=False), "slow": slow.finish(timeout=120, ok=False)}
+    for name, job in (("plain", plain), ("slow", slow)):
+        done = [job.read(f"done-{r}") for r in range(2)]
+        assert None not in done, (name, done, logs[name])  # every worker left the loop
+        done = [json.loads(d) for d in done]
+        reached = done[0]["last"]
+        assert done[1] == done[0] and done[0]["preempted"] and 2 <= reached < 60, (name, done, logs[name])
+        assert [job.read(f"exit-{r}") for r in range(2)] == ["", ""], (name, logs[name])  # and ended normally
+        found = [s for s, _ in ckpt.steps(tmp_path / name)]
+        assert found[-1] == reached and len(found) <= 2, (name, found)
+        assert ckpt.load(ckpt.latest(tmp_path / name))["step"] == reached
+    reached = json.loads(slow.read("done-0"))["last"]
+    if reached < 8:  # (a signal learnt only at step 9 or later: step 8's periodic save pruned step 4's, rightly)
+        assert [s for s, _ in ckpt.steps(tmp_path / "slow")] == [4, reached]  # the save in flight was not lost either
 
 
 KILLED = """
@@ -331,3 +395,84 @@ def test_manager_refuses_what_it_cannot_do(tmp_path):
     t.start()
     t.join()
     assert "main thread" in str(error[0].value)
+
+
+def test_a_signal_repeated_within_the_grace_period_is_one_request_and_a_later_one_interrupts(tmp_path):
+    me = os.getpid()
+    try:
+        with ckpt.Manager(tmp_path / "a") as manager:  # the default grace period, 2 s
+            t0 = time.monotonic()
+            for sig in (signal.SIGINT, signal.SIGINT, signal.SIGTERM, signal.SIGTERM):  # each twice: two paths of one delivery
+                os.kill(me, sig)
+            assert manager.step(1, {"step": 1}) and manager.should_stop
+            os.kill(me, signal.SIGINT)  # after the save, still within the grace period: the same request, no second save
+            assert manager.step(2, {"step": 2}) is False
+            late = threading.Timer(0.3, os.kill, (me, signal.SIGINT))  # a copy that arrives while close() runs
+            late.start()
+            t1 = time.monotonic()
+        closed = time.monotonic()
+        late.join()
+    except KeyboardInterrupt:
+        pytest.fail("a repeat of one SIGINT within the grace period interrupted")
+    assert closed - t0 > 1.9 and closed - t1 < 2.0, (t1 - t0, closed - t1)  # close() waited out the grace period for it
+    assert [s for s, _ in ckpt.steps(tmp_path / "a")] == [1]
+
+    with ckpt.Manager(tmp_path / "b", grace=0.2) as manager:
+        os.kill(me, signal.SIGINT)
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):  # a deliberate second Ctrl-C, before the save: interrupts as usual
+            os.kill(me, signal.SIGINT)
+            time.sleep(5)
+    assert ckpt.steps(tmp_path / "b") == []
+    with pytest.raises(ValueError, match="grace must be"):
+        ckpt.Manager(tmp_path / "c", grace=-1)
+
+
+def _series_worker(directory: str) -> dict:
+    import torch.distributed as dist
+
+    g1, g2 = dist.new_group([0, 1]), dist.new_group([0, 1])  # a group each, as the one-manager-per-group error advises
+    out = {}
+    with ckpt.Manager(directory, every=1, keep=2, group=g1, signals=()) as a:
+        try:
+            ckpt.Manager(os.path.join(directory, "."), every=1, keep=2, group=g2, signals=())  # the same directory, spelt otherwise
+        except ckpt.CheckpointError as e:
+            out["second manager"] = str(e)
+        try:
+            ckpt.save_step(directory, 6, {"who": "b", "step": 6}, group=g2)
+        except ckpt.CheckpointError as e:
+            out["save_step"] = str(e)
+        with ckpt.Manager(directory, every=1, keep=2, prefix="b", group=g2, signals=()) as b:  # a prefix of its own: fine
+            for step in range(1, 7):
+                a.step(step, {"who": "a", "step": step})
+                b.step(step, {"who": "b", "step": step})
+        ckpt.save_step(directory, 7, {"who": "a", "step": 7}, keep=2, group=g1)  # the manager's group continues its series
+    out["a"] = [(s, ckpt.load(p)["who"]) for s, p in ckpt.steps(directory)]
+    out["b"] = [(s, ckpt.load(p)["who"]) for s, p in ckpt.steps(directory, prefix="b")]
+    with ckpt.Manager(directory, group=g2, signals=()) as c:  # a closed Manager's series is free again
+        c.step(8, {"who": "c", "step": 8})
+    # Plain saves: the first claims the series for its group for as long as the group exists.
+    plain = os.path.join(directory, "plain")
+    ckpt.save_step(plain, 1, {"step": 1}, group=g1)
+    try:
+        ckpt.save_step(plain, 2, {"step": 2})  # the default group
+    except ckpt.CheckpointError as e:
+        out["plain"] = str(e)
+    ckpt.save_step(plain, 2, {"step": 2}, prefix="other")
+    dist.destroy_process_group(g1)
+    ckpt.save_step(plain, 3, {"step": 3})  # g1 is gone: its claim with it
+    out["plain steps"] = [s for s, _ in ckpt.steps(plain)]
+    fddp.broadcast({"done": torch.zeros(1)})
+    return out
+
+
+def test_one_writer_per_directory_and_prefix_in_a_process(tmp_path):
+    for r, out in enumerate(run(_series_worker, 2, str(tmp_path))):
+        second = out.get("second manager", "")
+        assert "Manager" in second and second.count("'ckpt-<step>'") == 1 and "keep=" in second, (r, out)
+        assert "prefix of its own" in second and "close the other Manager" in second, (r, second)
+        assert second.count("fddp.checkpoint.Manager(") == 2, (r, second)  # both named
+        assert "fddp.checkpoint.save_step(" in out.get("save_step", "") and "fddp.checkpoint.Manager(" in out["save_step"], (r, out)
+        assert out["a"] == [(6, "a"), (7, "a")] and out["b"] == [(5, "b"), (6, "b")], (r, out)  # no overwrite, no cross-pruning
+        assert "the default group" in out.get("plain", "") and "save_step" in out["plain"], (r, out)
+        assert out["plain steps"] == [1, 3], (r, out)

@@ -42,11 +42,14 @@ Checkpoints of a run live in one directory as ``<prefix>-<step:08d>.pt`` (a file
 keeps only the newest few, :func:`latest` finds the newest, :func:`steps` lists them all,
 :func:`load_step` reads either kind. The first :func:`save_step` of a job into a directory takes
 its lock (``.fddp-writer.lock``): a second job that would rotate the same checkpoints is refused,
-naming the first.
+naming the first. Inside a process, a series (directory and prefix) belongs to one process group
+(a :class:`Manager` until it closes): another group's ``save_step`` or Manager on it is refused,
+naming both.
 
 A run that may be preempted saves through a :class:`Manager`: every few steps (optionally on a
 background thread), and at the next step boundary on every rank together once any rank gets
-``SIGTERM`` or ``SIGINT``.
+``SIGTERM`` or ``SIGINT`` (repeats of a signal within its grace period are one request: SLURM and
+torchrun's agent each deliver one preemption).
 
 Every function that more than one rank calls together (``save`` and ``save_step`` with their
 barrier, ``save_sharded``, ``load_sharded``, ``load_step`` of a directory) is one fddp call: a

@@ -14,6 +14,17 @@ the previous boundary (a step without an fddp call on it), the boundary agrees i
 header's round trip, so that a request is never stuck. A signal that arrives after the step's
 last header is learnt at the following boundary: the save is at most one step later.
 
+**One request per delivery.** Schedulers signal every process of a job step and torchrun's agent
+forwards what it gets, so a worker receives one preemption two or more times within milliseconds.
+The handler takes arrivals of a signal within ``grace`` seconds of the one that asked as that
+same request; only a later one before the save falls through to the previous handler (a person's
+second Ctrl-C). ``close`` waits out the grace period of a signal that arrived, so that a late copy
+meets this handler rather than the default action after the save.
+
+**One writer per series.** The manager claims its directory and prefix in this process
+(``_series``) from construction to ``close``: a Manager or ``save_step`` of another group on them
+is refused, naming both.
+
 **Asynchronous saves.** With ``async_=True`` a due save snapshots the tree on the training thread
 (host copies of its tensors, see ``_codec.encode(copy=True)``) and rank 0 writes the snapshot on a
 thread of its own, through the usual temporary-then-rename (``_single.write_payload``), then
@@ -33,9 +44,11 @@ synchronously and refuses ``async_=True`` for them.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
+import time
 import warnings
 import weakref
 from types import FrameType
@@ -46,7 +59,7 @@ import torch.distributed as dist
 from fddp import _dist
 from fddp._dist import PREEMPT, UNWRITTEN, WRITTEN
 from fddp._errors import CheckpointError
-from fddp.checkpoint import _codec, _lock, _ranks, _single, _steps
+from fddp.checkpoint import _codec, _lock, _ranks, _series, _single, _steps
 
 __all__ = ["Manager"]
 
@@ -85,8 +98,18 @@ class Manager:
     ``SIGTERM`` before it kills the job, a ``SIGINT``), at the next step boundary on every rank:
     then :attr:`should_stop` is True and the loop should end. The ranks learn of the signal from
     the agreement of their fddp calls, so a signal to one rank is enough; a loop whose steps make
-    fddp calls pays nothing per step for it. A second arrival of the same signal before the save
-    falls through to its previous handler (a second Ctrl-C interrupts as usual).
+    fddp calls pays nothing per step for it.
+
+    **A signal that arrives several times is one request.** A scheduler signals every process of
+    a job step (SLURM at ``scancel``, the time limit, ``--signal``), and torchrun's agent forwards
+    the signal it gets to its workers, so each worker gets it twice within milliseconds. Arrivals
+    of a signal within ``grace`` seconds of the one that asked are that same request: nothing more
+    happens, also after the save and after :meth:`close` (which waits out the rest of the grace
+    period before it puts the previous handler back, so that a late copy cannot kill the process
+    after its save). An arrival later than that, before the save, is a deliberate second request
+    and falls through to the signal's previous handler: a second Ctrl-C more than ``grace``
+    seconds after the first interrupts as usual (``KeyboardInterrupt``), a second ``SIGTERM``
+    terminates. An arrival later than that, after the save, asks for another save.
 
     With ``async_=True``, a periodic save copies the tree's tensors to host memory and returns;
     rank 0 writes the file on a background thread while training goes on. A failed write leaves
@@ -107,10 +130,15 @@ class Manager:
         signals: the signals that request a save and a stop (one this process ignores stays
             ignored); ``()`` installs no handler (needed where the manager is made off the main
             thread).
+        grace: seconds after a signal during which its further arrivals are the same request
+            (>= 0; 0: every repeat before the save falls through to the previous handler).
 
     Raises:
-        ValueError: a bad ``every`` or ``keep``; signals asked for off the main thread.
+        ValueError: a bad ``every``, ``keep`` or ``grace``; signals asked for off the main thread.
         RuntimeError: another manager is open on ``group``.
+        CheckpointError: another process group's Manager or saves in this process write the
+            series ``prefix`` in ``directory`` (naming it): each would overwrite and prune the
+            other's checkpoints. Give each its own prefix or directory.
 
     Example:
         >>> with fddp.checkpoint.Manager("runs/a", every=100, keep=2, async_=True) as manager:
@@ -133,11 +161,14 @@ class Manager:
         prefix: str = "ckpt",
         group: dist.ProcessGroup | None = None,
         signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT),
+        grace: float = 2.0,
     ) -> None:
         if every is not None and not (isinstance(every, int) and every >= 1):
             raise ValueError(f"fddp.checkpoint.Manager: every must be an int >= 1 or None (save only on a signal), got {every!r}")
         if keep is not None and not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"fddp.checkpoint.Manager: keep must be an int >= 1 or None (keep all), got {keep!r}")
+        if not (isinstance(grace, (int, float)) and grace >= 0):
+            raise ValueError(f"fddp.checkpoint.Manager: grace must be a number of seconds >= 0, got {grace!r}")
         signals = tuple(signals)
         if signals and threading.current_thread() is not threading.main_thread():
             raise ValueError(
@@ -149,10 +180,12 @@ class Manager:
                 raise RuntimeError(
                     f"fddp.checkpoint.Manager: a manager of {other.directory!r} is open on this process group; its step "
                     "boundaries and this one's would take each other's requests. Close it first (manager.close(), or a "
-                    "with block), or give this one a group of its own (group=torch.distributed.new_group())"
+                    "with block), or give this one a group of its own (group=torch.distributed.new_group()) and a prefix or "
+                    "directory of its own"
                 )
         self.directory, self.every, self.keep, self.async_ = os.fspath(directory), every, keep, bool(async_)
-        self.prefix, self.group = prefix, group
+        self.prefix, self.group, self.grace = prefix, group, float(grace)
+        _series.claim(self.directory, prefix, group, f"fddp.checkpoint.Manager({self.directory!r}, prefix={prefix!r})", self)
         self._distributed = _ranks.world_size(group) > 1  # fixed: every rank decides each boundary the same way
         self._write: _Write | None = None  # the writer's write in flight
         self._pending = False  # an asynchronous save whose outcome the ranks have not learnt (every rank alike)
@@ -163,6 +196,7 @@ class Manager:
         self._raised = 0  # signals handled (written by the handler only)
         self._taken = 0  # ... of which the boundaries have seen (one process, or without the agreement)
         self._waiting: set[int] = set()  # signals received whose save is still to come
+        self._asked: dict[int, float] = {}  # each signal's arrival that made its latest request (time.monotonic())
         self._saved: int | None = None  # the last step saved
         self._stop = False
         self._closed = False
@@ -176,9 +210,13 @@ class Manager:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """Record a save request; no collective, no lock (it runs between two bytecodes of any code)."""
-        if signum in self._waiting:  # asked twice before the save: do what the signal did before
+        now = time.monotonic()
+        if now - self._asked.get(signum, -math.inf) < self.grace:
+            return  # the same request again: another path of one delivery (the agent's forward, SLURM's)
+        if signum in self._waiting:  # asked again later, before the save: do what the signal did before
             self._fall_through(signum, frame)
             return
+        self._asked[signum] = now
         self._waiting.add(signum)
         self._raised += 1
         if self._distributed:
@@ -265,7 +303,7 @@ class Manager:
             self._start(step, tree)
         self._saved = step
         if preempt:
-            self._waiting = set()  # answered: a signal from now on asks again
+            self._waiting = set()  # answered: a signal from now on (after its grace period) asks again
             self._stop = True
             if self._superseded is not None:
                 failed, why = self._superseded
@@ -352,7 +390,8 @@ class Manager:
 
     def close(self) -> None:
         """Wait for this rank's asynchronous write still in flight and put the previous signal handlers
-        back. Not an fddp call (it runs on an error path too): a failed last write raises on the
+        back (after the rest of the grace period of a signal that arrived, see :class:`Manager`), and
+        free the series for another writer. Not an fddp call (it runs on an error path too): a failed last write raises on the
         writer only. Closing twice does nothing.
 
         Raises:
@@ -366,6 +405,9 @@ class Manager:
             return
         self._closed = True
         _open.discard(self)
+        _series.release(self)
+        if self._asked:  # copies of a signal still on their way must find this handler, not the default action
+            time.sleep(max(0.0, max(self._asked.values()) + self.grace - time.monotonic()))
         for s, previous in self._previous.items():
             try:
                 if signal.getsignal(s) == self._on_signal:  # not one installed after ours

@@ -21,7 +21,7 @@ from typing import Any
 import optree
 import torch.distributed as dist
 
-from fddp.checkpoint import _dcp, _lock, _ranks, _single, _temp
+from fddp.checkpoint import _dcp, _lock, _ranks, _series, _single, _temp
 from fddp.checkpoint._sharded import PerRank, load_sharded, write_sharded
 from fddp.zero import _layout as _shard
 
@@ -196,6 +196,13 @@ def save_step(
     held from another host by another job is the error, which says how to remove it by hand once no
     job writes the directory.
 
+    Inside a process, a series (``directory`` and ``prefix``) has one writer too: the first
+    ``save_step`` of a series claims it for its ``group`` for as long as the group exists (a
+    :class:`fddp.checkpoint.Manager` claims its series from when it is made until it closes). A
+    ``save_step`` or a Manager with another group on that series is a :class:`CheckpointError`
+    naming both, since the two would overwrite each other's checkpoint of a step and prune each
+    other's; another ``prefix`` or directory keeps them apart.
+
     Pruning is housekeeping after the checkpoint is complete: if it fails (a permission, a file
     system error), ``save_step`` warns and returns the new checkpoint, which loads; the next save
     prunes again.
@@ -223,7 +230,8 @@ def save_step(
 
     Raises:
         OSError: on rank 0, the file cannot be written (a full disk says so).
-        CheckpointError: on rank 0, another job writes ``directory`` (naming it).
+        CheckpointError: on rank 0, another job writes ``directory`` (naming it); on every rank,
+            another process group's saves or Manager in this process write this series (naming it).
         fddp.PeerError: on the other ranks (with ``barrier``), rank 0 failed (its error named).
         fddp.MismatchError: a sharded checkpoint whose trees differ across ranks, or whose values
             stored once differ (see :func:`fddp.checkpoint.save_sharded`).
@@ -249,6 +257,7 @@ def save_step(
     path = step_path(directory, step, prefix=prefix, sharded=sharded)
     belongs = _step_name(prefix).fullmatch
     directory = os.fspath(directory)
+    _series.claim(directory, prefix, group, f"fddp.checkpoint.save_step({directory!r}, prefix={prefix!r})")
 
     def prune() -> None:
         _prune(directory, path, step, prefix, keep)

@@ -20,12 +20,12 @@ type registered after ``import fddp`` is adopted at fddp's next flatten. Named t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
 from typing import Any, NamedTuple, Sequence
 
-import dataclasses
 import optree
 import optree.registry
 import torch
@@ -225,11 +225,19 @@ def tensor_leaves(tree: Any, what: str, *, none_ok: bool = False, name: str = "t
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) and not (none_ok and leaf is None):
             allowed = "a torch.Tensor or None" if none_ok else "a torch.Tensor"
-            fix = f"; {FUNCTIONALIZE_FIX}" if isinstance(leaf, torch.nn.Module) else ""
+            fix = f"; {FUNCTIONALIZE_FIX}" if isinstance(leaf, torch.nn.Module) else _container_fix(leaf)
             raise TypeError(
                 f"fddp.{what}: every leaf must be {allowed}, but leaf {paths(spec)[i]!r} is {type(leaf).__name__}{fix}"
             )
     return leaves, spec
+
+
+def _container_fix(leaf: Any) -> str:
+    """The fix for a leaf that may be a container no pytree registry knows, or ``""``."""
+    if leaf is None or isinstance(leaf, (int, float, complex, str, bytes)):
+        return ""
+    how = "torch.utils._pytree.register_dataclass" if dataclasses.is_dataclass(leaf) else "torch.utils._pytree.register_pytree_node"
+    return f"; if it is a container of tensors, register its class with {how} (torch.func needs that too) and fddp flattens it"
 
 
 class LeafSpec(NamedTuple):

@@ -42,7 +42,8 @@ def save(
 
     Args:
         path: destination file.
-        tree: nested dicts/lists/tuples/NamedTuples of tensors and Python scalars, str, bytes, None.
+        tree: nested dicts/lists/tuples/NamedTuples (or containers registered as pytree nodes,
+            such as a ``TensorDict``) of tensors and Python scalars, str, bytes, None.
         group: process group whose rank 0 writes; the default group when None. Other ranks return
             at once without touching the file system. Without ``torch.distributed`` initialised,
             the caller writes.

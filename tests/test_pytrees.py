@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from typing import Any
 
 import pytest
 import torch
@@ -158,6 +159,46 @@ def test_registered_containers_go_through_every_entry_in_their_own_type(make, tm
     assert out == {name: (make.__name__, True) for name in out}, out
     # A dataclass comes back from a file without `like` as a dict of its fields: no class is made from the file.
     assert without_like == ("Pair" if make is Pair else "dict")
+
+
+def _fresh() -> Any:
+    """An instance of a dataclass registered with torch just now, after every flatten fddp made so far."""
+
+    @dataclasses.dataclass
+    class Fresh:
+        w: torch.Tensor
+        b: torch.Tensor
+
+    torch_pytree.register_dataclass(Fresh)
+    return Fresh(torch.randn(3, dtype=torch.float64), torch.randn(2, dtype=torch.float64))
+
+
+def _first_calls(path: str) -> dict:
+    """Each entry as the first fddp call to meet a newly registered type: what it returns."""
+    import fddp.diloco
+
+    firsts = {
+        "broadcast": fddp.broadcast,
+        "ddp_step": lambda p: fddp.ddp_step(p, p),
+        "psum": fddp.psum,
+        "reduce_scatter": lambda p: fddp.reduce_scatter(p, tiled=True),
+        "sync_buffers": fddp.sync_buffers,
+        "adamw.init": lambda p: fddp.optim.adamw(lr=0.1).init(p).exp_avg,
+        "muon.init": lambda p: fddp.optim.muon(lr=0.1).init(p),
+        "apply_updates": lambda p: fddp.optim.apply_updates(p, p),
+        "apply_if_finite": lambda p: fddp.apply_if_finite(True, p, p),
+        "accumulate_grads": lambda p: fddp.accumulate_grads(fddp.GradAccumulator(), p).mean(),
+        "diloco.init": lambda p: fddp.diloco.diloco(every=2).init(p).snapshot,
+        "zero.shard": lambda p: fddp.zero.unshard(fddp.zero.shard(p)),
+        "checkpoint.save": lambda p: fddp.checkpoint.load(fddp.checkpoint.save(path, p), like=p),
+    }
+    return {name: type(f(_fresh())).__name__ for name, f in firsts.items()}
+
+
+def test_a_type_registered_after_the_last_flatten_is_adopted_by_any_entry(tmp_path):
+    out = run(_first_calls, 1, str(tmp_path / "fresh.pt"))[0]
+    assert out.pop("muon.init") == "MultiTransformState"
+    assert out == dict.fromkeys(out, "Fresh"), out
 
 
 def test_an_unregistered_container_is_refused_with_the_registration_to_make():

@@ -123,6 +123,8 @@ def _entries(make, path: str) -> dict:
         shards = fddp.zero.shard(p)
         fddp.checkpoint.save(path, {"p": p, "opt": state})
         loaded = fddp.checkpoint.load(path, like={"p": p, "opt": state})
+        fddp.checkpoint.save_sharded(path + ".sharded", {"p": shards, "opt": state})
+        sharded = fddp.checkpoint.load_sharded(path + ".sharded", like={"p": shards, "opt": state})
         return {
             "broadcast": fddp.broadcast(p),
             "ddp_step": fddp.ddp_step(p, g),
@@ -139,6 +141,8 @@ def _entries(make, path: str) -> dict:
             "zero.gather": fddp.zero.gather(shards).wait(),
             "checkpoint.load": loaded["p"],
             "checkpoint.load state": loaded["opt"][1].exp_avg,
+            "checkpoint.load_sharded": fddp.zero.unshard(sharded["p"]),
+            "checkpoint.load_sharded state": sharded["opt"][1].exp_avg,
         }
 
     fddp.verify_replicas(make(w, b))

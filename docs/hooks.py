@@ -23,6 +23,8 @@ VALIDATION_MARKER = "<!-- scaling-validation -->"
 PROJECTION_MARKER = "<!-- scaling-projection -->"
 API_MARKER = "<!-- api-pages -->"
 LINE_CLASS = "code-line"  # each line of a code block (docs/hooks.py's _code_lines; extra.css wraps it)
+COLUMNS_CLASS = "columns"  # ... unless its block is laid out in columns: then it scrolls
+COLUMNS = re.compile(r"^ {24}|[─│┌┐└┘├┤►▶◄→]")  # a line that continues a right-hand column, or a diagram's strokes
 
 # What each mode of benchmarks/step.py runs (its docstring has the same list).
 STEP_MODES = {
@@ -96,7 +98,9 @@ def _api_pages(config: Any) -> str:
         summary = text.split("\n\n")[1].strip()
         names = re.findall(r"^::: ([\w.]+)$", text, re.MULTILINE)
         shown = ", ".join(f"[`{n}`]({src}#{n})" for n in names)
-        lines.append(f"## [{title}]({src})\n\n{summary}\n\n{shown}\n")
+        # A bold line, not a heading: with toc.integrate a heading would put every reference page in
+        # the sidebar twice, once as this page's contents and once as the nav's own entry.
+        lines.append(f"**[{title}]({src})**\n\n{summary}\n\n{shown}\n")
     return "\n".join(lines)
 
 
@@ -124,8 +128,23 @@ def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
     html = re.sub(r":(?:func|class|meth|mod|attr|exc|data|obj):(?=<code)", "", html)
     html = re.sub(r"<table>.*?</table>", _breakable_code, html, flags=re.DOTALL)
     html = re.sub(r"<table>.*?</table>", _labelled_cells, html, flags=re.DOTALL)
+    html = _outside_pre(html, lambda text: re.sub(r"(<code>)((?:[^<]|<wbr>)*)(</code>)", _unbroken_flags, text))
     html = re.sub(r"(<pre\b[^>]*>(?:<span></span>)?<code\b[^>]*>)(.*?)(</code></pre>)", _code_lines, html, flags=re.DOTALL)
     return re.sub(r'<p><img alt="([^"]*)" src="([^"]+\.png)" ?/?></p>', _full_size_link, html)
+
+
+def _outside_pre(html: str, change: Any) -> str:
+    """``change`` applied to the page's HTML outside its ``<pre>`` blocks."""
+    parts = re.split(r"(<pre\b.*?</pre>)", html, flags=re.DOTALL)
+    return "".join(part if k % 2 else change(part) for k, part in enumerate(parts))
+
+
+def _unbroken_flags(code: re.Match) -> str:
+    """Keep each hyphenated word of inline code on one line: a browser may break after a hyphen, and
+    ``--nproc-per-`` / ``node=2`` on two lines reads as two flags. The text is unchanged (a copy
+    pastes as typed): the word only sits in a ``nowrap`` span (extra.css)."""
+    words = re.sub(r"(?<![^\s])(\S*\w-\w\S*|--?\w\S*)", r'<span class="nobr">\1</span>', code.group(2))
+    return code.group(1) + words + code.group(3)
 
 
 def _code_lines(block: re.Match) -> str:
@@ -152,11 +171,18 @@ def _code_lines(block: re.Match) -> str:
     if re.sub(r"<[^>]+>", "", last):
         lines.append(last)
 
-    def wrap(markup: str) -> str:
-        text = _html.unescape(re.sub(r"<[^>]+>", "", markup))
-        return f'<span class="{LINE_CLASS}" style="--i:{len(text) - len(text.lstrip(" "))}">{markup}\n</span>'
+    texts = [_html.unescape(re.sub(r"<[^>]+>", "", markup)) for markup in lines]
+    # A block laid out in columns (a diagram; a column of comments continued on lines of their own)
+    # is no longer aligned once wrapped, and the hanging indent of a line indented to its
+    # right-hand column leaves a phone one character a line: its lines scroll sideways instead
+    # (extra.css). Other blocks wrap, with the hanging indent.
+    columns = any(COLUMNS.search(t.rstrip("\n")) for t in texts)
+    css_class = f"{LINE_CLASS} {COLUMNS_CLASS}" if columns else LINE_CLASS
 
-    return block.group(1) + "".join(wrap(markup) for markup in lines) + block.group(3)
+    def wrap(markup: str, text: str) -> str:
+        return f'<span class="{css_class}" style="--i:{len(text) - len(text.lstrip(" "))}">{markup}\n</span>'
+
+    return block.group(1) + "".join(wrap(markup, text) for markup, text in zip(lines, texts)) + block.group(3)
 
 
 def _closing(tag: str) -> str:
@@ -242,6 +268,14 @@ def _step_section() -> str:
     )
     if (RESULTS / "step.png").is_file():
         out.append("![Step time relative to torch DDP](results/step.png)")
+    timed = {m for r in data["results"].values() for m in r["modes"]}
+    absent = [f"`{m}`" for m in STEP_MODES if m not in timed]
+    if absent:  # a run of some modes only (--modes): say so, the summary page quotes the others
+        out.append(
+            f"This run timed {len(timed)} of the benchmark's {len(STEP_MODES)} modes (its command: `--modes "
+            f"{' '.join(args.get('modes') or [])}` beside the references). Not in it: {', '.join(absent)}; the "
+            "[numbers in short](benchmarks.md#the-numbers-in-short) quote the run that timed them."
+        )
     out.append("Every mode, model by model (one tab each):")
     tabs = []
     for model, r in data["results"].items():
@@ -349,7 +383,7 @@ def _cluster_section() -> str:
         "Every mode of `benchmarks/step.py` against torch DDP in the same run, one torchrun agent per host. "
         "**wire ms** is the time a ring all-reduce of the mode's bytes keeps each link busy at the measured "
         "TCP rate, 2(W-1)/W × bytes / rate; **limit** is max(the fastest no-communication floor, wire): no step can be "
-        "faster, even with perfect overlap."
+        "faster, even with perfect overlap. The floors send nothing: their bytes, wire and limit read \"—\"."
     )
     for path in files:
         data = json.loads(path.read_text())
@@ -372,7 +406,7 @@ def _cluster_section() -> str:
             for mode, d in r["modes"].items():
                 lim = data["limits"][model].get(mode)
                 tail = (
-                    "| | | | |" if lim is None else f"| {d['bytes'] / 2**20:.2f} | {lim['wire_ms']:.1f} "
+                    "| — | — | — | — |" if lim is None else f"| {d['bytes'] / 2**20:.2f} | {lim['wire_ms']:.1f} "
                     f"| {lim['limit_ms']:.1f} | {lim['limit_ratio_to_ddp']:.2f} |"
                 )
                 rows.append(f"| `{mode}` | {d['median_ms']:.1f} | {d['ratio_to_ddp']:.2f} {tail}")
@@ -471,7 +505,7 @@ def _zero_section() -> str:
         ]
         for mode, t in wall.items():
             c = cpu.get(mode)
-            cpu_cells = f"{c:.1f} | {c / cpu['fddp']:.2f}" if c is not None and "fddp" in cpu else " | "
+            cpu_cells = f"{c:.1f} | {c / cpu['fddp']:.2f}" if c is not None and "fddp" in cpu else "not measured | —"
             rows.append(
                 f"| `{mode}` | {t:.1f} | {t / wall['ddp']:.2f} | {t / wall['torch_zero']:.2f} | {t / wall['fddp']:.2f} | {cpu_cells} |"
             )
@@ -524,12 +558,12 @@ def _stage3_section() -> str:
         for world, mem in r["memory"].items():
             for mode, m in mem.items():
                 held = m["params"] + m["grads"] + m["state"]
-                tr = f"{m['transient'] / 2**20:.2f}" if m.get("transient") else ""
+                tr = f"{m['transient'] / 2**20:.2f}" if m.get("transient") else "—"
                 rows.append(
                     f"| {world} | `{mode}` | {m['params'] / 2**20:.2f} | {m['grads'] / 2**20:.2f} | {m['state'] / 2**20:.2f} | "
                     f"{held / 2**20:.2f} | {tr} | {m['peak_rss'] / 2**20:.0f} |"
                 )
-        out.append("\n".join(rows))
+        out.append("\n".join(rows) + "\n\n\"—\": the mode gathers no units (only stage 3 does).")
         t = r.get("times")
         if t:
             med = {m: statistics.median(v) for m, v in t["times_ms"].items()}
@@ -543,7 +577,7 @@ def _stage3_section() -> str:
             ]
             for m, v in med.items():
                 c = cpu.get(m)
-                cpu_cells = f"{c:.1f} | {c / cpu['stage2']:.2f}" if c is not None and "stage2" in cpu else " | "
+                cpu_cells = f"{c:.1f} | {c / cpu['stage2']:.2f}" if c is not None and "stage2" in cpu else "not measured | —"
                 rows.append(
                     f"| `{m}` | {v:.1f} | {v / med['stage2']:.2f} | {v / med['fsdp2']:.2f} | {v / med['ddp']:.2f} | {cpu_cells} |"
                 )
@@ -565,8 +599,8 @@ def _stage3_section() -> str:
                 limit = max(floor, c["wire_ms"])
                 rows.append(f"| `{m}` | {v:.1f} | {v / med['ddp']:.2f} | {c['wire_ms']:.1f} | {limit:.1f} | {v / limit:.2f} |")
             else:
-                rows.append(f"| `{m}` | {v:.1f} | {v / med['ddp']:.2f} | | | |")
-        out.append("\n".join(rows))
+                rows.append(f"| `{m}` | {v:.1f} | {v / med['ddp']:.2f} | — | — | — |")
+        out.append("\n".join(rows) + "\n\n\"—\": the limit is stage 3's; the floor itself sends nothing.")
         h = cluster.get("two_hosts_two_ranks")
         if h:
             med, ddp_bytes = h["median_ms"], h["ddp_payload_bytes"]
@@ -666,12 +700,24 @@ def _collectives_section() -> str:
     if data is None:
         return "\n\n".join([*out, _missing(command, "what each collective returns under each transform")])
     names = {"sum": "sum (`fddp.psum`)", "gather": "gather (`fddp.all_gather`)", "scatter": "reduce-scatter (`fddp.reduce_scatter`)"}
+    # An error repeats in most cells: each distinct one is written once, under the tables, and a
+    # cell says "raises (1)".
+    errors: dict[str, int] = {}
+
+    def cell(text: str) -> str:
+        if not text.startswith("raises "):
+            return text.replace("|", "/")
+        number = errors.setdefault(text, len(errors) + 1)
+        return f"raises ({number})"
+
     for kind, rows in data["table"].items():
         impls = list(next(iter(rows.values())))
         lines = ["| transform | " + " | ".join(impls) + " |", "| --- |" + " --- |" * len(impls)]
         for transform, cells in rows.items():
-            lines.append(f"| {transform} | " + " | ".join(cells[i].replace("|", "/") for i in impls) + " |")
+            lines.append(f"| {transform} | " + " | ".join(cell(cells[i]) for i in impls) + " |")
         out.append(f"**{names.get(kind, kind)}**, {data['world_size']} gloo ranks, torch {data['torch']}:\n\n" + "\n".join(lines))
+    if errors:
+        out.append("\n".join(f"({n}) {text[len('raises ') :].replace('|', '/')}  " for text, n in errors.items()))
     per = data["per_call_us"]
     out.append(
         f"Per call, a 64-float `fddp.psum` took {per['fddp.psum']:.0f} us against {per['torch.distributed.all_reduce']:.0f} us for "

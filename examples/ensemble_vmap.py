@@ -6,8 +6,11 @@
 (``torch.func.stack_module_state``: every leaf gains a leading member dimension) and trained as
 one: ``vmap`` runs every member on the same batch, one ``fddp.grad_and_value`` averages the whole
 ensemble's gradients over the ranks in a few fused all-reduces, and ``vmap(opt.update)`` gives
-each member its own optimizer step, including its own gradient clipping. torch DDP cannot do
-this: its hooks live on ``nn.Module`` parameters and torch.func transforms do not see them.
+each member its own optimizer step, including its own gradient clipping. torch DDP can train this
+ensemble too (a module whose forward runs ``vmap(functional_call)`` over the stacked parameters,
+wrapped in DDP and trained with ``.backward()``, gives bitwise the same parameters); what DDP cannot
+do is run a ``torch.func`` transform over the step (``torch.func.grad`` of a loss that synchronises,
+as in ``examples/meta_learning.py``): its hooks fire only inside ``.backward()``.
 
 Data: scikit-learn's bundled digits, sharded over the ranks with ``DistributedSampler``.
 Writes ``<out-dir>/metrics.json`` and ``<out-dir>/curves.png``.
@@ -105,6 +108,9 @@ def main() -> None:
         # Members share no parameters, so the gradient of the sum is each member's own gradient.
         return losses.sum(), losses
 
+    # Built once, outside the loop: the transform is a function of the loss, not of the batch.
+    step_fn = fddp.grad_and_value(loss_fn, has_aux=True)
+
     history: list[dict] = []
     step, t0 = 0, time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -112,7 +118,7 @@ def main() -> None:
         loss_sum, batches = torch.zeros(args.members), 0
         for xb, yb in loader:
             # The whole ensemble's gradients, averaged over the ranks in a few fused all-reduces.
-            grads, (_, losses) = fddp.grad_and_value(loss_fn, has_aux=True)(params, xb, yb)
+            grads, (_, losses) = step_fn(params, xb, yb)
             updates, opt_state = update(grads, opt_state, params)
             params = fddp.optim.apply_updates(params, updates)
             loss_sum += losses.detach()

@@ -8,22 +8,34 @@ signature needs them, and cached per tree structure.
 :func:`flatten` is optree's ``tree_flatten`` (``None`` is a leaf) with a fast path for the tree
 fddp meets most, a flat dict of tensors (``fddp.functionalize``'s parameters): its structure is
 cached per key order, so a call reads the values and builds no spec.
+
+Every container torch.func accepts is one fddp accepts: :func:`adopt_torch_nodes` registers with
+optree (in its global namespace, where fddp flattens) each type registered with
+``torch.utils._pytree`` that optree does not know, with torch's own flatten and unflatten
+functions: ``tensordict.TensorDict``, dataclasses passed to ``register_dataclass``, any type passed
+to ``register_pytree_node``. It runs at import and again whenever torch's registry has grown, so a
+type registered after ``import fddp`` is adopted at fddp's next flatten. Named tuples and
+``None`` optree handles itself, as torch does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import operator
 from typing import Any, NamedTuple, Sequence
 
 import optree
+import optree.registry
 import torch
+import torch.utils._pytree as _torch_pytree
 
 from fddp import _caches
 
 __all__ = [
     "LeafSpec",
+    "adopt_torch_nodes",
     "article",
     "definition_order",
     "first_difference",
@@ -92,6 +104,70 @@ def paths(spec: optree.PyTreeSpec) -> tuple[str, ...]:
 
 
 _Tensor = torch.Tensor
+_GLOBAL = vars(optree.registry)["__GLOBAL_NAMESPACE"]  # fddp flattens in optree's global namespace
+_adopted_from = [0]  # len(torch's registry) when last adopted: a cheap test for new registrations
+
+
+def _key(k: Any) -> Any:
+    """A torch key path entry (``MappingKey``, ``GetAttrKey``, ``SequenceKey``) as a plain key."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return getattr(k, attr)
+    return k
+
+
+def _bridge(node: Any) -> tuple[Any, Any]:
+    """optree's flatten and unflatten functions for a node type torch.utils._pytree describes."""
+    flatten_fn, unflatten_fn, with_keys = node.flatten_fn, node.unflatten_fn, node.flatten_with_keys_fn
+
+    if with_keys is None:
+
+        def flatten_node(x: Any) -> tuple[Any, Any]:
+            return flatten_fn(x)
+    else:
+        # The keys name the leaves in messages. Their context is not always flatten_fn's
+        # (register_dataclass's differs), so the children and context come from flatten_fn.
+
+        def flatten_node(x: Any) -> tuple[Any, Any, Any]:
+            children, context = flatten_fn(x)
+            return children, context, [_key(k) for k, _ in with_keys(x)[0]]
+
+    def unflatten_node(context: Any, children: Any) -> Any:
+        return unflatten_fn(list(children), context)
+
+    return flatten_node, unflatten_node
+
+
+def adopt_torch_nodes() -> None:
+    """Register with optree the container types ``torch.utils._pytree`` knows and optree does not.
+
+    torch's own internal types (``torch.Size``, ``torch.fx`` collections, ...) are left as optree
+    sees them; a type optree already knows (built-in containers, fddp's own, a user's global
+    registration) keeps its registration. Cheap when nothing new was registered.
+
+    Example:
+        >>> import dataclasses, torch.utils._pytree
+        >>> @dataclasses.dataclass
+        ... class Pair:
+        ...     w: torch.Tensor
+        ...     b: torch.Tensor
+        >>> _ = torch.utils._pytree.register_dataclass(Pair)
+        >>> adopt_torch_nodes(); flatten(Pair(torch.ones(1), torch.zeros(1)))[0]
+        [tensor([1.]), tensor([0.])]
+    """
+    nodes = _torch_pytree.SUPPORTED_NODES
+    if len(nodes) == _adopted_from[0]:
+        return
+    for cls, node in list(nodes.items()):
+        if not isinstance(cls, type) or cls.__module__.split(".")[0] == "torch" or optree.register_pytree_node.get(cls) is not None:
+            continue
+        flatten_node, unflatten_node = _bridge(node)
+        entry = optree.GetAttrEntry if dataclasses.is_dataclass(cls) else optree.GetItemEntry
+        try:
+            optree.register_pytree_node(cls, flatten_node, unflatten_node, path_entry_type=entry, namespace=_GLOBAL)
+        except ValueError:  # registered in an optree namespace of its own: that registration stands
+            continue
+    _adopted_from[0] = len(nodes)
 
 
 def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
@@ -107,6 +183,8 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
             leaves = list(map(tree.__getitem__, keys))
             if all(map(isinstance, leaves, itertools.repeat(_Tensor))):
                 return leaves, spec
+    if len(_torch_pytree.SUPPORTED_NODES) != _adopted_from[0]:
+        adopt_torch_nodes()
     return optree.tree_flatten(tree, none_is_leaf=True)
 
 
@@ -147,11 +225,19 @@ def tensor_leaves(tree: Any, what: str, *, none_ok: bool = False, name: str = "t
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) and not (none_ok and leaf is None):
             allowed = "a torch.Tensor or None" if none_ok else "a torch.Tensor"
-            fix = f"; {FUNCTIONALIZE_FIX}" if isinstance(leaf, torch.nn.Module) else ""
+            fix = f"; {FUNCTIONALIZE_FIX}" if isinstance(leaf, torch.nn.Module) else _container_fix(leaf)
             raise TypeError(
                 f"fddp.{what}: every leaf must be {allowed}, but leaf {paths(spec)[i]!r} is {type(leaf).__name__}{fix}"
             )
     return leaves, spec
+
+
+def _container_fix(leaf: Any) -> str:
+    """The fix for a leaf that may be a container no pytree registry knows, or ``""``."""
+    if leaf is None or isinstance(leaf, (int, float, complex, str, bytes)):
+        return ""
+    how = "torch.utils._pytree.register_dataclass" if dataclasses.is_dataclass(leaf) else "torch.utils._pytree.register_pytree_node"
+    return f"; if it is a container of tensors, register its class with {how} (torch.func needs that too) and fddp flattens it"
 
 
 class LeafSpec(NamedTuple):
@@ -301,3 +387,6 @@ def first_difference(ref: Sequence[Row], other: Sequence[Row], ref_name: str, ot
             return f"{where}: {ref_name} has {_describe(a, at)}, {other_name} has {_describe(b, at)}"
         return f"{ref_name} has {a[0]!r} ({_describe(a, at)}) where {other_name} has {b[0]!r} ({_describe(b, at)})"
     return None
+
+
+adopt_torch_nodes()

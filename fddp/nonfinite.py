@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fddp._tree import path_str
+from fddp._tree import adopt_torch_nodes, path_str
 
 __all__ = ["apply_if_finite", "DynamicLossScale", "LossScaleState"]
 
@@ -70,6 +70,7 @@ def apply_if_finite(finite: torch.Tensor | bool, new: Any, old: Any, /) -> Any:
         got = f"a {finite.dtype} tensor of shape {tuple(finite.shape)}" if isinstance(finite, torch.Tensor) else type(finite).__name__
         raise TypeError(f"fddp.apply_if_finite: finite must be a bool tensor with one element (info.finite), got {got}")
     finite = finite.reshape(())
+    adopt_torch_nodes()  # a container type registered with torch since fddp last flattened
     paths, new_leaves, spec = optree.tree_flatten_with_path(new)
     old_leaves, old_spec = optree.tree_flatten(old)
     if old_spec != spec:

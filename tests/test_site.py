@@ -211,18 +211,62 @@ def _tables(article: str) -> list[tuple[list[str], list[str], list[list[str]]]]:
     return out
 
 
-def test_no_table_has_a_blank_text_cell(site: Path) -> None:
-    """A blank cell in a column of numbers means "not measured"; in a column of text (a mode's
-    "what runs", a version's "what failed") it is a gap the page forgot: the step benchmark's page
-    showed two modes with nothing under "what runs"."""
+def test_no_table_has_a_blank_cell(site: Path) -> None:
+    """A blank cell reads as data the page lost: the step benchmark's page showed two modes with
+    nothing under "what runs", and 131 number cells on the across-hosts, ZeRO and low-communication
+    pages were blank where a measurement did not apply or was not made. Such a cell says so ("—",
+    with the table saying what it means)."""
     blank = []
     for page, article in _pages(site):
-        for header, align, rows in _tables(article):
+        for header, _, rows in _tables(article):
             for row in rows:
                 for k, cell in enumerate(row):
-                    if k < len(align) and align[k] == "left" and not re.sub(r"<[^>]+>|&nbsp;|\s", "", cell):
-                        blank.append(f"{page}: column {header[k]!r} of the row {re.sub(r'<[^>]+>', '', row[0]).strip()!r}")
-    assert not blank, "blank text cells:\n" + "\n".join(blank)
+                    if not re.sub(r"<[^>]+>|&nbsp;|\s", "", cell):
+                        column = header[k] if k < len(header) else k
+                        blank.append(f"{page}: column {column!r} of the row {re.sub(r'<[^>]+>', '', row[0]).strip()!r}")
+    assert not blank, f"{len(blank)} blank cells:\n" + "\n".join(blank[:20])
+
+
+def test_the_sidebar_shows_each_entry_once(site: Path) -> None:
+    """With toc.integrate a page's headings are listed in the sidebar under its entry: the API index's
+    headings (one per reference page) and the benchmarks summary's "Across hosts" showed beside the
+    navigation's own entries of the same names."""
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    titles = set(_nav_titles(config["nav"], Path(config["docs_dir"])))
+    twice = []
+    for page, article in _pages(site):
+        for level, text in re.findall(r"<h([23])\b[^>]*>(.*?)</h\1>", article, re.DOTALL):
+            heading = html.unescape(re.sub(r"<[^>]+>|¶", "", text)).strip()
+            if heading in titles:
+                twice.append(f"{page}: h{level} {heading!r}")
+    assert not twice, "headings that repeat a navigation entry in the sidebar:\n" + "\n".join(twice)
+
+
+def test_columns_scroll_and_flags_do_not_break(site: Path) -> None:
+    """On a phone the design page's data-flow diagram wrapped out of line, and its Sync block, whose
+    comments stand in a right-hand column, wrapped one character a line (3,700 px of blank grey):
+    a block laid out in columns scrolls instead. A command's flag broke after its hyphens
+    (`--nproc-per-` / `node=2`): hyphenated words of inline code stay whole."""
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert any(
+        "span.code-line.columns" in sel and re.search(r"white-space\s*:\s*pre\s*;", body) and re.search(r"text-indent\s*:\s*0", body)
+        for sel, body in _rules(css)
+    ), "no rule keeps a block in columns unwrapped"
+    assert any("code .nobr" in sel and "nowrap" in body for sel, body in _rules(css)), "no rule keeps a flag whole"
+    design = dict(_pages(site))["design"]
+    blocks = re.findall(r"<pre\b.*?</pre>", design, re.DOTALL)
+    diagram = next(b for b in blocks if "──►" in b or "&#9472;" in b or "functionalize" in b)
+    sync = next(b for b in blocks if "sync.announce" in b)
+    for block in (diagram, sync):
+        lines = re.findall(r'<span class="([^"]*)" style="--i:', block)
+        assert lines and all("columns" in c.split() for c in lines), lines[:3]
+    prose = re.sub(r"<pre\b.*?</pre>", "", "".join(a for _, a in _pages(site)), flags=re.DOTALL)
+    unprotected = [re.sub(r'<span class="nobr">.*?</span>', "", c) for c in re.findall(r"<code>(.*?)</code>", prose, re.DOTALL)]
+    broken = [c for c in unprotected if re.search(r'(?<![\w"-])--\w+-\w', c)]
+    assert not broken, f"flags that may break at a hyphen: {broken[:5]}"
+    assert "--nproc-per-node" in prose
 
 
 def test_every_step_benchmark_mode_has_a_chart_label_and_a_description() -> None:

@@ -6,6 +6,13 @@ and the tree's structure described with tuples, strings and ints (nothing names 
 file loads with ``torch.load(..., weights_only=True)``). Decoding rebuilds the tree, checks it
 against an expected ``like`` tree when one is given, and verifies every tensor's checksum.
 
+A container registered as a pytree node (``tensordict.TensorDict``, a dataclass passed to
+``torch.utils._pytree.register_dataclass``, any type registered with torch's or optree's pytree
+registry) is saved as its entries' keys and children: nothing of its class, constructor or
+context goes to the file. Loading with a ``like`` of that type rebuilds it with ``like``'s own
+registered unflatten (so ``like``'s batch size, device and other context, from the running
+program, not the file); without ``like`` it comes back as a dict of its entries.
+
 A file is one ``torch.save`` zip. Reading it checks, before unpickling anything, that it is a
 whole zip (a truncated copy has no central directory) and that the pickle of its structure and
 scalars passes the zip's own CRC-32; a tensor whose bytes changed after the write fails its own
@@ -28,10 +35,11 @@ import zipfile
 import zlib
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
+import optree
 import torch
 
 from fddp._errors import CheckpointError
-from fddp._tree import article, path_str
+from fddp._tree import adopt_torch_nodes, article, path_str
 from fddp.checkpoint import _pickles
 
 __all__ = [
@@ -210,10 +218,28 @@ def _encode(node: Any, path: Path, leaves: list, paths: list, copy: bool) -> tup
     if isinstance(node, (list, tuple)):
         kind = "list" if isinstance(node, list) else "tuple"
         return (kind, tuple(_encode(v, path + (i,), leaves, paths, copy) for i, v in enumerate(node)))
+    adopt_torch_nodes()
+    if optree.register_pytree_node.get(type(node)) is not None:
+        return _encode_registered(node, path, leaves, paths, copy)
     raise TypeError(
         f"fddp.checkpoint: leaf at {_at(path)} has unsupported type {type(node).__qualname__}; expected a "
-        "tensor, a Python scalar, str, bytes or None, inside dicts, lists, tuples or NamedTuples"
+        "tensor, a Python scalar, str, bytes or None, inside dicts, lists, tuples, NamedTuples or containers "
+        "registered as pytree nodes (torch.utils._pytree.register_dataclass / register_pytree_node)"
     )
+
+
+def _encode_registered(node: Any, path: Path, leaves: list, paths: list, copy: bool) -> tuple:
+    """A registered container as ("node", its type's name, its entries' keys, their children)."""
+    one = optree.tree_flatten_one_level(node, none_is_leaf=True)
+    for k in one.entries:
+        if type(k) not in PRIMITIVES:
+            raise TypeError(
+                f"fddp.checkpoint: entry {k!r} of the {type(node).__qualname__} at {_at(path)} is "
+                f"{article(type(k).__qualname__)}, not a plain str/int/float/bool/bytes/None"
+            )
+    keys = tuple(one.entries)
+    children = tuple(_encode(v, path + (k,), leaves, paths, copy) for k, v in zip(keys, one.children))
+    return ("node", type(node).__qualname__, keys, children)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,6 +385,21 @@ def _namedtuple(src: _Source, node: tuple, like: Any, path: Path) -> Any:
     return type(like)(*(_decode(src, c, getattr(like, f), path + (f,)) for f, c in zip(fields, children)))
 
 
+def _registered(src: _Source, node: tuple, like: Any, path: Path) -> Any:
+    name, keys, children = node[1], tuple(node[2]), node[3]
+    if len(keys) != len(children):
+        raise _corrupt(src, path)
+    if like is _MISSING:  # no class is ever made from the file: its entries come back as a dict
+        return {k: _decode(src, c, _MISSING, path + (k,)) for k, c in zip(keys, children)}
+    adopt_torch_nodes()
+    one = None if type(like).__qualname__ != name else optree.tree_flatten_one_level(like, none_is_leaf=True)
+    if one is None or tuple(one.entries) != keys:
+        raise _mismatch(src, path, _describe(like), f"{name} with keys {list(keys)}")
+    values = [_decode(src, c, x, path + (k,)) for k, c, x in zip(keys, children, one.children)]
+    # like's own registration rebuilds it, with like's context (a TensorDict's batch size and device)
+    return one.unflatten_func(one.metadata, values)
+
+
 def _sequence(src: _Source, node: tuple, like: Any, path: Path) -> Any:
     kind, children = node[0], node[1]
     if like is not _MISSING:
@@ -375,6 +416,7 @@ _NODES: dict[str, Callable[[_Source, tuple, Any, Path], Any]] = {
     "namedtuple": _namedtuple,
     "list": _sequence,
     "tuple": _sequence,
+    "node": _registered,
 }
 
 # One generated class per (name, fields), so repeated loads give trees of the same type.
@@ -403,6 +445,8 @@ def _describe(x: Any) -> str:
         return f"dict with keys {list(x)}"
     if isinstance(x, (list, tuple)):
         return f"{type(x).__name__} of length {len(x)}"
+    if optree.register_pytree_node.get(type(x)) is not None:
+        return f"{type(x).__qualname__} with keys {list(optree.tree_flatten_one_level(x, none_is_leaf=True).entries)}"
     return f"{type(x).__name__} {x!r}"
 
 
@@ -412,6 +456,8 @@ def _describe_node(node: tuple) -> str:
         return f"dict with keys {list(node[1])}"
     if kind == "namedtuple":
         return f"NamedTuple {node[1].rsplit('.', 1)[-1]} with fields {node[2]}"
+    if kind == "node":
+        return f"{node[1]} with keys {list(node[2])}"
     return f"{kind} of length {len(node[1])}"
 
 

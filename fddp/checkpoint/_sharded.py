@@ -77,7 +77,8 @@ class PerRank:
     are needed.
 
     Args:
-        tree: nested dicts, lists, tuples and NamedTuples of tensors and Python scalars (no
+        tree: nested dicts, lists, tuples, NamedTuples and registered pytree containers (a
+            ``TensorDict``) of tensors and Python scalars (no
             :class:`fddp.zero.Sharded` parts: they are per-rank already).
 
     Example:
@@ -195,7 +196,8 @@ def _entries(tree: Any, keys: _Keys, what: str, fresh: bool) -> tuple[list[_Entr
             return entry  # a placeholder: rebuild asks value_of for it
         raise TypeError(
             f"fddp.checkpoint.{what}: leaf at {path!r} has unsupported type {type(x).__qualname__}; expected tensors, "
-            "fddp.zero.Sharded trees, fddp.checkpoint.PerRank parts and Python scalars inside dicts, lists, tuples and NamedTuples"
+            "fddp.zero.Sharded trees, fddp.checkpoint.PerRank parts and Python scalars inside dicts, lists, tuples, NamedTuples "
+            "and containers registered as pytree nodes"
         )
 
     leaves, spec, paths = _flatten(tree)
@@ -303,7 +305,7 @@ def save_sharded(directory: str | os.PathLike, tree: Any, /, *, group: dist.Proc
 
     Args:
         directory: the checkpoint directory to create (on a file system every rank sees).
-        tree: nested dicts, lists, tuples and NamedTuples of :class:`fddp.zero.Sharded` trees,
+        tree: nested dicts, lists, tuples, NamedTuples and registered pytree containers of :class:`fddp.zero.Sharded` trees,
             :class:`PerRank` parts, tensors and Python scalars: say ``{"params": shards, "opt":
             opt_state, "step": step}``.
         group: the process group the tree is sharded over; ``None`` for the default group.

@@ -42,7 +42,8 @@ def save(
 
     Args:
         path: destination file.
-        tree: nested dicts/lists/tuples/NamedTuples of tensors and Python scalars, str, bytes, None.
+        tree: nested dicts/lists/tuples/NamedTuples (or containers registered as pytree nodes,
+            such as a ``TensorDict``) of tensors and Python scalars, str, bytes, None.
         group: process group whose rank 0 writes; the default group when None. Other ranks return
             at once without touching the file system. Without ``torch.distributed`` initialised,
             the caller writes.
@@ -153,7 +154,11 @@ def load(
     Without ``like``, dicts, OrderedDicts, lists and tuples come back as such, and each NamedTuple
     as a namedtuple class generated from the saved class name and fields (one class per name and
     fields, shared across loads; it is not the original class, so ``isinstance`` checks against
-    the original fail). Pass ``like`` to get the original types back.
+    the original fail). A container registered as a pytree node (a ``tensordict.TensorDict``, a
+    dataclass passed to ``torch.utils._pytree.register_dataclass``) was saved as its keys and
+    children only, no class or constructor: without ``like`` it comes back as a dict of its
+    entries; with a ``like`` of its type it is rebuilt by ``like``'s own registration (a
+    TensorDict with ``like``'s batch size and device). Pass ``like`` to get the original types back.
 
     Args:
         path: a file written by :func:`save`.

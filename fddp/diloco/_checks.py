@@ -118,10 +118,10 @@ def name_difference(per_rank: Sequence[list[tuple]]) -> str:
 
 
 def leaves_of(params: Any, what: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = optree.tree_flatten(params, none_is_leaf=True)
+    leaves, spec = _tree.flatten(params)
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            path = "/".join(str(k) for k in optree.tree_paths(params, none_is_leaf=True)[i]) or "<root>"
+            path = _tree.paths(spec)[i]
             got = type(t).__name__ if not isinstance(t, torch.Tensor) else f"a {t.dtype} tensor"
             raise TypeError(f"fddp.{what}: every leaf must be a floating-point tensor, but leaf {path!r} is {got}")
     return leaves, spec

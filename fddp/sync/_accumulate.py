@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fddp._tree import path_str
+from fddp._tree import adopt_torch_nodes, path_str
 
 __all__ = ["GradAccumulator", "accumulate_grads", "Window", "window", "window_value"]
 
@@ -120,6 +120,7 @@ def accumulate_grads(
         >>> grads = fddp.ddp_step(params, acc.mean(), weight=acc.weight)
     """
     w, w_number = _check_weight(weight)
+    adopt_torch_nodes()  # a container type registered with torch since fddp last flattened
     paths, g_leaves, g_spec = optree.tree_flatten_with_path(grads, none_is_leaf=True)
     if not isinstance(acc, GradAccumulator):
         raise TypeError(f"fddp.accumulate_grads: acc must be a GradAccumulator, got {type(acc).__name__}")

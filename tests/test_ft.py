@@ -472,6 +472,40 @@ def test_groups_whose_first_quorum_failed_to_configure_start_the_job_not_a_state
         run.close()
 
 
+@pytest.fixture
+def cpu_hog():
+    """A busy loop per CPU for the test's duration, at the tests' own priority: a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    yield
+    for h in hogs:
+        h.kill()
+        h.wait()
+
+
+@slow
+def test_groups_started_together_beside_a_cpu_hog_start_the_job_and_a_restart_heals(run, cpu_hog):
+    """On a loaded machine (a busy loop per CPU) the groups' first quorums, rendezvous and checks
+    run late: both groups start at once, meet, train together; group 1 is SIGKILLed and restarted
+    at once once they have met (before, the one that trains alone holds the only state), and
+    heals. No StateLostError on the way; the survivor and the restart end bitwise equal, where the
+    replay of the committed steps ends."""
+    done = run.tmp / "done"
+    common = ["--steps", "1", "--pace", "0.02", "--quorum-every", "3", "--until", str(done)]
+    (a,) = run.spawn(0, 0, *common)
+    (b,) = run.spawn(1, 0, *common)
+    run.until("the groups to meet", lambda: committed_with(run, 1, 0, 2))  # from here, either one holds the state
+    b.kill()
+    (b2,) = run.spawn(1, 1, *common)
+    run.until("the restart to meet group 0", lambda: committed_with(run, 1, 1, 2))
+    done.write_text(str(run.steps(0)[-1]["step"] + 3))
+    run.finish(a, b2)
+    assert not [r for r, i in ((0, 0), (1, 0), (1, 1)) for e in run.log(r, i) if e["event"] == "error"]
+    steps = history(run, [(0, 0), (1, 0), (1, 1)])
+    assert_bitwise_equal(run.final(0), run.final(1, 1))
+    first = steps[0]["members"][0]  # the job starts from its first quorum's primary's initial state
+    assert_replayed(run.final(0), replay_replicated(steps, start={"replica_0": 1, "replica_1": 2}[first]))
+
+
 @pytest.mark.parametrize("change", ["--hidden=17", pytest.param("--dtype=float32", marks=slow), pytest.param("--lr=0.1", marks=slow)])
 def test_a_joiner_that_does_not_fit_is_refused_naming_the_difference_and_the_survivor_goes_on(run, change):
     """A restarted group with another model (hidden size 17, not 16), another dtype, or another

@@ -15,7 +15,9 @@ changes, moves the live state to the groups that are behind (through
   state's tree, shapes and dtypes, and what the user passed as ``config``). A member whose
   configuration differs from the job's is refused, naming the difference; replicas that committed
   apart are healed from one of them or stop with :class:`DivergedError`; members that hold none of
-  a job that has run before stop with :class:`StateLostError`. Nothing is left apart silently;
+  a job that has run before (a restart given a quorum of its own while the Lighthouse did not hear
+  the live groups) wait for a group that does, and stop with :class:`StateLostError` when none
+  comes within ``quorum_timeout``. Nothing is left apart silently;
 - a step is a function from state to state: when the vote fails (a member died during it) the
   inputs are returned as they were, and the next quorum goes on without the dead group;
 - quorums are taken every ``quorum_every`` committed steps (and after any failure), on a thread
@@ -154,7 +156,8 @@ class Replicas:
             one that dies: its sockets close at once) is found only by this.
         quorum_timeout: seconds a quorum may take to form: longer than ``quorum_every`` steps (a
             group that joins waits for the others' next quorum) or, for DiLoCo, than the time
-            between synchronisations.
+            between synchronisations. Also how long a group whose quorums hold no group with the
+            job's state waits for one before :class:`StateLostError`.
         connect_timeout: seconds to reach the Lighthouse and the Managers.
         heartbeat: seconds between this group's heartbeats to the Lighthouse (its
             ``--heartbeat_timeout_ms`` decides when a silent group is dead).
@@ -607,9 +610,11 @@ class Replicas:
         Every replica group calls it once, before its first step, with its initial state (the
         same structure, shapes and dtypes everywhere). When the job starts, every group takes the
         state of one of them (so the replicas start bitwise equal); a group that joins later, or
-        restarts after a failure, takes a live peer's state at the others' next quorum. A group
-        whose state's tree, shapes or dtypes, or whose ``config``, differ from the job's is
-        refused: :class:`fddp.MismatchError` here, naming the difference; the others go on.
+        restarts after a failure, takes a live peer's state at the others' next quorum: if the
+        Lighthouse gives it a quorum without them first (it had not heard from them for its
+        heartbeat timeout), it waits for them, up to ``quorum_timeout``. A group whose state's
+        tree, shapes or dtypes, or whose ``config``, differ from the job's is refused:
+        :class:`fddp.MismatchError` here, naming the difference; the others go on.
 
         Args:
             state: this group's initial state (a pytree).
@@ -620,7 +625,8 @@ class Replicas:
 
         Raises:
             fddp.MismatchError: this group does not fit the job (or the groups starting it differ).
-            StateLostError: no live group holds the state of a job that has run before.
+            StateLostError: no group holding the state of a job that has run before joined this
+                group's quorums within ``quorum_timeout``.
 
         Example:
             >>> state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt})

@@ -132,6 +132,21 @@ def arm_phases(a: argparse.Namespace, replicas: fddp.ft.Replicas) -> None:
     _codec.write = write_then_die
 
 
+def fail_configure(quorum_id: int) -> None:
+    """Make gloo's rendezvous for ``quorum_id`` fail, as one that timed out on a loaded machine
+    (inside torchft's reconfiguration, where a real one fails)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    configure = ProcessGroupGloo.configure
+
+    def failing(self, store_addr, replica_id, rank, world_size, qid=None, *args, **kwargs):
+        if qid == quorum_id:
+            raise TimeoutError(f"gloo rendezvous for quorum {qid} timed out (injected by the test)")
+        return configure(self, store_addr, replica_id, rank, world_size, qid, *args, **kwargs)
+
+    ProcessGroupGloo.configure = failing
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lighthouse", required=True)
@@ -158,6 +173,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=0, help="fixed batch size (0: 6 + 2 * replica + rank)")
     ap.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per step (a slower step)")
     ap.add_argument("--timeout", type=float, default=10.0)
+    ap.add_argument("--quorum-timeout", type=float, default=30.0)
+    ap.add_argument("--fail-configure", type=int, default=0, help="configuring for this quorum id fails (a gloo rendezvous timed out)")
     ap.add_argument("--save-every", type=int, default=0, help="checkpoint the state every this many steps")
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--rank", type=int, default=0)
@@ -182,10 +199,12 @@ def main() -> None:
     extra = {} if a.warn_alone_after < 0 else {"warn_alone_after": a.warn_alone_after}
     replicas = fddp.ft.Replicas(
         lighthouse=a.lighthouse, replica_id=f"replica_{a.replica}", store=("127.0.0.1", port), min_replicas=a.min_replicas,
-        timeout=a.timeout, quorum_timeout=30.0, connect_timeout=5.0, hostname="127.0.0.1", max_retries=5,
+        timeout=a.timeout, quorum_timeout=a.quorum_timeout, connect_timeout=5.0, hostname="127.0.0.1", max_retries=5,
         quorum_every=a.quorum_every, on_divergence=a.on_divergence, **extra,
     )  # fmt: skip
     arm_phases(a, replicas)
+    if a.fail_configure:
+        fail_configure(a.fail_configure)
     dtype = getattr(torch, a.dtype)
     params = init_params(100 * a.incarnation + a.replica + 1, a.dim, a.hidden, dtype)  # every incarnation starts elsewhere
     suffix = f"-{a.rank}" if a.rank else ""

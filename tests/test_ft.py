@@ -369,14 +369,141 @@ def test_a_group_killed_while_it_receives_the_live_state_rejoins_on_its_restart(
 def test_a_group_started_after_every_holder_of_the_state_left_refuses_to_start_the_job_over(run):
     """The issue's trial: group 0 trains and leaves (its run is over, or it died) before group 1 is
     up. torchft would let group 1 start the job over from its own random initialisation (a second
-    model under the same job, in quorums of one). fddp refuses, on group 1, with StateLostError."""
+    model under the same job, in quorums of one). fddp refuses, on group 1, with StateLostError,
+    once no group holding the state has joined it for quorum_timeout (3 s here)."""
     (a,) = run.spawn(0, 0, "--steps", "4")
     run.finish(a)
-    (b,) = run.spawn(1, 0, "--steps", "4")
+    (b,) = run.spawn(1, 0, "--steps", "4", "--quorum-timeout", "3")
     run.finish(b, rc=3)
     e = run.error(1)
-    assert e["kind"] == "StateLostError" and "holds the job's state" in e["error"], e
+    assert e["kind"] == "StateLostError" and "holds the job's state" in e["error"] and "quorum_timeout=3" in e["error"], e
+    assert e["t"] - run.log(1)[0]["t_up"] > 3.0  # it waited for a holder first
     assert not run.steps(1)  # it committed nothing
+
+
+def restart_at_once(run: Run, change: tuple[str, ...] = ()) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Group 0 trains, group 1 meets it and is SIGKILLed in its 8th step; its restart (already
+    started, as torchrun --max-restarts starts one at once) asks the Lighthouse while group 0 has
+    not been heard from for longer than the heartbeat timeout (a loaded machine; here SIGSTOP for
+    1.5 s): the Lighthouse then gives the restart a quorum of its own, between group 0's quorums.
+    Returns group 0 and the restart, running on (group 0 is resumed)."""
+    done = run.tmp / "done"
+    common = ["--steps", "1", "--pace", "0.03", "--quorum-every", "3", "--until", str(done)]
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    go = run.tmp / "go"
+    (b2,) = run.spawn(1, 1, *common, *change, "--wait", str(go))  # the restart, up and waiting
+    (b,) = run.spawn(1, 0, *common, "--die-at", "8")
+    assert b.wait(timeout=90) == -signal.SIGKILL, run.output(b)
+    a.send_signal(signal.SIGSTOP)
+    time.sleep(1.5)  # past the Lighthouse's heartbeat timeout (1 s): group 0 looks dead to it
+    go.touch()
+    # Until the restart has had a quorum of its own (its Manager is up and asked) or gave up.
+    run.until("the restart to ask for a quorum", lambda: run.has(1, 1, "up"), timeout=60)
+    time.sleep(3.0)
+    a.send_signal(signal.SIGCONT)
+    return a, b2
+
+
+def test_a_group_restarted_at_once_waits_for_the_live_group_and_heals_from_it(run):
+    """The restart's own quorum holds no group with the job's state; group 0, which holds it, is
+    alive. The restart does not declare the state lost: it waits, meets group 0 at its next quorum,
+    takes its state, and both end bitwise equal, where the replay of the committed steps ends."""
+    a, b2 = restart_at_once(run)
+    run.until("the restart to meet group 0", lambda: committed_with(run, 1, 1, 2))
+    (run.tmp / "done").write_text(str(run.steps(0)[-1]["step"] + 4))
+    run.finish(a, b2)
+    rejoined = started(run, 1, 1)
+    assert rejoined["members"] == ["replica_0", "replica_1"] and rejoined["step"] > 8, rejoined
+    steps = history(run, [(0, 0), (1, 0), (1, 1)])
+    assert_bitwise_equal(run.final(0), run.final(1, 1))
+    assert_replayed(run.final(0), replay_replicated(steps))
+
+
+@slow
+@pytest.mark.parametrize("change", ["--dtype=float32", "--hidden=17"])
+def test_a_group_restarted_at_once_with_another_model_is_refused_naming_the_difference(run, change):
+    """The restart of the case above, with another dtype or model tree: it waits for group 0 as any
+    restart does, and there it is refused with MismatchError naming the difference (not
+    StateLostError); group 0 goes on."""
+    a, b2 = restart_at_once(run, (change,))
+    run.finish(b2, rc=3)
+    (run.tmp / "done").write_text(str(run.steps(0)[-1]["step"] + 2))
+    run.finish(a)
+    e = run.error(1, 1)
+    assert e["kind"] == "MismatchError" and "does not fit the job" in e["error"], e
+    expected = {"--hidden=17": "'params/w1': replica_0 (the job's) has tensor shape=(16, 8)", "--dtype=float32": "dtype=torch.float64"}
+    assert expected[change] in e["error"], e["error"]
+
+
+@slow
+def test_groups_started_ten_seconds_apart_meet_and_the_later_heals(run):
+    """Group 0 trains alone for 10 s; group 1 starts then, meets it at its next quorum (every 10
+    steps, the default), takes its state; both end bitwise equal, where the replay ends."""
+    done = run.tmp / "done"
+    common = ["--steps", "1", "--pace", "0.02", "--quorum-every", "10", "--until", str(done)]
+    (a,) = run.spawn(0, 0, *common)
+    run.until("group 0 to commit alone", lambda: committed_with(run, 0, 0, 1))
+    time.sleep(10.0)
+    (b,) = run.spawn(1, 0, *common)
+    run.until("the groups to meet", lambda: committed_with(run, 1, 0, 2))
+    (run.tmp / "done").write_text(str(run.steps(0)[-1]["step"] + 4))
+    run.finish(a, b)
+    assert started(run, 1, 0)["members"] == ["replica_0", "replica_1"]
+    steps = history(run, [(0, 0), (1, 0)])
+    assert_bitwise_equal(run.final(0), run.final(1))
+    assert_replayed(run.final(0), replay_replicated(steps))
+
+
+def test_groups_whose_first_quorum_failed_to_configure_start_the_job_not_a_state_lost_error(tmp_path):
+    """At start-up on a loaded machine the first quorum's gloo rendezvous can time out: both groups
+    were in the job's first quorum, and neither has committed a step. The next quorum is not a job
+    whose state was lost: they start it together (one group's initial state), bitwise equal."""
+    run = Run(tmp_path, min_replicas=2)  # both groups in the first quorum
+    try:
+        common = ["--steps", "4", "--pace", "0.02", "--fail-configure", "1"]
+        procs = [run.spawn(r, 0, *common)[0] for r in (0, 1)]
+        run.finish(*procs)
+        steps = history(run, [(0, 0), (1, 0)])
+        assert {len(r["members"]) for r in steps} == {2}
+        assert_bitwise_equal(run.final(0), run.final(1))
+        assert_replayed(run.final(0), replay_replicated(steps))
+    finally:
+        run.close()
+
+
+@pytest.fixture
+def cpu_hog():
+    """A busy loop per CPU for the test's duration, at the tests' own priority: a loaded machine."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    yield
+    for h in hogs:
+        h.kill()
+        h.wait()
+
+
+@slow
+def test_groups_started_together_beside_a_cpu_hog_start_the_job_and_a_restart_heals(run, cpu_hog):
+    """On a loaded machine (a busy loop per CPU) the groups' first quorums, rendezvous and checks
+    run late: both groups start at once, meet, train together; group 1 is SIGKILLed and restarted
+    at once once they have met (before, the one that trains alone holds the only state), and
+    heals. No StateLostError on the way; the survivor and the restart end bitwise equal, where the
+    replay of the committed steps ends."""
+    done = run.tmp / "done"
+    common = ["--steps", "1", "--pace", "0.02", "--quorum-every", "3", "--until", str(done)]
+    (a,) = run.spawn(0, 0, *common)
+    (b,) = run.spawn(1, 0, *common)
+    run.until("the groups to meet", lambda: committed_with(run, 1, 0, 2))  # from here, either one holds the state
+    b.kill()
+    (b2,) = run.spawn(1, 1, *common)
+    run.until("the restart to meet group 0", lambda: committed_with(run, 1, 1, 2))
+    done.write_text(str(run.steps(0)[-1]["step"] + 3))
+    run.finish(a, b2)
+    assert not [r for r, i in ((0, 0), (1, 0), (1, 1)) for e in run.log(r, i) if e["event"] == "error"]
+    steps = history(run, [(0, 0), (1, 0), (1, 1)])
+    assert_bitwise_equal(run.final(0), run.final(1, 1))
+    first = steps[0]["members"][0]  # the job starts from its first quorum's primary's initial state
+    assert_replayed(run.final(0), replay_replicated(steps, start={"replica_0": 1, "replica_1": 2}[first]))
 
 
 @pytest.mark.parametrize("change", ["--hidden=17", pytest.param("--dtype=float32", marks=slow), pytest.param("--lr=0.1", marks=slow)])

@@ -15,7 +15,9 @@ changes, moves the live state to the groups that are behind (through
   state's tree, shapes and dtypes, and what the user passed as ``config``). A member whose
   configuration differs from the job's is refused, naming the difference; replicas that committed
   apart are healed from one of them or stop with :class:`DivergedError`; members that hold none of
-  a job that has run before stop with :class:`StateLostError`. Nothing is left apart silently;
+  a job that has run before (a restart given a quorum of its own while the Lighthouse did not hear
+  the live groups) wait for a group that does, and stop with :class:`StateLostError` when none
+  comes within ``quorum_timeout``. Nothing is left apart silently;
 - a step is a function from state to state: when the vote fails (a member died during it) the
   inputs are returned as they were, and the next quorum goes on without the dead group;
 - quorums are taken every ``quorum_every`` committed steps (and after any failure), on a thread
@@ -55,6 +57,7 @@ log = logging.getLogger("fddp.ft")
 _KEY = "fddp"  # the Manager's name for our state
 _STORE_DEADLINE_S = 1.0  # a channel read that takes longer: the store's host hangs (see fddp.ft._store)
 _RING = 8192  # committed steps whose history digest a group remembers (to judge a member that is behind)
+_UNHELD_RETRY_S = 0.1  # between quorums while no member holds the job's state (a live holder waits this long for us)
 # The quorum check's row: one int64 each, then the replica id's words.
 _STEP, _SUM, _INTENT, _BAD, _PRE, _HIST, _HOLDS, _SPEC = range(8)
 _FIELDS = 8
@@ -90,11 +93,16 @@ class _Group(ProcessGroupGloo):
     def __init__(self, timeout: datetime.timedelta) -> None:
         super().__init__(timeout=timeout)
         self.quorum: Quorum | None = None
+        self.in_first = False  # the Lighthouse made this group a member of the job's first quorum
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
                   group_rank: int | None = None, group_world_size: int | None = None,
                   global_ranks: list[int] | None = None) -> None:  # fmt: skip
         self.quorum = None  # until the new group exists: a failed configuration leaves none
+        # A member of the job's first quorum holds the job's start even when this configuration
+        # fails (a gloo rendezvous that timed out on a loaded machine): nothing was committed yet,
+        # and the next quorum's members start from one of them.
+        self.in_first = self.in_first or quorum_id == 1
         # torchft drops the old gloo group here, and destroying a gloo group waits for its pending
         # collectives to time out (gloo has no abort): after a peer's failure reached this rank
         # through fddp's error channel, one is still pending, and the survivors would stall for the
@@ -148,7 +156,8 @@ class Replicas:
             one that dies: its sockets close at once) is found only by this.
         quorum_timeout: seconds a quorum may take to form: longer than ``quorum_every`` steps (a
             group that joins waits for the others' next quorum) or, for DiLoCo, than the time
-            between synchronisations.
+            between synchronisations. Also how long a group whose quorums hold no group with the
+            job's state waits for one before :class:`StateLostError`.
         connect_timeout: seconds to reach the Lighthouse and the Managers.
         heartbeat: seconds between this group's heartbeats to the Lighthouse (its
             ``--heartbeat_timeout_ms`` decides when a silent group is dead).
@@ -250,6 +259,8 @@ class Replicas:
         self._spec_digest = 0
         self._alone_since: float | None = None
         self._stale_quorum = True  # a quorum is due before the next step (none taken yet, or a step failed)
+        self._quorum_timeout = _seconds(quorum_timeout)
+        self._unheld_since: float | None = None  # since when this group's quorums held no group with the job's state
         self.manager = Manager(
             pg=self.group,
             load_state_dict=None,
@@ -358,7 +369,8 @@ class Replicas:
         state = optree.tree_unflatten(optree.tree_structure(self._like_state), received["leaves"])
         self._committed = state
         self._step, self._history, self._ring = step, int(received["history"]), {step: int(received["history"])}
-        self._holds = True
+        # Not yet a holder: torchft also gives a member the state of another that holds none (at
+        # step 0 every quorum heals from its primary); the check decides (see _quorum).
         return state
 
     def _quorum(self, state: Any, replicated: Callable[[Any], Any], intent: int, *,
@@ -390,6 +402,8 @@ class Replicas:
                     "the other groups took longer than quorum_timeout to ask for one."
                 ) from e
             self._pending = None
+            if self.group.in_first:
+                self._holds = True
             with self._lock:
                 received, self._received = self._received, None
             if received is not None:
@@ -404,22 +418,60 @@ class Replicas:
                 self._epoch()
                 try:
                     state, intents, peers_bad, took = self._check(state, replicated, intent, bad, pre, errored)
+                except _Unheld as e:
+                    self._await_holder(e)
+                    continue
                 except Exception as e:
                     if not _transient(e):
                         raise
                     errored, peers_bad, took = e, True, False  # a member died during the check: another quorum
                 bad, healed = bad or peers_bad, healed or took
+            elif self._unheld_since is not None and not bad:  # the same members again: still none holds the state
+                self._await_holder(_Unheld(q.id, self._members))
+                continue
             elif self._stale(q):
                 log.warning("fddp.ft: the quorum's members changed but its id did not (a restarted Lighthouse); voting "
                             "this step down so that the next quorum reconfigures the group")  # fmt: skip
                 bad = True
             if not bad:
+                self._holds = True  # a usable quorum: it had a holder (or was the job's first), and every member is as it
                 self._stale_quorum = False
                 return state, healed, intents, time.perf_counter() - t0
             error = getattr(errored, "original_exception", errored) or RuntimeError("a member could not use the quorum")
             self._fail(error)
             self.manager.report_error(error if isinstance(error, Exception) else RuntimeError(str(error)))
             self._vote()  # no (an error is reported): the next quorum is a new one (torchft bumps its id)
+
+    def _await_holder(self, unheld: _Unheld) -> None:
+        """This group's quorum holds no group with the job's state, in a job that has run: wait
+        for one (the next quorum is taken after a pause), up to ``quorum_timeout``; then
+        :class:`StateLostError`.
+
+        A live group that holds the state can be missing from a quorum for a moment: the
+        Lighthouse leaves a group it has not heard from for its heartbeat timeout out of the next
+        quorum (a loaded machine), so a restarted group can get a quorum of its own between the
+        others' quorums. The holder's next request meets this group's (the Lighthouse forms no
+        quorum without a group that heartbeats and asks, and this group asks again every
+        ``_UNHELD_RETRY_S``); a holder asks at least every ``quorum_every`` steps, which
+        ``quorum_timeout`` must exceed. No step is taken and no retry is counted while waiting.
+        """
+        now = time.monotonic()
+        if self._unheld_since is None:
+            self._unheld_since = now
+            log.warning("fddp.ft: replica group %r: no member of quorum %d (%s) holds the job's state; waiting up to %g s "
+                        "(quorum_timeout) for a group that does", self.replica_id, unheld.quorum_id, ", ".join(unheld.names),
+                        self._quorum_timeout.total_seconds())  # fmt: skip
+        elif now - self._unheld_since > self._quorum_timeout.total_seconds():
+            waited, self._unheld_since = now - self._unheld_since, None
+            raise self._leave(StateLostError(
+                f"fddp.ft: no replica group that holds the job's state joined replica group {self.replica_id!r} in "
+                f"{waited:.0f} s (quorum_timeout={self._quorum_timeout.total_seconds():g}): its last quorum, {unheld.quorum_id} "
+                f"({', '.join(unheld.names)}), held none (none has committed a step or was in the job's first quorum), and the "
+                f"Lighthouse has formed {unheld.quorum_id - 1} quorum(s) before. The groups that held the state are gone; "
+                "starting over from these groups' own initial states would make a second model under the same job. Resume from "
+                "a checkpoint (replicas.start(state, step=n)), or start a new Lighthouse for a new job."
+            ))  # fmt: skip
+        time.sleep(_UNHELD_RETRY_S)
 
     def _fail(self, error: BaseException) -> None:
         self._failures += 1
@@ -458,15 +510,11 @@ class Replicas:
             # The job's first quorum: its members hold the job's start (the primary's state, which
             # torchft gives every member), even if this quorum fails and another must be taken.
             self._holds = True
-        self._refuse_misfits(rows, holders, names)
         if not holders and q.id > 1:
-            raise self._leave(StateLostError(
-                f"fddp.ft: no replica group of quorum {q.id} ({', '.join(names)}) holds the job's state: none has committed a "
-                f"step or took part in the job's first quorum, and the Lighthouse has formed {q.id - 1} quorum(s) before. The "
-                "groups that held the state are gone; starting over from these groups' own initial states would make a second "
-                "model under the same job. Resume from a checkpoint (replicas.start(state, step=n)), or start a new Lighthouse "
-                "for a new job."
-            ))  # fmt: skip
+            # Before the configurations are compared: a group that holds nothing is judged against the job's.
+            raise _Unheld(q.id, names)
+        self._unheld_since = None
+        self._refuse_misfits(rows, holders, names)
         if any(r[_BAD] for r in rows):
             return state, intents, True, False
         split = self._split(rows, names)
@@ -562,9 +610,11 @@ class Replicas:
         Every replica group calls it once, before its first step, with its initial state (the
         same structure, shapes and dtypes everywhere). When the job starts, every group takes the
         state of one of them (so the replicas start bitwise equal); a group that joins later, or
-        restarts after a failure, takes a live peer's state at the others' next quorum. A group
-        whose state's tree, shapes or dtypes, or whose ``config``, differ from the job's is
-        refused: :class:`fddp.MismatchError` here, naming the difference; the others go on.
+        restarts after a failure, takes a live peer's state at the others' next quorum: if the
+        Lighthouse gives it a quorum without them first (it had not heard from them for its
+        heartbeat timeout), it waits for them, up to ``quorum_timeout``. A group whose state's
+        tree, shapes or dtypes, or whose ``config``, differ from the job's is refused:
+        :class:`fddp.MismatchError` here, naming the difference; the others go on.
 
         Args:
             state: this group's initial state (a pytree).
@@ -575,7 +625,8 @@ class Replicas:
 
         Raises:
             fddp.MismatchError: this group does not fit the job (or the groups starting it differ).
-            StateLostError: no live group holds the state of a job that has run before.
+            StateLostError: no group holding the state of a job that has run before joined this
+                group's quorums within ``quorum_timeout``.
 
         Example:
             >>> state = replicas.start({"params": params, "opt": opt.init(params)}, config={"opt": opt})
@@ -742,6 +793,14 @@ class Replicas:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class _Unheld(Exception):
+    """No member of this quorum holds the job's state (see :meth:`Replicas._await_holder`)."""
+
+    def __init__(self, quorum_id: int, names: tuple[str, ...]) -> None:
+        super().__init__(f"no member of quorum {quorum_id} holds the job's state")
+        self.quorum_id, self.names = quorum_id, names
 
 
 class _RefusedPeers(TransferError):

@@ -26,10 +26,14 @@ DivergedError.__module__ = "fddp.ft"
 class StateLostError(RuntimeError):
     """No live replica group holds the job's state, and the job has run before.
 
-    Raised on every member of a quorum in which no group has committed a step nor took part in
-    the job's first quorum, when the Lighthouse has formed quorums before (its quorum id is past
-    1): every group that held the state is gone, and starting over from these groups' own initial
-    states would make a second model under the same job. Resume from a checkpoint
+    A group holds the job's state once it has committed a step, was a member of the job's first
+    quorum, or met a holder in a quorum. When the Lighthouse has formed quorums before (its quorum
+    id is past 1) and a quorum's members hold none of it, they wait for a holder: a live one can be
+    missing from a quorum for a moment (the Lighthouse leaves out a group it has not heard from for
+    its heartbeat timeout, on a loaded machine) and is met at its next quorum. When no holder has
+    joined them for ``quorum_timeout``, every member raises this: every group that held the state
+    is gone, and starting over from these groups' own initial states would make a second model
+    under the same job. Resume from a checkpoint
     (``replicas.start(state, step=n)`` with the checkpoint's state and committed step count), or
     start a new Lighthouse for a new job.
     """

@@ -197,3 +197,88 @@ def test_transformation_equals_optax(name):
     worst = _run(fddp_opt, optax_opt, nans=name in WITH_NANS, jit=name in JIT)
     bound = 0 if name in EXACT else TOL_ULPS
     assert worst <= bound, f"{name}: {worst:.1f} ulps from optax (bound {bound})"
+
+
+# --- schedules ----------------------------------------------------------------------------------------
+
+SCHEDULES = {
+    # name: (fddp, optax), optax's arguments on both sides
+    "constant_schedule": (optim.constant_schedule(0.3), optax.constant_schedule(0.3)),
+    "linear_schedule": (optim.linear_schedule(0.1, 0.01, 50, transition_begin=20), optax.linear_schedule(0.1, 0.01, 50, 20)),
+    "polynomial_schedule": (optim.polynomial_schedule(0.1, 0.001, 2.5, 100, 10), optax.polynomial_schedule(0.1, 0.001, 2.5, 100, 10)),
+    "polynomial_schedule_no_steps": (optim.polynomial_schedule(0.1, 0.0, 2, 0), optax.polynomial_schedule(0.1, 0.0, 2, 0)),
+    "cosine_decay_schedule": (optim.cosine_decay_schedule(0.1, 150, alpha=0.05), optax.cosine_decay_schedule(0.1, 150, alpha=0.05)),
+    "cosine_decay_schedule_exponent": (
+        optim.cosine_decay_schedule(0.1, 150, 0.1, exponent=2.0),
+        optax.cosine_decay_schedule(0.1, 150, 0.1, exponent=2.0),
+    ),
+    "exponential_decay": (optim.exponential_decay(0.1, 30, 0.5), optax.exponential_decay(0.1, 30, 0.5)),
+    "exponential_decay_all": (
+        optim.exponential_decay(0.1, 30, 0.5, transition_begin=15, staircase=True, end_value=0.01),
+        optax.exponential_decay(0.1, 30, 0.5, transition_begin=15, staircase=True, end_value=0.01),
+    ),
+    "exponential_growth_bounded": (
+        optim.exponential_decay(0.1, 10, 1.5, end_value=2.0),
+        optax.exponential_decay(0.1, 10, 1.5, end_value=2.0),
+    ),
+    "piecewise_constant_schedule": (
+        optim.piecewise_constant_schedule(0.1, {30: 0.1, 80: 0.5, 140: 0.0}),
+        optax.piecewise_constant_schedule(0.1, {30: 0.1, 80: 0.5, 140: 0.0}),
+    ),
+    "join_schedules": (
+        optim.join_schedules(
+            [optim.constant_schedule(0.2), optim.linear_schedule(0.2, 0.0, 40), optim.cosine_decay_schedule(0.1, 50)], [25, 60]
+        ),
+        optax.join_schedules(
+            [optax.constant_schedule(0.2), optax.linear_schedule(0.2, 0.0, 40), optax.cosine_decay_schedule(0.1, 50)], [25, 60]
+        ),
+    ),
+    "warmup_constant_schedule": (optim.warmup_constant_schedule(0.0, 0.1, 40), optax.warmup_constant_schedule(0.0, 0.1, 40)),
+    "warmup_cosine_decay_schedule": (
+        optim.warmup_cosine_decay_schedule(0.0, 0.1, 20, 150, end_value=0.001),
+        optax.warmup_cosine_decay_schedule(0.0, 0.1, 20, 150, end_value=0.001),
+    ),
+    "warmup_cosine_decay_schedule_no_warmup": (
+        optim.warmup_cosine_decay_schedule(0.1, 0.1, 0, 150, exponent=0.5),
+        optax.warmup_cosine_decay_schedule(0.1, 0.1, 0, 150, exponent=0.5),
+    ),
+    "warmup_exponential_decay_schedule": (
+        optim.warmup_exponential_decay_schedule(0.0, 0.1, 20, 25, 0.7, transition_begin=5, end_value=0.02),
+        optax.warmup_exponential_decay_schedule(0.0, 0.1, 20, 25, 0.7, transition_begin=5, end_value=0.02),
+    ),
+}
+# No transcendental (pow with an integer power, clamps, where): equal to optax to the bit.
+EXACT_SCHEDULES = {
+    "constant_schedule", "linear_schedule", "polynomial_schedule_no_steps", "piecewise_constant_schedule", "warmup_constant_schedule",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_schedule_equals_optax(name):
+    """Steps 0 to 199 (past every boundary and end), optax's schedule fed a float64 count (see
+    :func:`_f64`); fddp's a float64 tensor, as every fddp schedule returns."""
+    ours, theirs = SCHEDULES[name]
+    counts = range(200)
+    a = np.array([ours(torch.tensor(c)).item() for c in counts])
+    assert all(ours(torch.tensor(c)).dtype == torch.float64 for c in (0, 199))
+    b = np.array([float(_f64(theirs)(c)) for c in counts])  # one count at a time, as optimizers call them
+    worst = _ulps(a, b)
+    bound = 0 if name in EXACT_SCHEDULES else 4  # cos and pow: one rounding each, propagated once
+    assert worst <= bound, f"{name}: {worst:.1f} ulps from optax (bound {bound})"
+    assert np.ptp(b) > 0 or name in ("constant_schedule", "polynomial_schedule_no_steps")  # the range exercises the schedule
+
+
+def test_schedules_in_a_transformation_under_vmap_and_with_an_int64_count():
+    """A schedule gets fddp's int64 count tensor, batched under vmap (an ensemble of optimizers whose
+    counts differ), and gives each member its own value."""
+    schedule = optim.warmup_cosine_decay_schedule(0.0, 0.1, 5, 50)
+    counts = torch.tensor([0, 3, 10, 60])
+    batched = torch.func.vmap(schedule)(counts)
+    assert torch.equal(batched, torch.stack([schedule(c) for c in counts]))
+
+
+def test_fddps_earlier_exponential_decay_is_optaxs_with_one_step_per_factor():
+    old = optim.exponential_decay(0.1, 0.97)  # fddp's (init_value, decay_rate), torch's ExponentialLR
+    new = optim.exponential_decay(0.1, transition_steps=1, decay_rate=0.97)
+    assert all(torch.equal(old(torch.tensor(c)), new(torch.tensor(c))) for c in range(50))
+    assert float(old(torch.tensor(10))) == pytest.approx(0.1 * 0.97**10, rel=1e-15)

@@ -246,3 +246,14 @@ def test_every_block_is_exported_and_every_state_is_a_namedtuple_of_tensors():
     for make in BLOCKS.values():
         state = make().init(params)
         assert all(isinstance(x, torch.Tensor) for x in optree.tree_leaves(state)), state
+
+
+def test_piecewise_constant_schedule_is_torchs_multisteplr():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[10, 25, 40], gamma=0.3)
+    ours = optim.piecewise_constant_schedule(0.1, {m: 0.3 for m in (10, 25, 40)})
+    for step in range(60):
+        assert float(ours(torch.tensor(step))) == opt.param_groups[0]["lr"], step
+        opt.step()
+        sched.step()

@@ -17,7 +17,7 @@ from fddp._layout import SplitTree
 from fddp._tree import path_str
 
 from ._base import GradientTransformation, GradientTransformationExtraArgs
-from ._checks import Params, Updates, check_grads, check_state, describe
+from ._checks import Params, Updates, check_grads, check_state, describe, flatten, zeros_count
 from ._clip import global_norm
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite"]
@@ -114,8 +114,10 @@ def _wrap(inner: GradientTransformation, limit: Any) -> GradientTransformationEx
     where = "apply_if_finite.update"
 
     def init(params: Params) -> ApplyIfFiniteState:
-        zero = torch.zeros((), dtype=torch.int64)
-        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool), zero.clone(), inner.init(params))
+        # The counters live with the parameters: the verdict is computed there, and a CUDA verdict
+        # moved to a CPU counter would be a host sync per step.
+        zero = zeros_count(flatten(params)[0])
+        return ApplyIfFiniteState(zero, torch.ones((), dtype=torch.bool, device=zero.device), zero.clone(), inner.init(params))
 
     def update(
         grads: Updates, state: ApplyIfFiniteState, params: Params | None = None, **extra_args: Any

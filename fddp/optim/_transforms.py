@@ -209,8 +209,8 @@ def scale_by_schedule(step_size_fn: Callable[[Tensor], Any]) -> GradientTransfor
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule | None = None, *, flip_sign: bool = True) -> GradientTransformationExtraArgs:
     """Multiply the updates by ``-learning_rate`` (optax's ``scale_by_learning_rate``).
 
-    A number gives :func:`scale`\\ ``(-learning_rate)``; a schedule gives :func:`scale_by_schedule`
-    of ``-learning_rate(count)``; ``None`` gives :func:`identity`.
+    A number gives ``scale(-learning_rate)``, a schedule ``scale_by_schedule`` of
+    ``-learning_rate(count)``, ``None`` :func:`identity`.
 
     Args:
         learning_rate: a float, a schedule (a function of the step count), or ``None``.
@@ -313,8 +313,8 @@ class TraceState(NamedTuple):
 def trace(decay: float, nesterov: bool = False, accumulator_dtype: torch.dtype | None = None) -> GradientTransformationExtraArgs:
     """Momentum: ``t = g + decay * t``, the updates ``t`` (or ``g + decay * t`` with Nesterov) (optax's ``trace``).
 
-    Unlike ``torch.optim.SGD``'s buffer, the first step's buffer is ``g + decay * 0``, which is
-    ``g``: the two agree without dampening.
+    ``torch.optim.SGD``'s momentum without dampening: the first step's buffer is ``g + decay * 0``,
+    which is ``g``, as torch's first buffer is.
 
     Args:
         decay: the momentum factor.

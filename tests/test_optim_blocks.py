@@ -257,3 +257,18 @@ def test_piecewise_constant_schedule_is_torchs_multisteplr():
         assert float(ours(torch.tensor(step))) == opt.param_groups[0]["lr"], step
         opt.step()
         sched.step()
+
+
+def test_traces_buffer_is_torch_sgds_momentum_buffer():
+    """``trace``'s buffer is ``torch.optim.SGD``'s without dampening, to the bit (the same multiply
+    and add), fed the same gradients at the same parameters."""
+    p = torch.nn.Parameter(torch.randn(7, 3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True)
+    t = optim.trace(0.9, nesterov=True)
+    state = t.init({"p": p.detach()})
+    for step in range(10):
+        g = torch.randn(7, 3)
+        p.grad = g.clone()
+        opt.step()
+        _, state = t.update({"p": g}, state)
+        assert torch.equal(state.trace["p"], opt.state[p]["momentum_buffer"]), step

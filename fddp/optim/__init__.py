@@ -52,6 +52,18 @@ from ._sgd import SGDState, sgd
 # isort: split
 # --- optax's building blocks and schedules, under optax's names (issue 54) ---------------------------
 from ._finite import ApplyIfFiniteState, apply_if_finite
+from ._moments import (
+    ScaleByAdamState,
+    ScaleByAmsgradState,
+    ScaleByRmsState,
+    ScaleByRmsWithCountState,
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
+    scale_by_adam,
+    scale_by_amsgrad,
+    scale_by_rms,
+    scale_by_stddev,
+)
 from ._names import missing_attribute as _missing_attribute
 from ._schedules import (
     constant_schedule,
@@ -66,12 +78,6 @@ from ._schedules import (
 )
 from ._transforms import (
     EmaState,
-    ScaleByAdamState,
-    ScaleByAmsgradState,
-    ScaleByRmsState,
-    ScaleByRmsWithCountState,
-    ScaleByRStdDevState,
-    ScaleByRStdDevWithCountState,
     ScaleByScheduleState,
     TraceState,
     WeightDecaySchedule,
@@ -81,12 +87,8 @@ from ._transforms import (
     ema,
     identity,
     scale,
-    scale_by_adam,
-    scale_by_amsgrad,
     scale_by_learning_rate,
-    scale_by_rms,
     scale_by_schedule,
-    scale_by_stddev,
     trace,
     zero_nans,
 )

@@ -290,3 +290,29 @@ def test_block_states_round_trip_a_checkpoint(tmp_path):
         a, _ = opt.update(g, state, params)
         b, _ = opt.update(g, back, params)
         assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def _nan_on_one_rank_worker() -> tuple:
+    """2 ranks, ZeRO-2 shards of one tree; a NaN in a gradient element that one rank holds."""
+    fddp.init()
+    rank = fddp.rank()
+    params = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}
+    opt = optim.apply_if_finite(optim.chain(optim.scale_by_adam(), optim.scale(-0.1)), 3)
+    sh = fddp.zero.shard(params)
+    state = opt.init(sh)
+    g = {"w": torch.ones(3, 4), "b": torch.ones(5)}
+    g["b"][-1] = float("nan")  # in one rank's shard only (the test checks which holds it)
+    gs = fddp.zero.shard(g)
+    holds_nan = bool(torch.isnan(torch.cat([t.flatten() for t in gs.shards])).any())
+    new_sh, state = optim.apply_gradients(opt, gs, state, sh)
+    kept = all(torch.equal(a, b) for a, b in zip(new_sh.shards, sh.shards))
+    return rank, holds_nan, kept, int(state.total_notfinite), int(state.inner_state[0].count)
+
+
+def test_apply_if_finite_on_shards_skips_on_every_rank_together():
+    """The verdict is the ranks' together (one all-reduce): the rank whose shard holds no NaN skips too."""
+    from dist import run
+
+    results = run(_nan_on_one_rank_worker, 2)
+    assert sorted(r[1] for r in results) == [False, True]  # one rank's shard holds the NaN, the other's does not
+    assert all(kept and total == 1 and count == 0 for _, _, kept, total, count in results), results

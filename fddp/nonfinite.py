@@ -29,76 +29,9 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from fddp._tree import adopt_torch_nodes, path_str
+from fddp.optim._finite import apply_if_finite
 
 __all__ = ["apply_if_finite", "DynamicLossScale", "LossScaleState"]
-
-
-def apply_if_finite(finite: torch.Tensor | bool, new: Any, old: Any, /) -> Any:
-    """Return ``new`` where ``finite`` is true and ``old`` where it is false, leaf by leaf.
-
-    Use it to skip an update whose gradients held a NaN or an Inf: pass the new and the old
-    ``(params, opt_state)``, and both come back unchanged together (the optimizer's step count
-    included). The choice is ``torch.where(finite, new_leaf, old_leaf)``, so it stays on the device
-    and works under ``torch.func.vmap`` (a batched ``finite`` selects per ensemble member, broadcast
-    against the leaves' leading dimensions) and ``torch.compile``.
-
-    Args:
-        finite: a bool tensor with one element (``info.finite`` from :func:`fddp.ddp_step` or
-            :func:`fddp.grad_and_value`), or a Python bool.
-        new: the tree to take when ``finite`` is true.
-        old: the tree to keep otherwise; the same structure as ``new``, with leaves of the same
-            shape and dtype. Non-tensor leaves (a Python step count, say) must be equal in both.
-
-    Returns:
-        A tree with the structure of ``new`` holding the chosen leaves. A leaf that is the same
-        tensor object in both trees is passed through.
-
-    Raises:
-        ValueError: the trees differ in structure, or two leaves in shape or dtype (naming the leaf).
-        TypeError: ``finite`` is not a bool, or two non-tensor leaves differ.
-
-    Example:
-        >>> grads, info = fddp.ddp_step(params, grads, check_finite=True, return_info=True)
-        >>> updates, new_state = opt.update(grads, state, params)
-        >>> new_params = fddp.optim.apply_updates(params, updates)
-        >>> params, state = fddp.apply_if_finite(info.finite, (new_params, new_state), (params, state))
-    """
-    if isinstance(finite, bool):
-        finite = torch.tensor(finite)
-    if not isinstance(finite, torch.Tensor) or finite.dtype != torch.bool or finite.numel() != 1:
-        got = f"a {finite.dtype} tensor of shape {tuple(finite.shape)}" if isinstance(finite, torch.Tensor) else type(finite).__name__
-        raise TypeError(f"fddp.apply_if_finite: finite must be a bool tensor with one element (info.finite), got {got}")
-    finite = finite.reshape(())
-    adopt_torch_nodes()  # a container type registered with torch since fddp last flattened
-    paths, new_leaves, spec = optree.tree_flatten_with_path(new)
-    old_leaves, old_spec = optree.tree_flatten(old)
-    if old_spec != spec:
-        raise ValueError(f"fddp.apply_if_finite: new and old must have the same tree structure; new: {spec}, old: {old_spec}")
-    on: dict[torch.device, torch.Tensor] = {}  # the condition, moved once per device
-    out = []
-    for path, n, o in zip(paths, new_leaves, old_leaves):
-        if n is o:
-            out.append(n)
-            continue
-        if not (isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor)):
-            if isinstance(n, torch.Tensor) or isinstance(o, torch.Tensor) or n != o:
-                raise TypeError(
-                    f"fddp.apply_if_finite: leaf {path_str(path)!r} is {n!r} in new and {o!r} in old; a "
-                    "leaf that may change must be a tensor (a Python value cannot be chosen on the device)"
-                )
-            out.append(n)
-            continue
-        if n.shape != o.shape or n.dtype != o.dtype:
-            raise ValueError(
-                f"fddp.apply_if_finite: leaf {path_str(path)!r} has shape {tuple(n.shape)} and dtype "
-                f"{n.dtype} in new, but shape {tuple(o.shape)} and dtype {o.dtype} in old"
-            )
-        cond = on.get(n.device)
-        if cond is None:
-            cond = on[n.device] = finite.to(n.device)
-        out.append(torch.where(cond, n, o))
-    return optree.tree_unflatten(spec, out)
 
 
 class LossScaleState(NamedTuple):

@@ -75,10 +75,12 @@ SCOPED_ELSEWHERE = {
     "fddp.optim.clip_by_global_norm": "builds a transformation; its update on shards reaches global_norm's entry",
     "fddp.optim.apply_gradients": "local, but for a clip on shards: global_norm's entry; for muon on shards: optim.muon's",
     "fddp.optim.muon": "builds a transformation; its update on shards is the optim.muon entry (the table below fails it)",
+    "fddp.optim.apply_if_finite": "chooses between trees locally; the optimizer it wraps judges shards by global_norm's entry",
+    "fddp.apply_if_finite": "fddp.optim.apply_if_finite itself",
 }
 # Public callables that never communicate.
 LOCAL = {
-    "fddp.accumulate_grads", "fddp.apply_if_finite", "fddp.checks", "fddp.clear_caches", "fddp.device",
+    "fddp.accumulate_grads", "fddp.checks", "fddp.clear_caches", "fddp.device",
     "fddp.functionalize", "fddp.functionalize_with_buffers", "fddp.is_initialized", "fddp.is_main", "fddp.load_into",
     "fddp.local_rank", "fddp.rank", "fddp.set_checks", "fddp.world_size",
     "fddp.checkpoint.latest", "fddp.checkpoint.steps", "fddp.checkpoint.step_path",
@@ -87,6 +89,13 @@ LOCAL = {
     "fddp.optim.adamw", "fddp.optim.multi_transform", "fddp.optim.masked", "fddp.optim.set_to_zero", "fddp.optim.by_path",
     "fddp.optim.inject_hyperparams", "fddp.optim.set_hyperparams", "fddp.optim.accumulate", "fddp.optim.constant",
     "fddp.optim.linear", "fddp.optim.cosine_decay", "fddp.optim.warmup_cosine_decay", "fddp.optim.exponential_decay",
+    # optax's building blocks and schedules (elementwise, or a function of the step count)
+    "fddp.optim.identity", "fddp.optim.scale", "fddp.optim.scale_by_schedule", "fddp.optim.scale_by_learning_rate",
+    "fddp.optim.add_decayed_weights", "fddp.optim.trace", "fddp.optim.ema", "fddp.optim.scale_by_adam", "fddp.optim.scale_by_amsgrad",
+    "fddp.optim.scale_by_rms", "fddp.optim.scale_by_stddev", "fddp.optim.zero_nans", "fddp.optim.clip",
+    "fddp.optim.constant_schedule", "fddp.optim.linear_schedule", "fddp.optim.polynomial_schedule", "fddp.optim.cosine_decay_schedule",
+    "fddp.optim.warmup_constant_schedule", "fddp.optim.warmup_cosine_decay_schedule", "fddp.optim.warmup_exponential_decay_schedule",
+    "fddp.optim.join_schedules", "fddp.optim.piecewise_constant_schedule",
 }  # fmt: skip
 MODULES = (fddp, fddp.zero, fddp.checkpoint, fddp.diloco, fddp.scaling, fddp.optim)
 

@@ -49,6 +49,52 @@ from ._muon import MuonState, muon
 from ._schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
 from ._sgd import SGDState, sgd
 
+# isort: split
+# --- optax's building blocks and schedules, under optax's names (issue 54) ---------------------------
+from ._finite import ApplyIfFiniteState, apply_if_finite
+from ._moments import (
+    ScaleByAdamState,
+    ScaleByAmsgradState,
+    ScaleByRmsState,
+    ScaleByRmsWithCountState,
+    ScaleByRStdDevState,
+    ScaleByRStdDevWithCountState,
+    scale_by_adam,
+    scale_by_amsgrad,
+    scale_by_rms,
+    scale_by_stddev,
+)
+from ._names import missing_attribute as _missing_attribute
+from ._schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    join_schedules,
+    linear_schedule,
+    piecewise_constant_schedule,
+    polynomial_schedule,
+    warmup_constant_schedule,
+    warmup_cosine_decay_schedule,
+    warmup_exponential_decay_schedule,
+)
+from ._transforms import (
+    EmaState,
+    ScaleByScheduleState,
+    TraceState,
+    WeightDecaySchedule,
+    ZeroNansState,
+    add_decayed_weights,
+    clip,
+    ema,
+    identity,
+    scale,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    trace,
+    zero_nans,
+)
+
+# --- end of optax's building blocks --------------------------------------------------------------------
+
 __all__ = [
     "GradientTransformation",
     "GradientTransformationExtraArgs",
@@ -87,3 +133,48 @@ __all__ = [
     "warmup_cosine_decay",
     "exponential_decay",
 ]
+# optax's building blocks and schedules (issue 54)
+__all__ += [
+    "identity",
+    "scale",
+    "scale_by_schedule",
+    "ScaleByScheduleState",
+    "scale_by_learning_rate",
+    "add_decayed_weights",
+    "WeightDecaySchedule",
+    "trace",
+    "TraceState",
+    "ema",
+    "EmaState",
+    "scale_by_adam",
+    "ScaleByAdamState",
+    "scale_by_amsgrad",
+    "ScaleByAmsgradState",
+    "scale_by_rms",
+    "ScaleByRmsState",
+    "ScaleByRmsWithCountState",
+    "scale_by_stddev",
+    "ScaleByRStdDevState",
+    "ScaleByRStdDevWithCountState",
+    "zero_nans",
+    "ZeroNansState",
+    "clip",
+    "apply_if_finite",
+    "ApplyIfFiniteState",
+    "constant_schedule",
+    "linear_schedule",
+    "polynomial_schedule",
+    "cosine_decay_schedule",
+    "warmup_constant_schedule",
+    "warmup_cosine_decay_schedule",
+    "warmup_exponential_decay_schedule",
+    "join_schedules",
+    "piecewise_constant_schedule",
+]
+
+
+def __getattr__(name: str):
+    """A missing name is an AttributeError that suggests the nearest existing one (``fddp.optim.adamx``)."""
+    if name.startswith("__"):
+        raise AttributeError(f"module 'fddp.optim' has no attribute {name!r}")
+    raise AttributeError(_missing_attribute("fddp.optim", name, __all__))

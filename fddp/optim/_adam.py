@@ -16,6 +16,7 @@ from . import _kernels
 from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._groups import Labels, grouped
+from ._names import torch_names
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -37,6 +38,7 @@ class AdamState(NamedTuple):
     max_exp_avg_sq: Updates | tuple
 
 
+@torch_names
 def adam(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -71,6 +73,7 @@ def adam(
     return _masked("adam", lr, betas, eps, weight_decay, amsgrad, mask, decoupled=False)
 
 
+@torch_names
 def adamw(
     lr: ScalarOrSchedule = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),

@@ -32,6 +32,7 @@ from ._adam import adamw
 from ._base import Applied, Apply, FusedUpdate, GradientTransformation, GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._groups import Labels, _ByPath, by_path, multi_transform
+from ._names import torch_names
 from ._newton_schulz import (
     ADJUST,
     NS_COEFFICIENTS,
@@ -47,6 +48,7 @@ from ._newton_schulz import (
 
 __all__ = ["MuonState", "muon"]
 
+@torch_names
 def muon(
     lr: ScalarOrSchedule = 1e-3,
     momentum: float = 0.95,

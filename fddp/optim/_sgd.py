@@ -16,6 +16,7 @@ from . import _kernels
 from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._groups import Labels, grouped
+from ._names import torch_names
 
 __all__ = ["SGDState", "sgd"]
 
@@ -32,6 +33,7 @@ class SGDState(NamedTuple):
     momentum_buffer: Updates | tuple
 
 
+@torch_names
 def sgd(
     lr: ScalarOrSchedule,
     momentum: float = 0.0,

@@ -400,7 +400,7 @@ def _compiled_step_worker() -> dict:
 
 
 def test_a_compiled_step_with_every_collective_in_its_loss_equals_the_eager_step():
-    for r, out in enumerate(run(_compiled_step_worker, 2, timeout=400)):
+    for out in run(_compiled_step_worker, 2, timeout=400):
         assert out.pop("after") == [1.0, 1.0]
         nested, tracked, vmapped = out.pop("nested grad"), out.pop("tracked input"), out.pop("vmap")
         assert nested is not None and "fddp.psum cannot run inside nested torch.func.grad levels" in nested, nested

@@ -384,7 +384,11 @@ def first_difference(ref: Sequence[Row], other: Sequence[Row], ref_name: str, ot
             at = next((k for k, (x, y) in enumerate(zip(a[2], b[2])) if x != y), min(len(a[2]), len(b[2])))
         if a[0] == b[0]:
             where = a[0] if a[0].startswith("option ") else f"at {a[0]!r}"
-            return f"{where}: {ref_name} has {_describe(a, at)}, {other_name} has {_describe(b, at)}"
+            fix = ""
+            if a[1] == b[1] and a[2] is not None and b[2] is not None and len(a[2]) == len(b[2]) and set(a[2]) == set(b[2]):
+                # Insertion order fixes the order in which buckets fill and the leaves travel.
+                fix = ": the same keys in another order; build the dicts in the same key order on every rank (it is the buckets' order)"
+            return f"{where}: {ref_name} has {_describe(a, at)}, {other_name} has {_describe(b, at)}{fix}"
         return f"{ref_name} has {a[0]!r} ({_describe(a, at)}) where {other_name} has {b[0]!r} ({_describe(b, at)})"
     return None
 

@@ -331,3 +331,85 @@ def test_the_docs_examples_run_as_shown():
     assert len(blocks) == 3, "the batch norm, per-sample gradient and ensemble examples"
     for block in blocks:
         assert run(_docs_worker, 2, block) == ["ok", "ok"]
+
+
+# ------------------------------------------------------------------- a compiled step (inductor)
+
+
+def _step_loss(p: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A loss holding every collective: a contrastive term over every rank's rows (all_gather),
+    a softmax stabilised by the maximum over the ranks (pmax), a penalty on the ranks' mean and
+    sum (pmean, psum) and one on this rank's chunk of a sum (reduce_scatter)."""
+    import torch.nn.functional as F
+
+    z = torch.tanh(x @ p["w"] + p["b"])  # (4, 3)
+    keys = fddp.all_gather(z, tiled=True)  # (4n, 3)
+    logits = z @ keys.T
+    logits = logits - fddp.pmax(logits.amax(1, keepdim=True))
+    mine = fddp.reduce_scatter(z.T.reshape(-1), tiled=True)  # this rank's 12 / n entries
+    return F.cross_entropy(logits, y) + fddp.pmean(z.mean(0)).pow(2).sum() + 0.1 * fddp.psum(z.sum()).pow(2) + mine.pow(2).sum()
+
+
+def _compiled_step_worker() -> dict:
+    r, n = fddp.rank(), fddp.world_size()
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 3, generator=g, dtype=torch.float64), "b": torch.randn(3, generator=g, dtype=torch.float64)}
+    batches = []
+    for i in range(2):
+        g = torch.Generator().manual_seed(100 * i + r)
+        batches.append((torch.randn(4, 5, generator=g, dtype=torch.float64), torch.arange(4) + 4 * r))
+    opt = fddp.optim.sgd(0.1, momentum=0.9)
+
+    def funcs_step(p, s, x, y):  # torch.func's gradient of the local loss, averaged by ddp_step
+        grads, loss = torch.func.grad_and_value(_step_loss)(p, x, y)
+        updates, s = opt.update(fddp.ddp_step(p, grads), s, p)
+        return fddp.optim.apply_updates(p, updates), s, loss
+
+    def fddps_step(p, s, x, y):  # fddp's transform and the one-call update
+        grads, loss = fddp.grad_and_value(_step_loss)(p, x, y)
+        p, s = fddp.optim.apply_gradients(opt, grads, s, p)
+        return p, s, loss
+
+    out = {}
+    # The issue's case as written: a collective on torch.func.grad's own input.
+    x = torch.arange(3.0, dtype=torch.float64) + r
+    issue = torch.func.grad(lambda v: fddp.pmean(v).pow(2).sum())
+    out["pmean"] = (torch.compile(issue, fullgraph=True)(x), issue(x), 2 * (x - r + (n - 1) / 2))  # d/dx_r of n copies of sum(mean^2)
+    for name, step in (("torch.func.grad_and_value + ddp_step", funcs_step), ("fddp.grad_and_value", fddps_step)):
+        compiled = torch.compile(step, fullgraph=True)  # inductor
+        eager_p = comp_p = params
+        eager_s = comp_s = opt.init(params)
+        for x, y in batches:  # the second step reads the first's momentum: a state carried through the graph
+            eager_p, eager_s, eager_l = step(eager_p, eager_s, x, y)
+            comp_p, comp_s, comp_l = compiled(comp_p, comp_s, x, y)
+        out[name] = ((comp_p, comp_l), (eager_p, eager_l), None)
+
+    def refused(f, *args):
+        try:
+            torch.compile(f, fullgraph=True)(*args)
+        except Exception as e:  # noqa: BLE001 - dynamo wraps fddp's error in its own (fullgraph=True)
+            return str(e)
+        return None
+
+    x = torch.ones(3, dtype=torch.float64)
+    out["nested grad"] = refused(torch.func.grad(lambda u: torch.func.grad(lambda v: fddp.psum(v).pow(3).sum())(u).sum()), x)
+    out["tracked input"] = refused(torch.func.grad(lambda v: fddp.psum(v).pow(3).sum()), x.clone().requires_grad_())
+    out["vmap"] = refused(torch.func.vmap(fddp.psum), torch.ones(2, 3))
+    out["after"] = fddp.psum(torch.full((2,), float(r))).tolist()  # the group is still usable
+    return out
+
+
+def test_a_compiled_step_with_every_collective_in_its_loss_equals_the_eager_step():
+    for out in run(_compiled_step_worker, 2, timeout=400):
+        assert out.pop("after") == [1.0, 1.0]
+        nested, tracked, vmapped = out.pop("nested grad"), out.pop("tracked input"), out.pop("vmap")
+        assert nested is not None and "fddp.psum cannot run inside nested torch.func.grad levels" in nested, nested
+        assert tracked is not None and "fddp.psum cannot run inside torch.func.grad within torch.compile" in tracked, tracked
+        assert tracked is not None and "pass detached tensors" in tracked, tracked
+        assert vmapped is not None and "fddp.psum cannot run inside torch.func.vmap within torch.compile" in vmapped, vmapped
+        compiled, eager, reference = out.pop("pmean")
+        assert torch.equal(eager, reference) and torch.equal(compiled, eager), (compiled, eager, reference)
+        for name, (compiled, eager, _) in out.items():
+            # Inductor's kernels (fused, with their own tanh and exp) round differently from eager's,
+            # in float64 far below this; the collectives' sums are the same on both paths.
+            torch.testing.assert_close(compiled, eager, rtol=1e-12, atol=1e-14, msg=name)

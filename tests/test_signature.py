@@ -38,9 +38,10 @@ def _reordered_worker() -> str | None:
     return _catch(lambda: fddp.ddp_step(tree, tree))
 
 
-def test_a_dict_in_another_order_names_both_key_orders():
+def test_a_dict_in_another_order_names_both_key_orders_and_the_fix():
     for msg in run(_reordered_worker, 2):
         assert msg is not None and "At '<root>': rank 0 has dict with keys ['a', 'b'], rank 1 has dict with keys ['b', 'a']" in msg, msg
+        assert "the same keys in another order; build the dicts in the same key order on every rank" in msg, msg
 
 
 def _big_tree_worker() -> str | None:

@@ -194,14 +194,36 @@ def refuse_under_transforms(what: str, instead: str = "") -> None:
     raise RuntimeError(f"fddp.{what} cannot run inside {name}{'; ' + instead if instead else ''}")
 
 
-def refuse_compiled_rules(what: str) -> None:
+def refuse_compiled_rules(what: str, leaves: Sequence[torch.Tensor] = ()) -> None:
     """Raise, naming ``fddp.<what>``, where a ``jvp`` or ``vmap`` level is active while dynamo
-    traces: it traces neither a custom Function's forward-mode nor its batching rule."""
-    for key in active_transforms():
+    traces: it traces neither a custom Function's forward-mode nor its batching rule. Nested
+    ``grad`` levels too: dynamo traces the derivative of the innermost one only, and the outer
+    level's gradient through the collective comes out wrong without an error (measured on
+    ``grad(grad(...))`` of ``psum`` and of ``ddp_step``). For the same reason, a ``grad`` level
+    whose inputs (``leaves``) autograd also tracks beneath it: the compiled function's result
+    differentiated again by ``backward()``."""
+    keys = active_transforms()
+    for key in keys:
         if key in (_TT.Jvp, _TT.Vmap):
             raise NotImplementedError(
                 f"fddp.{what} cannot run inside {_TRANSFORM_NAMES[key]} within torch.compile (torch "
                 f"{torch.__version__} traces neither its forward-mode nor its batching rule); call it eagerly there"
+            )
+    if keys.count(_TT.Grad) > 1:
+        raise NotImplementedError(
+            f"fddp.{what} cannot run inside nested torch.func.grad levels (grad of grad, hessian by jacrev(jacrev)) "
+            f"within torch.compile: torch {torch.__version__}'s dynamo keeps the custom derivative of one level only, "
+            "and the other's would be wrong; differentiate twice eagerly, or compile the inner grad alone"
+        )
+    if _TT.Grad in keys and leaves:
+        level = next(lv for lv, word in transform_levels() if word == "grad")  # the one grad level
+        if _any_requires_grad_py(*(_functorch._unwrap_for_grad(t, level) for t in leaves)):
+            raise NotImplementedError(
+                f"fddp.{what} cannot run inside torch.func.grad within torch.compile on an input that autograd also "
+                "tracks beneath that grad (a tensor that requires grad, such as a module's parameter, passed to the "
+                f"compiled function): backward() through the result would be wrong, as torch {torch.__version__}'s "
+                "dynamo keeps one level's custom derivative only; pass detached tensors (fddp.functionalize's "
+                "params are), or differentiate twice eagerly"
             )
 
 
@@ -394,7 +416,7 @@ def ddp_step(params: Any, grads: Any, options: SyncOptions, state: Any, weight: 
 
 
 def _compiled(call: _Call, leaves: list[torch.Tensor], spec: Any) -> tuple[Any, SyncInfo | None]:
-    refuse_compiled_rules("ddp_step")
+    refuse_compiled_rules("ddp_step", leaves)
     o = call.options
     sync = setup(optree.tree_unflatten(spec, leaves), o, "ddp_step", call.state, weight=call.weight, agree=False)
     sync.announce()  # traced: the header is in the graph (fddp._dist's compiled agreement)
@@ -406,4 +428,5 @@ def _compiled(call: _Call, leaves: list[torch.Tensor], spec: Any) -> tuple[Any, 
         return sync.tree(flats), info
     traced = dataclasses.replace(call, plan=sync.plan)
     info = SyncInfo(None, None, sync.plan.nbytes, len(sync.plan.buckets))
-    return optree.tree_unflatten(spec, _traced_apply(traced, leaves)), info
+    views = [t.view_as(t) for t in leaves]  # seen afresh by dynamo: fddp.sync._lax._run says why
+    return optree.tree_unflatten(spec, _traced_apply(traced, views)), info

@@ -216,7 +216,9 @@ class _Transform:
                 )
         tree = args[nums[0]] if isinstance(self.argnums, int) else tuple(args[a] for a in nums)
         flat = tensor_leaves(tree, what, name=self.tree_name)
-        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            # Inside torch.compile too: dynamo cannot trace the eager path (its hooks, the reducer),
+            # and the differentiable ddp_step's traced mean is the reducer's arithmetic, bucket by bucket.
             return self._under_transforms(args, kwargs, tree, flat, options, w, state, accumulated)
         if _fully_sharded(flat[1], what):
             if accumulated is not None:
@@ -282,15 +284,16 @@ class _Transform:
         self, args: tuple, kwargs: dict, tree: Any, flat: tuple, options: SyncOptions, w: Any, state: Any, accumulated: Any
     ) -> tuple[Any, Any, SyncInfo]:
         """Inside a torch.func transform (a vmapped ensemble, a hessian, per-sample gradients),
-        where autograd's hooks cannot see the transform's levels: ``torch.func.grad_and_value``,
-        then the differentiable ``ddp_step`` (the same buckets, hook and mean, and JAX's
-        ``lax.pmean`` rules under the outer transform). Fully sharded parameters need no sync:
+        where autograd's hooks cannot see the transform's levels, or inside ``torch.compile``, which
+        cannot trace the eager path: ``torch.func.grad_and_value``, then the differentiable
+        ``ddp_step`` (the same buckets, hook and mean, and JAX's ``lax.pmean`` rules under the
+        outer transform). Fully sharded parameters need no sync:
         their gathers' backward averages them."""
         what = self.what
         if accumulated is not None:
             raise TypeError(
-                f"fddp.{what}: accumulated= cannot be used inside a torch.func transform (its window's sums are "
-                "plain tensors of the eager step); accumulate with torch.func.grad and fddp.accumulate_grads there"
+                f"fddp.{what}: accumulated= cannot be used inside a torch.func transform or torch.compile (its window's "
+                "sums are plain tensors of the eager step); accumulate with torch.func.grad and fddp.accumulate_grads there"
             )
         grads, value = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)(*args, **kwargs)
         if _fully_sharded(flat[1], what):

@@ -330,8 +330,13 @@ def _run(kind: str, tree: Any, group: dist.ProcessGroup | None, axis: int | None
             raise TypeError(f"fddp.{what}: leaf {name(i)!r} is {t.dtype}, which has no mean; use fddp.psum, or cast it to a float dtype")
     op = _Op(kind, group, axes, tiled, spec)
     if torch.compiler.is_compiling():
-        refuse_compiled_rules(what)
+        refuse_compiled_rules(what, leaves)
         _dist.agree(group, what, [], signature=_traced_signature(kind, axes, tiled, leaves))  # the compiled header, in the graph
+        # A view of each leaf, because dynamo (torch 2.13) decides whether to trace a Function's
+        # backward from its inputs' requires_grad as it last saw them: a torch.func.grad input
+        # (requires_grad_() inside grad) looks untracked, so the forward would be inlined and the
+        # functional collective met a grad level (a TorchRuntimeError); the view is seen afresh.
+        leaves = [t.view_as(t) for t in leaves]
         out = _Traced.apply(op, *leaves) if len(leaves) != 2 else _traced_pair(op, leaves)
     elif needed(leaves):  # a transform, a dual level, a tensor that requires grad: as ddp_step's
         out = _Collective.apply(op, *leaves)

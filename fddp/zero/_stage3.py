@@ -304,12 +304,9 @@ class FullyShardedForward:
         lay = self.layout
         views = [_layout.views(f, lay.plan.buckets[k]) for f, k in zip(fulls, unit.buckets)]
         saved = []
-        for i, (module, attr, j, pos) in enumerate(unit.slots):
+        for module, attr, j, pos in unit.slots:
             saved.append(module._parameters[attr])
-            # A module that writes its parameter in place (an embedding's max_norm) gets a copy,
-            # as FSDP2's gathered parameter takes the write: autograd forbids writes into views
-            # that one split made, and the shards keep their values (the write is this forward's).
-            module._parameters[attr] = views[j][pos].clone() if i in unit.copied else views[j][pos]
+            module._parameters[attr] = views[j][pos]
         try:
             yield
         finally:
@@ -590,6 +587,17 @@ def fully_shard(
         raise RuntimeError(f"fddp.{what}: no process group; call fddp.init() first")
     if torch._C._are_functorch_transforms_active():
         raise RuntimeError(f"fddp.{what} cannot run inside a torch.func transform; shard once, before the transforms")
+    # Before any collective (every rank holds the same model): announced, and the group goes on.
+    writer = next((n for n, m in model.named_modules() if _units.writes_in_place(m)), None)
+    if writer is not None:
+        m = model.get_submodule(writer)
+        raise ValueError(
+            f"fddp.{what}: module {writer!r} ({type(m).__name__}, max_norm={m.max_norm}) renormalises the rows it "
+            "looks up in its weight, in place, at every forward, and the plain module keeps that write; sharded, "
+            "each rank would renormalise only its own batch's rows of a gathered copy, and the training would "
+            "differ from the plain module's without an error. Set its max_norm=None (to bound the norms, scale the "
+            "looked-up vectors in the forward instead), or freeze that weight (requires_grad=False: not sharded)"
+        )
     world, rank, replicas = _gather.check_groups(group, replica_group, what)
     groups = [group] + ([replica_group] if replica_group is not None else [])
 
@@ -658,10 +666,7 @@ def fully_shard(
             for pos, i in enumerate(plan.buckets[k].indices):
                 for n in trainable[id(params[flat_names[i]])]:
                     prefix, _, attr = n.rpartition(".")
-                    module = model.get_submodule(prefix)
-                    if _units.writes_in_place(module, attr):
-                        u.copied.add(len(u.slots))
-                    u.slots.append((module, attr, j, pos))
+                    u.slots.append((model.get_submodule(prefix), attr, j, pos))
     placeholders = []
     for names_ in trainable.values():
         like = params[names_[0]]

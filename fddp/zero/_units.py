@@ -106,14 +106,15 @@ class Unit:
     # (module, attribute, position of the bucket among the unit's, position of the leaf in it)
     slots: list[tuple[nn.Module, str, int, int]] = dataclasses.field(default_factory=list)
     forward: Callable[..., Any] | None = None  # the module's own forward, bound
-    # The slots whose module writes the parameter in place during its forward: they get a copy.
-    copied: set[int] = dataclasses.field(default_factory=set)
 
 
-def writes_in_place(module: nn.Module, attr: str) -> bool:
-    """Whether ``module``'s forward writes its parameter ``attr`` in place: an embedding with
-    ``max_norm`` renormalises the rows it looks up (``torch.embedding_renorm_``, under no_grad)."""
-    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None and attr == "weight"
+def writes_in_place(module: nn.Module) -> bool:
+    """Whether ``module``'s forward writes its own trainable parameter in place: an embedding with
+    ``max_norm`` renormalises the rows it looks up (``torch.embedding_renorm_``, under no_grad).
+    ``fully_shard`` refuses such a module: the write cannot reach the shards."""
+    if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or module.max_norm is None:
+        return False
+    return module.weight.requires_grad
 
 
 class ReleasedUse(RuntimeError):

@@ -87,3 +87,28 @@ __all__ = [
     "warmup_cosine_decay",
     "exponential_decay",
 ]
+
+# --- The all-in-one optimizers of issue 54 (torch's keyword names) and the optax blocks they are
+# made of (optax's names): each in its own module, tested against torch.optim or optax. ---------
+from ._adafactor import AdafactorState, FactoredState, adafactor, scale_by_factored_rms  # noqa: E402
+from ._adagrad import AdagradState, adagrad  # noqa: E402
+from ._nadam import NAdamState, nadam  # noqa: E402
+from ._radam import RAdamState, ScaleByRAdamState, radam, scale_by_radam  # noqa: E402
+from ._rmsprop import RMSpropState, rmsprop  # noqa: E402
+
+__all__ += [
+    "rmsprop",
+    "RMSpropState",
+    "adagrad",
+    "AdagradState",
+    "nadam",
+    "NAdamState",
+    "radam",
+    "RAdamState",
+    "adafactor",
+    "AdafactorState",
+    "scale_by_radam",
+    "ScaleByRAdamState",
+    "scale_by_factored_rms",
+    "FactoredState",
+]

@@ -69,7 +69,8 @@ def adagrad(
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
     checks.check_lr(lr, "adagrad")
-    options = (("lr_decay", lr_decay), ("weight_decay", weight_decay), ("initial_accumulator_value", initial_accumulator_value), ("eps", eps))
+    options = (("lr_decay", lr_decay), ("weight_decay", weight_decay), ("eps", eps))
+    options += (("initial_accumulator_value", initial_accumulator_value),)
     for name, v in options:
         checks.check_nonneg(v, name, "adagrad")
     cfg = _Adagrad(lr, float(lr_decay), float(weight_decay), float(initial_accumulator_value), float(eps))

@@ -169,22 +169,22 @@ def _leaf(cfg: _Adafactor, g, row, col, var, p, lr, one_minus_beta2, rho, apply:
     if cfg.weight_decay:
         q = torch.mul(p, 1 - lr * cfg.weight_decay) if apply else p
     if g.dim() > 1:
-        row_mean = torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
+        # Out of place (vmap has no batching rule for square_, clamp_...): the same arithmetic.
+        row_mean = torch.norm(g, dim=-1, keepdim=True).square().div(g.size(-1))
         row = torch.lerp(row, row_mean, omb)
-        col_mean = torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
+        col_mean = torch.norm(g, dim=-2, keepdim=True).square().div(g.size(-2))
         col = torch.lerp(col, col_mean, omb)
         est = row @ col
-        est = est.div_(row.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+        est = est.div(row.mean(dim=-2, keepdim=True).clamp(min=eps1))
     else:
         var = torch.lerp(var, g * g, omb)
-        est = var.clone()
-    u = est.clamp_(min=eps1 * eps1).rsqrt_()
-    u = u.mul_(g)
+        est = var
+    u = est.clamp(min=eps1 * eps1).rsqrt().mul(g)
     if apply:
         denom = max(1.0, u.norm(2).item() / ((u.numel() ** 0.5) * cfg.d))
         return row, col, var, q.add(u, alpha=-alpha / denom)
     denom = torch.clamp(u.norm(2).to(torch.float64) / ((u.numel() ** 0.5) * cfg.d), min=1.0)
-    u = u.mul_((-alpha / denom).to(u.dtype))
+    u = u.mul((-alpha / denom).to(u.dtype))
     if cfg.weight_decay:
         u = ew.axpy(u, p, -lr * cfg.weight_decay, None)
     return row, col, var, u

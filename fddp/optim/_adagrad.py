@@ -117,9 +117,9 @@ def _unit(g, s, p, new, *, cfg: _Adagrad, scalars: ew.Scalars, apply: bool):
     if cfg.weight_decay:
         g = torch.add(g, p, alpha=cfg.weight_decay, out=new())
     s = torch.addcmul(s, g, g, value=1, out=new())
-    std = new()
-    std = torch.add(torch.sqrt(s, out=std), cfg.eps, out=std)
+    o = new()  # a pooled flat buffer, or None leaf by leaf
+    std = torch.add(torch.sqrt(s, out=o), cfg.eps, out=o)
     if apply and not isinstance(neg_clr, Tensor):
         return s, torch.addcdiv(p, g, std, value=neg_clr, out=new())
-    d = torch.div(g, std, out=std)
+    d = torch.div(g, std, out=o)
     return s, ew.axpy(p, d, neg_clr, new()) if apply else ew.scale(d, neg_clr, new())

@@ -143,9 +143,8 @@ def _unit(g, m, v, p, new, *, cfg: _NAdam, scalars: ew.Scalars, apply: bool):
     m = torch.lerp(m, g, 1 - b1, out=new())
     o = new()
     v = torch.addcmul(torch.mul(v, b2, out=o), g, g, value=1 - b2, out=o)
-    denom = new()
-    denom = torch.sqrt(torch.div(v, s["bc2"], out=denom), out=denom)
-    denom = torch.add(denom, cfg.eps, out=denom)
+    o = new()  # a pooled flat buffer, or None leaf by leaf
+    denom = torch.add(torch.sqrt(torch.div(v, s["bc2"], out=o), out=o), cfg.eps, out=o)
     if apply and not isinstance(s["c_grad"], Tensor):
         o = new()
         q = torch.mul(p, decay, out=o) if decay is not None else p

@@ -135,24 +135,22 @@ def _unit(g, m, v, p, new, *, cfg: _RAdam, scalars: ew.Scalars, apply: bool):
     m = torch.lerp(m, g, 1 - cfg.b1, out=new())
     o = new()
     v = torch.addcmul(torch.mul(v, cfg.b2, out=o), g, g, value=1 - cfg.b2, out=o)
-    x = new()
-    x = torch.mul(torch.div(m, s["bc1"], out=x), lr, out=x)  # bias_corrected_exp_avg * lr
+    ox, oa = new(), new()  # pooled flat buffers, or None leaf by leaf
+    x = torch.mul(torch.div(m, s["bc1"], out=ox), lr, out=ox)  # bias_corrected_exp_avg * lr
     if not isinstance(s["rectified"], Tensor):
         if s["rectified"]:
             # torch: bc2 ** 0.5 / (sqrt(v) + eps) is Tensor.__rtruediv__: reciprocal, then a multiply.
-            a = new()
-            a = torch.mul(torch.reciprocal(torch.add(torch.sqrt(v, out=a), cfg.eps, out=a), out=a), s["bc2_sqrt"], out=a)
-            x = torch.mul(torch.mul(x, a, out=x), s["rect"], out=x)
+            a = torch.mul(torch.reciprocal(torch.add(torch.sqrt(v, out=oa), cfg.eps, out=oa), out=oa), s["bc2_sqrt"], out=oa)
+            x = torch.mul(torch.mul(x, a, out=ox), s["rect"], out=ox)
     else:
-        a = new()
-        a = torch.mul(torch.reciprocal(torch.add(torch.sqrt(v, out=a), cfg.eps, out=a), out=a), s["bc2_sqrt"], out=a)
-        a = torch.where(s["rectified"], torch.mul(a, s["rect"], out=a), 1.0)
-        x = torch.mul(x, a, out=x)
+        a = torch.mul(torch.reciprocal(torch.add(torch.sqrt(v, out=oa), cfg.eps, out=oa), out=oa), s["bc2_sqrt"], out=oa)
+        a = torch.where(s["rectified"], torch.mul(a, s["rect"], out=oa), 1.0)
+        x = torch.mul(x, a, out=ox)
     o = new()
     q = torch.mul(p, decay, out=o) if decay is not None else p
     if apply:
         return m, v, torch.sub(q, x, out=o)
-    u = torch.neg(x, out=x)
+    u = torch.neg(x, out=ox)
     return m, v, ew.axpy(u, p, decay - 1, o) if decay is not None else u
 
 

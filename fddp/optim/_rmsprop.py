@@ -135,13 +135,13 @@ def _unit(g, sq, ga, buf, p, new, *, cfg: _RMSprop, scalars: ew.Scalars, apply: 
         g = torch.add(g, p, alpha=cfg.weight_decay, out=new())
     o = new()
     sq = torch.addcmul(torch.mul(sq, cfg.alpha, out=o), g, g, value=1 - cfg.alpha, out=o)
-    avg = new()
+    a = new()  # a pooled flat buffer, or None leaf by leaf (never a result: out= of a batched tensor fails under vmap)
     if cfg.centered:
         ga = torch.lerp(ga, g, 1 - cfg.alpha, out=new())
-        avg = torch.sqrt(torch.addcmul(sq, ga, ga, value=-1, out=avg), out=avg)
+        avg = torch.sqrt(torch.addcmul(sq, ga, ga, value=-1, out=a), out=a)
     else:
-        avg = torch.sqrt(sq, out=avg)
-    avg = torch.add(avg, cfg.eps, out=avg)
+        avg = torch.sqrt(sq, out=a)
+    avg = torch.add(avg, cfg.eps, out=a)
     if cfg.momentum > 0:
         o = new()
         buf = torch.addcdiv(torch.mul(buf, cfg.momentum, out=o), g, avg, out=o)
@@ -149,6 +149,6 @@ def _unit(g, sq, ga, buf, p, new, *, cfg: _RMSprop, scalars: ew.Scalars, apply: 
     elif apply and not isinstance(neg_lr, Tensor):
         out = torch.addcdiv(p, g, avg, value=neg_lr, out=new())
     else:
-        d = torch.div(g, avg, out=avg)
+        d = torch.div(g, avg, out=a)
         out = ew.axpy(p, d, neg_lr, new()) if apply else ew.scale(d, neg_lr, new())
     return sq, ga if cfg.centered else None, buf if cfg.momentum > 0 else None, out

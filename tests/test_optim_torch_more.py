@@ -8,8 +8,6 @@ separate tensor (one rounding more per step), and agrees within 1e-6.
 
 from __future__ import annotations
 
-import copy
-
 import optree
 import pytest
 import torch
@@ -33,10 +31,14 @@ def _grads(params: dict, step: int) -> dict:
 
 CASES = {
     "rmsprop": (optim.rmsprop, torch.optim.RMSprop, dict(lr=1e-2)),
-    "rmsprop_centered_momentum_wd": (optim.rmsprop, torch.optim.RMSprop, dict(lr=1e-2, alpha=0.9, centered=True, momentum=0.5, weight_decay=0.1)),
+    "rmsprop_centered_momentum_wd": (
+        optim.rmsprop, torch.optim.RMSprop, dict(lr=1e-2, alpha=0.9, centered=True, momentum=0.5, weight_decay=0.1)
+    ),
     "rmsprop_momentum": (optim.rmsprop, torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9, eps=1e-6)),
     "adagrad": (optim.adagrad, torch.optim.Adagrad, dict(lr=0.1)),
-    "adagrad_all": (optim.adagrad, torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1, eps=1e-8)),
+    "adagrad_all": (
+        optim.adagrad, torch.optim.Adagrad, dict(lr=0.1, lr_decay=0.01, weight_decay=0.1, initial_accumulator_value=0.1, eps=1e-8)
+    ),
     "nadam": (optim.nadam, torch.optim.NAdam, dict(lr=1e-2)),
     "nadam_l2": (optim.nadam, torch.optim.NAdam, dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1, momentum_decay=1e-2)),
     "nadamw": (optim.nadam, torch.optim.NAdam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
@@ -52,8 +54,9 @@ def _torch_run(T, kw: dict, params: dict, steps: int) -> dict:
     model = _model()
     topt = T(model.parameters(), foreach=False, **kw)
     for step in range(steps):
-        for (k, p), g in zip(model.named_parameters(), _grads(params, step).values()):
-            p.grad = g.clone()
+        grads = _grads(params, step)
+        for k, p in model.named_parameters():
+            p.grad = grads[k].clone()
         topt.step()
     return {k: p.detach() for k, p in model.named_parameters()}
 

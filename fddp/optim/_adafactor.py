@@ -19,6 +19,7 @@ from . import _checks as checks
 from . import _elementwise as ew
 from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
+from ._flat import multi_tensor_ok
 
 __all__ = ["AdafactorState", "adafactor", "FactoredState", "scale_by_factored_rms"]
 
@@ -141,16 +142,15 @@ def _update(cfg: _Adafactor, grads: Updates, state: AdafactorState, params: Para
 
 def _applied(cfg: _Adafactor, grads: Updates, state: AdafactorState, params: Params, request: Apply):
     leaves = optree.tree_leaves(params)
-    if not leaves or not checks_eager(leaves):
+    if not leaves or not _eager(leaves):
         return ew.note(request.why, "adafactor: update + apply_updates (inside a torch.func transform or torch.compile)")
     ew.note(request.why, "adafactor: torch's single-tensor step, leaf by leaf, the norms read on the host")
     new_params, new_state = _step(cfg, grads, state, params, True)
     return Applied(new_params), new_state
 
 
-def checks_eager(leaves) -> bool:
-    from ._flat import multi_tensor_ok
-
+def _eager(leaves) -> bool:
+    """Whether torch's host-reading step may run: eager, outside transforms, autograd not recording."""
     return multi_tensor_ok(leaves) and not torch.compiler.is_compiling() and not any(t.requires_grad for t in leaves)
 
 

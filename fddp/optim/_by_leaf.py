@@ -23,6 +23,7 @@ from fddp import _dist
 from fddp._layout import SplitTree, has_split
 
 from ._checks import paths_of
+from ._groups import _partition  # the one reading of masks and labels, for trees and shards
 
 __all__ = ["Layout", "layout_of", "sums_of_squares", "by_leaf", "leaf_flags"]
 
@@ -127,8 +128,6 @@ def leaf_flags(mask: Any, tree: Any, leaves: list, treedef: Any, where: str) -> 
     if mask is None:
         count = len(tree.split.leaves) if isinstance(tree, SplitTree) else len(leaves)
         return [True] * count
-    from ._groups import _partition  # the one reading of masks and labels, for trees and shards
-
     labels = _partition(mask, tree, leaves, treedef, where).labels
     for i, label in enumerate(labels):
         if not isinstance(label, bool):

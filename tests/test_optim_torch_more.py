@@ -189,3 +189,22 @@ def test_gradients_of_another_dtype_are_refused_naming_the_leaf():
         opt = make()
         with pytest.raises(TypeError, match=r"grad '2.weight' has dtype torch.float64"):
             optim.apply_gradients(opt, grads, opt.init(params), params)
+
+
+NEW = ["rmsprop", "adagrad", "nadam", "radam", "adafactor", "lamb", "lars", "lion", "scale_by_trust_ratio", "scale_by_lion",
+       "scale_by_radam", "scale_by_factored_rms"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_docstring_example_runs(name):
+    import doctest
+
+    import fddp
+
+    obj = getattr(optim, name)
+    tests = doctest.DocTestFinder(recurse=False).find(obj, name, globs={"fddp": fddp, "torch": torch})
+    assert tests and tests[0].examples, f"{name} has no example"
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for t in tests:
+        runner.run(t)
+    assert runner.failures == 0, f"{name}'s example failed (see the output above)"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import optree
@@ -227,7 +227,7 @@ def scale_by_factored_rms(
     step_offset: int = 0,
     min_dim_size_to_factor: int = 128,
     epsilon: float = 1e-30,
-    decay_rate_fn=None,
+    decay_rate_fn: Callable[[Tensor, float], Tensor] | None = None,
 ) -> GradientTransformationExtraArgs:
     """Scale by a factored estimate of the gradient's RMS, as ``optax.scale_by_factored_rms``.
 

@@ -69,12 +69,25 @@ def _fddp(name: str, mode: str) -> dict:
 
 
 def _worker() -> dict:
-    return {(name, mode): _fddp(name, mode) for name in OPTS for mode in ("replicated", "zero1", "zero2", "zero3")}
+    out = {(name, mode): _fddp(name, mode) for name in OPTS for mode in ("replicated", "zero1", "zero2", "zero3")}
+    # Adafactor's factored moments need whole matrices: refused on shards, with the way out.
+    shards = fddp.zero.shard(fddp.functionalize(_model())[1], **CAPS)
+    try:
+        fddp.optim.adafactor().init(shards)
+        out["adafactor"] = None
+    except TypeError as e:
+        out["adafactor"] = str(e)
+    return out
 
 
 @pytest.fixture(scope="module", params=[2, 3])
 def runs(request):
     return request.param, run(_worker, request.param, timeout=600)
+
+
+def test_adafactor_refuses_shards(runs):
+    for r in runs[1]:
+        assert r["adafactor"] is not None and "whole matrices" in r["adafactor"] and "elementwise optimizer" in r["adafactor"]
 
 
 @pytest.mark.parametrize("mode", ["zero1", "zero2", "zero3"])

@@ -15,6 +15,8 @@ import optree
 import torch
 from torch import Tensor
 
+from fddp._layout import SplitTree, has_split
+
 from . import _checks as checks
 from . import _elementwise as ew
 from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
@@ -100,7 +102,17 @@ def adafactor(
     return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
 
 
+def refuse_shards(tree: Params, where: str) -> None:
+    """Factored moments need whole matrices (row and column means), which a shard does not hold."""
+    if isinstance(tree, SplitTree) or has_split(checks.flatten(tree)[1]):
+        raise TypeError(
+            f"{where}: factored second moments take row and column means of whole matrices, and fddp.zero's shards hold "
+            "slices of them; use it on replicated parameters, or an elementwise optimizer (adamw, rmsprop, lion) on shards"
+        )
+
+
 def _init(cfg: _Adafactor, params: Params) -> AdafactorState:
+    refuse_shards(params, "adafactor.init")
     leaves, treedef = checks.init_leaves(params, "adafactor")
     rows, cols, vs = [], [], []
     for p in leaves:
@@ -262,6 +274,7 @@ def scale_by_factored_rms(
         return 1.0 - t ** (-decay_rate)
 
     def init(params: Params) -> FactoredState:
+        refuse_shards(params, f"{where}.init")
         leaves, treedef = checks.init_leaves(params, where)
         rows, cols, vs = [], [], []
         for p in leaves:

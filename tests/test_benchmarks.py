@@ -136,3 +136,20 @@ def test_muon_benchmark_counts_the_exchange_apart(tmp_path: Path) -> None:
     assert 0 < r["muon_zero2"]["exchange"] <= 2 * 2 * record["muon_values"] // 2
     # The rest of Muon's ZeRO-2 traffic is AdamW's ZeRO-2 traffic, plus one agreement header (20 int64).
     assert r["muon_zero2"]["bytes"] - r["muon_zero2"]["exchange"] - r["adamw_zero2"]["bytes"] == 160
+
+
+def test_optim_benchmark_has_a_row_per_optimizer_and_ensemble(tmp_path: Path) -> None:
+    out = tmp_path / "optim.json"
+    cmd = [sys.executable, str(BENCHMARKS / "optim.py"), "--small", "--repeats", "1", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    record = json.loads(out.read_text())
+    zoo, ens = record["zoo"], record["zoo_ensemble"]
+    assert set(zoo) == {"rmsprop", "adagrad", "nadam", "radam", "adafactor", "lamb", "lars", "lion"}
+    assert set(ens) == {"rmsprop", "adagrad", "nadam", "radam", "adafactor"}
+    # The reference is the faster of torch's foreach and fused steps (fused only where torch has one).
+    assert zoo["adagrad"]["reference"] in ("torch_foreach", "torch_fused") and "torch_fused_s" in zoo["adagrad"]
+    assert all(math.isfinite(r["ratio"]) and r["ratio"] > 0 for r in zoo.values())
+    for name in zoo:
+        assert f"{name} " in proc.stdout

@@ -97,6 +97,15 @@ LOCAL = {
     "fddp.optim.warmup_constant_schedule", "fddp.optim.warmup_cosine_decay_schedule", "fddp.optim.warmup_exponential_decay_schedule",
     "fddp.optim.join_schedules", "fddp.optim.piecewise_constant_schedule",
 }  # fmt: skip
+# Issue 54's optimizers (fddp/optim/_trust_ratio.py and neighbours).
+SCOPED_ELSEWHERE.update({
+    name: "builds a transformation; on shards its per-leaf norms are one all-reduce, the optim.trust_ratio entry"
+    for name in ("fddp.optim.lamb", "fddp.optim.lars", "fddp.optim.scale_by_trust_ratio")
+})  # fmt: skip
+LOCAL |= {
+    "fddp.optim.rmsprop", "fddp.optim.adagrad", "fddp.optim.nadam", "fddp.optim.radam", "fddp.optim.adafactor",
+    "fddp.optim.lion", "fddp.optim.scale_by_lion", "fddp.optim.scale_by_radam", "fddp.optim.scale_by_factored_rms",
+}  # fmt: skip
 MODULES = (fddp, fddp.zero, fddp.checkpoint, fddp.diloco, fddp.scaling, fddp.optim)
 
 

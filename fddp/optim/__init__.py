@@ -173,6 +173,43 @@ __all__ += [
 ]
 
 
+# --- The all-in-one optimizers of issue 54 (torch's keyword names) and the optax blocks they are
+# made of (optax's names): each in its own module, tested against torch.optim or optax. ---------
+from ._adafactor import AdafactorState, FactoredState, adafactor, scale_by_factored_rms  # noqa: E402
+from ._adagrad import AdagradState, adagrad  # noqa: E402
+from ._lion import LionState, ScaleByLionState, lion, scale_by_lion  # noqa: E402
+from ._nadam import NAdamState, nadam  # noqa: E402
+from ._radam import RAdamState, ScaleByRAdamState, radam, scale_by_radam  # noqa: E402
+from ._rmsprop import RMSpropState, rmsprop  # noqa: E402
+from ._trust_ratio import LambState, LarsState, lamb, lars, scale_by_trust_ratio  # noqa: E402
+
+__all__ += [
+    "rmsprop",
+    "RMSpropState",
+    "adagrad",
+    "AdagradState",
+    "nadam",
+    "NAdamState",
+    "radam",
+    "RAdamState",
+    "adafactor",
+    "AdafactorState",
+    "scale_by_radam",
+    "ScaleByRAdamState",
+    "scale_by_factored_rms",
+    "FactoredState",
+    "lamb",
+    "LambState",
+    "lars",
+    "LarsState",
+    "lion",
+    "LionState",
+    "scale_by_trust_ratio",
+    "scale_by_lion",
+    "ScaleByLionState",
+]
+
+
 def __getattr__(name: str):
     """A missing name is an AttributeError that suggests the nearest existing one (``fddp.optim.adamx``)."""
     if name.startswith("__"):

@@ -25,6 +25,7 @@ a token's (a collective of a stage-3 call being learnt).
 
 from __future__ import annotations
 
+import array
 from typing import Any, NamedTuple
 
 import torch
@@ -77,13 +78,19 @@ def build(
         >>> h = build(digest((signature, call, what, 1)), new=1)
     """
     c = _chunks(ident)
-    p = _chunks(printed) if printed else [0] * CHUNKS
+    p = _chunks(printed) if printed else _ZEROS
     fields = [*c, *(x * x for x in c), *p, *(x * x for x in p), int(bool(printed)), new, asked, learn]
-    fields += [0, 0] if failed is None else [1, failed + 1]
-    fields += [(flags >> b) & 1 for b in range(FLAG_BITS)]
-    head = torch.zeros(HEAD, dtype=torch.float64, device=device)
-    head[:DATA] = torch.tensor(fields, dtype=torch.float64)
-    return head
+    fields += (0, 0) if failed is None else (1, failed + 1)
+    fields += ((flags >> b) & 1 for b in range(FLAG_BITS))
+    if torch.compiler.is_compiling():  # a constant of the graph (dynamo does not trace frombuffer)
+        return torch.tensor([*fields, *([0] * (HEAD - DATA))], dtype=torch.float64, device=device)
+    # From bytes: a tenth of the cost of torch.tensor(list) on the hot path (every call builds one).
+    head = torch.frombuffer(bytearray(array.array("d", fields).tobytes() + _PAD), dtype=torch.float64)
+    return head if device is None else head.to(device)
+
+
+_ZEROS = [0] * CHUNKS
+_PAD = bytes(8 * (HEAD - DATA))
 
 
 def exchange(head: torch.Tensor, group: dist.ProcessGroup | None, data: int = 0) -> Any:

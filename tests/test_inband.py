@@ -201,3 +201,35 @@ def test_a_differentiable_step_and_a_rank_out_of_data_agree():
                     assert values == (params[k] * scale).tolist(), (world, r, step, k, values)
                     assert requires_grad == (step < 3 or r < world - 1), (world, r, step, k)
             assert outs[4] == params["w"].tolist()
+
+
+def test_the_heads_sum_says_exactly_when_every_rank_sent_the_same_identity():
+    """The head's arithmetic, with the all-reduce done by hand: sums of 0..255 chunks and their
+    squares over n heads, for identities that differ in one bit, in every chunk, or not at all."""
+    from fddp._dist import _header
+
+    def summed(*heads):
+        return torch.stack(heads).sum(0)
+
+    a = (1 << 61) + 12345
+    for n in (2, 3, 4, 7):
+        v = _header.read(summed(*[_header.build(a, printed=99, flags=0b10 if i == 0 else 0) for i in range(n)]), n)
+        assert v.agrees and v.compared and v.equal and v.flags == 0b10 and not v.new and v.fails == 0, (n, v)
+        for other in (a ^ 1, a ^ (1 << 60), a + (1 << 8), 0):
+            heads = [_header.build(a) for _ in range(n - 1)] + [_header.build(other)]
+            assert not _header.read(summed(*heads), n).agrees, (n, other)
+            assert not bool(_header.traced_verdict(summed(*heads), n)), (n, other)
+        # A pair of ranks whose chunks sum alike but differ (3 + 5 against 4 + 4) is told apart by the squares.
+        x, y, z = 3, 5, 4
+        pair = _header.read(summed(_header.build(x), _header.build(y)), 2)
+        assert not pair.agrees and _header.read(summed(_header.build(z), _header.build(z)), 2).agrees
+        # Failures: the rank where one announced; none where several did (the channel names the first).
+        heads = [_header.build(a) for _ in range(n - 1)] + [_header.build(0, failed=n - 1)]
+        v = _header.read(summed(*heads), n)
+        assert (v.fails, v.failed, v.agrees) == (1, n - 1, False)
+        assert _header.read(summed(*[_header.build(0, failed=r) for r in range(n)]), n)[1:3] == (n, None)
+        # Replica digests: compared only when every rank sent one.
+        v = _header.read(summed(*[_header.build(a, printed=7 if r else 0) for r in range(n)]), n)
+        assert v.agrees and not v.compared
+        v = _header.read(summed(*[_header.build(a, printed=7 + (r == 0)) for r in range(n)]), n)
+        assert v.agrees and v.compared and not v.equal

@@ -115,10 +115,6 @@ class Verdict(NamedTuple):
     flags: int
     key: tuple  # the fields, as a topic every rank shares
 
-    @property
-    def words(self) -> str:  # pragma: no cover - for a debugger
-        return repr(self)
-
 
 def _same(v: list[int], sq: list[int], n: int) -> bool:
     return all(n * b == a * a for a, b in zip(v, sq))

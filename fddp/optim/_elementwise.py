@@ -26,9 +26,10 @@ from torch import Tensor
 
 from . import _checks as checks
 from . import _flat as flat
+from ._base import Applied, FusedUpdate
 from ._flat import note
 
-__all__ = ["Scalars", "host", "axpy", "scale", "run", "leaves", "zeros", "note"]
+__all__ = ["Scalars", "host", "axpy", "scale", "run", "leaves", "zeros", "note", "fused_update"]
 
 
 class Scalars:
@@ -133,3 +134,26 @@ def check_betas(betas: Any, where: str) -> None:
     for i, b in enumerate(betas):
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
             raise ValueError(f"{where}: invalid betas[{i}]={b!r}; expected a float in [0, 1)")
+
+
+def fused_update(name: str, cfg: Any, step: Callable[..., Any]) -> FusedUpdate:
+    """The ``update`` of an optimizer whose ``step(cfg, grads, state, params, apply, why=None)`` is both ways.
+
+    ``step`` returns ``(updates, state)`` with ``apply=False`` and ``(new_params, state)``, or None
+    where the inputs take no fused step, with ``apply=True``.
+
+    Example:
+        >>> update = fused_update("nadam", cfg, _step)
+    """
+
+    def pure(cfg: Any, grads: Any, state: Any, params: Any = None) -> Any:
+        return step(cfg, grads, state, params, False)
+
+    def applied(cfg: Any, grads: Any, state: Any, params: Any, request: Any) -> Any:
+        out = step(cfg, grads, state, params, True, request.why)
+        if out is None:
+            return None
+        note(request.why, f"{name}: torch's single-tensor step, written straight into new flat buffers")
+        return Applied(out[0]), out[1]
+
+    return FusedUpdate(cfg, pure, applied)

@@ -70,11 +70,7 @@ def adagrad(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "adagrad")
-    options = (("lr_decay", lr_decay), ("weight_decay", weight_decay), ("eps", eps))
-    options += (("initial_accumulator_value", initial_accumulator_value),)
-    for name, v in options:
-        checks.check_nonneg(v, name, "adagrad")
+    ew.check_args("adagrad", lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, initial_accumulator_value=initial_accumulator_value)
     cfg = _Adagrad(lr, float(lr_decay), float(weight_decay), float(initial_accumulator_value), float(eps))
     return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("adagrad", cfg, _step))
 

@@ -29,7 +29,7 @@ from . import _flat as flat
 from ._base import Applied, FusedUpdate
 from ._flat import note
 
-__all__ = ["Scalars", "host", "axpy", "scale", "run", "leaves", "zeros", "note", "fused_update"]
+__all__ = ["Scalars", "host", "axpy", "scale", "run", "leaves", "zeros", "note", "fused_update", "check_args"]
 
 
 class Scalars:
@@ -125,6 +125,19 @@ def _is_empty(x: Any) -> bool:
 def zeros(leaves: Sequence[Tensor], treedef: Any, value: float = 0.0) -> Any:
     """A tree of tensors like ``leaves``, filled with ``value``."""
     return optree.tree_unflatten(treedef, [torch.full_like(p, value, memory_format=torch.preserve_format) for p in leaves])
+
+
+def check_args(where: str, lr: Any, betas: Any = None, **nonneg: Any) -> None:
+    """Raise on an optimizer's bad arguments: ``lr``, then each of ``nonneg`` (>= 0) in order, then ``betas``.
+
+    Example:
+        >>> check_args("nadam", lr, betas, eps=eps, weight_decay=weight_decay)
+    """
+    checks.check_lr(lr, where)
+    for name, v in nonneg.items():
+        checks.check_nonneg(v, name, where)
+    if betas is not None:
+        check_betas(betas, where)
 
 
 def check_betas(betas: Any, where: str) -> None:

@@ -78,10 +78,7 @@ def nadam(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "nadam")
-    for name, v in (("eps", eps), ("weight_decay", weight_decay), ("momentum_decay", momentum_decay)):
-        checks.check_nonneg(v, name, "nadam")
-    ew.check_betas(betas, "nadam")
+    ew.check_args("nadam", lr, betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay)
     cfg = _NAdam(lr, float(betas[0]), float(betas[1]), float(eps), float(weight_decay), float(momentum_decay), bool(decoupled_weight_decay))
     return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("nadam", cfg, _step))
 

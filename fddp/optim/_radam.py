@@ -73,10 +73,7 @@ def radam(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "radam")
-    checks.check_nonneg(eps, "eps", "radam")
-    checks.check_nonneg(weight_decay, "weight_decay", "radam")
-    ew.check_betas(betas, "radam")
+    ew.check_args("radam", lr, betas, eps=eps, weight_decay=weight_decay)
     cfg = _RAdam(lr, float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(decoupled_weight_decay))
     return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("radam", cfg, _step))
 

@@ -78,9 +78,7 @@ def rmsprop(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "rmsprop")
-    for name, v in (("alpha", alpha), ("eps", eps), ("weight_decay", weight_decay), ("momentum", momentum)):
-        checks.check_nonneg(v, name, "rmsprop")
+    ew.check_args("rmsprop", lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
     cfg = _RMSprop(lr, float(alpha), float(eps), float(weight_decay), float(momentum), bool(centered))
     return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("rmsprop", cfg, _step))
 

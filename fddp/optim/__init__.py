@@ -27,8 +27,18 @@ applies) or :func:`multi_transform` (a transformation per label), on replicated 
 :func:`inject_hyperparams` and :func:`set_hyperparams`. :func:`global_norm` is the gradients'
 global norm (``torch.nn.utils.get_total_norm``), and :func:`clip_by_global_norm` keeps the norm it
 clipped by in its state, for the log.
+
+Beyond those, torch.optim's :func:`rmsprop`, :func:`adagrad`, :func:`nadam`, :func:`radam` and
+:func:`adafactor` (torch's keyword names and numbers), and :func:`lamb`, :func:`lars` and :func:`lion`
+(optax's numbers). optax's building blocks come under optax's names, arguments and arithmetic: the
+transformations (:func:`identity`, :func:`scale`, :func:`trace`, :func:`ema`, :func:`add_decayed_weights`,
+:func:`scale_by_learning_rate`, ...), the moment scalings (:func:`scale_by_adam`, :func:`scale_by_rms`,
+:func:`scale_by_radam`, :func:`scale_by_lion`, :func:`scale_by_trust_ratio`, ...), :func:`apply_if_finite`
+and the schedules (:func:`linear_schedule`, :func:`warmup_cosine_decay_schedule`, ...).
 """
 
+from ._adafactor import AdafactorState, FactoredState, adafactor, scale_by_factored_rms
+from ._adagrad import AdagradState, adagrad
 from ._adam import AdamState, adam, adamw
 from ._base import (
     Applied,
@@ -42,16 +52,10 @@ from ._base import (
     fast_path,
 )
 from ._clip import ClipByGlobalNormState, clip_by_global_norm, global_norm
+from ._finite import ApplyIfFiniteState, apply_if_finite
 from ._groups import MaskedNode, MaskedState, MultiTransformState, by_path, masked, multi_transform, set_to_zero
 from ._inject import InjectHyperparamsState, inject_hyperparams, set_hyperparams
-from ._multi_steps import AccumulateState, accumulate
-from ._muon import MuonState, muon
-from ._schedules import constant, cosine_decay, exponential_decay, linear, warmup_cosine_decay
-from ._sgd import SGDState, sgd
-
-# isort: split
-# --- optax's building blocks and schedules, under optax's names (issue 54) ---------------------------
-from ._finite import ApplyIfFiniteState, apply_if_finite
+from ._lion import LionState, ScaleByLionState, lion, scale_by_lion
 from ._moments import (
     ScaleByAdamState,
     ScaleByAmsgradState,
@@ -64,18 +68,29 @@ from ._moments import (
     scale_by_rms,
     scale_by_stddev,
 )
+from ._multi_steps import AccumulateState, accumulate
+from ._muon import MuonState, muon
+from ._nadam import NAdamState, nadam
 from ._names import missing_attribute as _missing_attribute
+from ._radam import RAdamState, ScaleByRAdamState, radam, scale_by_radam
+from ._rmsprop import RMSpropState, rmsprop
 from ._schedules import (
+    constant,
     constant_schedule,
+    cosine_decay,
     cosine_decay_schedule,
+    exponential_decay,
     join_schedules,
+    linear,
     linear_schedule,
     piecewise_constant_schedule,
     polynomial_schedule,
     warmup_constant_schedule,
+    warmup_cosine_decay,
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from ._sgd import SGDState, sgd
 from ._transforms import (
     EmaState,
     ScaleByScheduleState,
@@ -92,10 +107,10 @@ from ._transforms import (
     trace,
     zero_nans,
 )
-
-# --- end of optax's building blocks --------------------------------------------------------------------
+from ._trust_ratio import LambState, LarsState, lamb, lars, scale_by_trust_ratio
 
 __all__ = [
+    # The transformation type, applying updates, composing.
     "GradientTransformation",
     "GradientTransformationExtraArgs",
     "Apply",
@@ -105,6 +120,7 @@ __all__ = [
     "apply_updates",
     "apply_gradients",
     "chain",
+    # Optimizers with torch.optim's fused kernels, and Muon.
     "sgd",
     "SGDState",
     "adam",
@@ -112,6 +128,7 @@ __all__ = [
     "AdamState",
     "muon",
     "MuonState",
+    # Clipping, parameter groups, hyperparameters in the state, accumulation.
     "clip_by_global_norm",
     "ClipByGlobalNormState",
     "global_norm",
@@ -127,14 +144,13 @@ __all__ = [
     "InjectHyperparamsState",
     "accumulate",
     "AccumulateState",
+    # Schedules (fddp's short names).
     "constant",
     "linear",
     "cosine_decay",
     "warmup_cosine_decay",
     "exponential_decay",
-]
-# optax's building blocks and schedules (issue 54)
-__all__ += [
+    # optax's building blocks under optax's names (issue 54).
     "identity",
     "scale",
     "scale_by_schedule",
@@ -146,6 +162,9 @@ __all__ += [
     "TraceState",
     "ema",
     "EmaState",
+    "zero_nans",
+    "ZeroNansState",
+    "clip",
     "scale_by_adam",
     "ScaleByAdamState",
     "scale_by_amsgrad",
@@ -156,11 +175,9 @@ __all__ += [
     "scale_by_stddev",
     "ScaleByRStdDevState",
     "ScaleByRStdDevWithCountState",
-    "zero_nans",
-    "ZeroNansState",
-    "clip",
-    "apply_if_finite",
     "ApplyIfFiniteState",
+    "apply_if_finite",
+    # optax's schedules under optax's names.
     "constant_schedule",
     "linear_schedule",
     "polynomial_schedule",
@@ -170,43 +187,30 @@ __all__ += [
     "warmup_exponential_decay_schedule",
     "join_schedules",
     "piecewise_constant_schedule",
-]
-
-
-# --- The all-in-one optimizers of issue 54 (torch's keyword names) and the optax blocks they are
-# made of (optax's names): each in its own module, tested against torch.optim or optax. ---------
-from ._adafactor import AdafactorState, FactoredState, adafactor, scale_by_factored_rms  # noqa: E402
-from ._adagrad import AdagradState, adagrad  # noqa: E402
-from ._lion import LionState, ScaleByLionState, lion, scale_by_lion  # noqa: E402
-from ._nadam import NAdamState, nadam  # noqa: E402
-from ._radam import RAdamState, ScaleByRAdamState, radam, scale_by_radam  # noqa: E402
-from ._rmsprop import RMSpropState, rmsprop  # noqa: E402
-from ._trust_ratio import LambState, LarsState, lamb, lars, scale_by_trust_ratio  # noqa: E402
-
-__all__ += [
-    "rmsprop",
+    # The all-in-one optimizers of issue 54 (torch's keyword names) and the optax blocks they are made of.
     "RMSpropState",
-    "adagrad",
+    "rmsprop",
     "AdagradState",
-    "nadam",
+    "adagrad",
     "NAdamState",
-    "radam",
+    "nadam",
     "RAdamState",
-    "adafactor",
-    "AdafactorState",
-    "scale_by_radam",
+    "radam",
     "ScaleByRAdamState",
-    "scale_by_factored_rms",
+    "scale_by_radam",
+    "AdafactorState",
+    "adafactor",
     "FactoredState",
-    "lamb",
-    "LambState",
-    "lars",
-    "LarsState",
-    "lion",
-    "LionState",
+    "scale_by_factored_rms",
     "scale_by_trust_ratio",
-    "scale_by_lion",
+    "LambState",
+    "lamb",
+    "LarsState",
+    "lars",
     "ScaleByLionState",
+    "scale_by_lion",
+    "LionState",
+    "lion",
 ]
 
 

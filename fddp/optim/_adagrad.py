@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import _checks as checks
 from . import _elementwise as ew
-from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
+from ._base import GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._names import torch_names
 
@@ -70,13 +70,9 @@ def adagrad(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "adagrad")
-    options = (("lr_decay", lr_decay), ("weight_decay", weight_decay), ("eps", eps))
-    options += (("initial_accumulator_value", initial_accumulator_value),)
-    for name, v in options:
-        checks.check_nonneg(v, name, "adagrad")
+    ew.check_args("adagrad", lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, initial_accumulator_value=initial_accumulator_value)
     cfg = _Adagrad(lr, float(lr_decay), float(weight_decay), float(initial_accumulator_value), float(eps))
-    return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
+    return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("adagrad", cfg, _step))
 
 
 def _init(cfg: _Adagrad, params: Params) -> AdagradState:
@@ -99,18 +95,6 @@ def _step(cfg: _Adagrad, grads, state: AdagradState, params, apply: bool, why=No
         return None
     new_sums, u = out
     return optree.tree_unflatten(treedef, u), AdagradState(count + 1, optree.tree_unflatten(treedef, new_sums))
-
-
-def _update(cfg: _Adagrad, grads: Updates, state: AdagradState, params: Params | None = None):
-    return _step(cfg, grads, state, params, False)
-
-
-def _applied(cfg: _Adagrad, grads: Updates, state: AdagradState, params: Params, request: Apply):
-    out = _step(cfg, grads, state, params, True, request.why)
-    if out is None:
-        return None
-    ew.note(request.why, "adagrad: torch's single-tensor step, written straight into new flat buffers")
-    return Applied(out[0]), out[1]
 
 
 def _unit(g, s, p, new, *, cfg: _Adagrad, scalars: ew.Scalars, apply: bool):

@@ -26,9 +26,10 @@ from torch import Tensor
 
 from . import _checks as checks
 from . import _flat as flat
+from ._base import Applied, FusedUpdate
 from ._flat import note
 
-__all__ = ["Scalars", "host", "axpy", "scale", "run", "leaves", "zeros", "note"]
+__all__ = ["Scalars", "host", "axpy", "scale", "run", "leaves", "zeros", "note", "fused_update", "check_args"]
 
 
 class Scalars:
@@ -126,6 +127,19 @@ def zeros(leaves: Sequence[Tensor], treedef: Any, value: float = 0.0) -> Any:
     return optree.tree_unflatten(treedef, [torch.full_like(p, value, memory_format=torch.preserve_format) for p in leaves])
 
 
+def check_args(where: str, lr: Any, betas: Any = None, **nonneg: Any) -> None:
+    """Raise on an optimizer's bad arguments: ``lr``, then each of ``nonneg`` (>= 0) in order, then ``betas``.
+
+    Example:
+        >>> check_args("nadam", lr, betas, eps=eps, weight_decay=weight_decay)
+    """
+    checks.check_lr(lr, where)
+    for name, v in nonneg.items():
+        checks.check_nonneg(v, name, where)
+    if betas is not None:
+        check_betas(betas, where)
+
+
 def check_betas(betas: Any, where: str) -> None:
     """Raise unless ``betas`` is a pair of floats in [0, 1), as torch.optim checks them."""
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -133,3 +147,26 @@ def check_betas(betas: Any, where: str) -> None:
     for i, b in enumerate(betas):
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
             raise ValueError(f"{where}: invalid betas[{i}]={b!r}; expected a float in [0, 1)")
+
+
+def fused_update(name: str, cfg: Any, step: Callable[..., Any]) -> FusedUpdate:
+    """The ``update`` of an optimizer whose ``step(cfg, grads, state, params, apply, why=None)`` is both ways.
+
+    ``step`` returns ``(updates, state)`` with ``apply=False`` and ``(new_params, state)``, or None
+    where the inputs take no fused step, with ``apply=True``.
+
+    Example:
+        >>> update = fused_update("nadam", cfg, _step)
+    """
+
+    def pure(cfg: Any, grads: Any, state: Any, params: Any = None) -> Any:
+        return step(cfg, grads, state, params, False)
+
+    def applied(cfg: Any, grads: Any, state: Any, params: Any, request: Any) -> Any:
+        out = step(cfg, grads, state, params, True, request.why)
+        if out is None:
+            return None
+        note(request.why, f"{name}: torch's single-tensor step, written straight into new flat buffers")
+        return Applied(out[0]), out[1]
+
+    return FusedUpdate(cfg, pure, applied)

@@ -107,9 +107,7 @@ def lion(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "lion")
-    checks.check_nonneg(weight_decay, "weight_decay", "lion")
-    ew.check_betas(betas, "lion")
+    ew.check_args("lion", lr, betas, weight_decay=weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
     where = "lion.update"
 

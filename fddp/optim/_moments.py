@@ -16,7 +16,7 @@ from torch import Tensor
 from . import _checks as checks
 from ._base import GradientTransformationExtraArgs
 from ._checks import Params, Updates
-from ._transforms import _bias_correction, _cast, _check_bool, _check_decay, _leaves, _moment, _moment2, _zeros
+from ._transforms import _bias_correction, _cast, _check_bool, _check_decay, _debias, _leaves, _moment, _moment2, _zeros
 
 __all__ = [
     "scale_by_adam",
@@ -111,7 +111,7 @@ def scale_by_adam(
             bc1_next = _bias_correction(b1, count + 1)
             mu_hat = [b1 * (m / bc1_next.to(m.dtype)) + (1 - b1) * (g / bc1.to(g.dtype)) for m, g in zip(mus, gs)]
         else:
-            mu_hat = [m / bc1.to(m.dtype) for m in mus]
+            mu_hat = _debias(mus, bc1)
         out = [m / (torch.sqrt(v / bc2.to(v.dtype) + eps_root) + eps) for m, v in zip(mu_hat, nus)]
         mus = _cast(mus, mu_dtype)
         nus = [v.to(o.dtype) for v, o in zip(nus, nus_old)]
@@ -180,8 +180,8 @@ def scale_by_amsgrad(
         nus = [_moment2(g, v, b2) for g, v in zip(gs, checks.flatten(state.nu)[0])]
         count = state.count + 1
         bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
-        mu_hat = [m / bc1.to(m.dtype) for m in mus] if bias_correction_mu else mus
-        nu_eff = [v / bc2.to(v.dtype) for v in nus] if bias_correction_nu else nus
+        mu_hat = _debias(mus, bc1) if bias_correction_mu else mus
+        nu_eff = _debias(nus, bc2) if bias_correction_nu else nus
         nu_max = [torch.maximum(a, b) for a, b in zip(checks.flatten(state.nu_max)[0], nu_eff)]
         out = [m / (torch.sqrt(v + eps_root) + eps) for m, v in zip(mu_hat, nu_max)]
         unflat = lambda xs: optree.tree_unflatten(treedef, xs)  # noqa: E731
@@ -212,6 +212,12 @@ class ScaleByRmsWithCountState(NamedTuple):
     nu: Updates
 
 
+def _check_rms(decay: float, eps: float, initial_scale: float, where: str) -> None:
+    _check_decay(decay, "decay", where)
+    checks.check_nonneg(eps, "eps", where)
+    checks.check_nonneg(initial_scale, "initial_scale", where)
+
+
 def _scaling(n: Tensor, eps: float, eps_in_sqrt: bool) -> Tensor:
     return torch.rsqrt(n + eps) if eps_in_sqrt else 1 / (torch.sqrt(n) + eps)
 
@@ -238,9 +244,7 @@ def scale_by_rms(
     Example:
         >>> opt = fddp.optim.chain(fddp.optim.scale_by_rms(decay=0.99), fddp.optim.scale_by_learning_rate(1e-2))
     """
-    _check_decay(decay, "decay", "scale_by_rms")
-    checks.check_nonneg(eps, "eps", "scale_by_rms")
-    checks.check_nonneg(initial_scale, "initial_scale", "scale_by_rms")
+    _check_rms(decay, eps, initial_scale, "scale_by_rms")
     where = "scale_by_rms.update"
     cls = ScaleByRmsWithCountState if bias_correction else ScaleByRmsState
 
@@ -256,8 +260,7 @@ def scale_by_rms(
         nu_hat = nus
         if bias_correction:
             count = state.count + 1
-            bc = _bias_correction(decay, count)
-            nu_hat = [v / bc.to(v.dtype) for v in nus]
+            nu_hat = _debias(nus, _bias_correction(decay, count))
         out = [_scaling(n, eps, eps_in_sqrt) * g for n, g in zip(nu_hat, gs)]
         nu = optree.tree_unflatten(treedef, nus)
         return optree.tree_unflatten(treedef, out), (ScaleByRmsWithCountState(count, nu) if bias_correction else ScaleByRmsState(nu))
@@ -313,9 +316,7 @@ def scale_by_stddev(
     Example:
         >>> opt = fddp.optim.chain(fddp.optim.scale_by_stddev(decay=0.99), fddp.optim.scale_by_learning_rate(1e-2))
     """
-    _check_decay(decay, "decay", "scale_by_stddev")
-    checks.check_nonneg(eps, "eps", "scale_by_stddev")
-    checks.check_nonneg(initial_scale, "initial_scale", "scale_by_stddev")
+    _check_rms(decay, eps, initial_scale, "scale_by_stddev")
     where = "scale_by_stddev.update"
     cls = ScaleByRStdDevWithCountState if bias_correction else ScaleByRStdDevState
 
@@ -334,7 +335,7 @@ def scale_by_stddev(
         if bias_correction:
             count = state.count + 1
             bc = _bias_correction(decay, count)
-            mu_hat, nu_hat = [m / bc.to(m.dtype) for m in mus], [v / bc.to(v.dtype) for v in nus]
+            mu_hat, nu_hat = _debias(mus, bc), _debias(nus, bc)
         out = [_scaling(n - m * m, eps, eps_in_sqrt) * g for m, n, g in zip(mu_hat, nu_hat, gs)]
         mu, nu = optree.tree_unflatten(treedef, mus), optree.tree_unflatten(treedef, nus)
         new_state = ScaleByRStdDevWithCountState(count, mu, nu) if bias_correction else ScaleByRStdDevState(mu, nu)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import _checks as checks
 from . import _elementwise as ew
-from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
+from ._base import GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._names import torch_names
 
@@ -78,12 +78,9 @@ def nadam(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "nadam")
-    for name, v in (("eps", eps), ("weight_decay", weight_decay), ("momentum_decay", momentum_decay)):
-        checks.check_nonneg(v, name, "nadam")
-    ew.check_betas(betas, "nadam")
+    ew.check_args("nadam", lr, betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay)
     cfg = _NAdam(lr, float(betas[0]), float(betas[1]), float(eps), float(weight_decay), float(momentum_decay), bool(decoupled_weight_decay))
-    return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
+    return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("nadam", cfg, _step))
 
 
 def _init(cfg: _NAdam, params: Params) -> NAdamState:
@@ -121,18 +118,6 @@ def _step(cfg: _NAdam, grads, state: NAdamState, params, apply: bool, why=None):
         return None
     m, v, u = (optree.tree_unflatten(treedef, x) for x in out)
     return u, NAdamState(state.count + 1, mu_product, m, v)
-
-
-def _update(cfg: _NAdam, grads: Updates, state: NAdamState, params: Params | None = None):
-    return _step(cfg, grads, state, params, False)
-
-
-def _applied(cfg: _NAdam, grads: Updates, state: NAdamState, params: Params, request: Apply):
-    out = _step(cfg, grads, state, params, True, request.why)
-    if out is None:
-        return None
-    ew.note(request.why, "nadam: torch's single-tensor step, written straight into new flat buffers")
-    return Applied(out[0]), out[1]
 
 
 def _unit(g, m, v, p, new, *, cfg: _NAdam, scalars: ew.Scalars, apply: bool):

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import _checks as checks
 from . import _elementwise as ew
-from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
+from ._base import GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._names import torch_names
 
@@ -73,12 +73,9 @@ def radam(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "radam")
-    checks.check_nonneg(eps, "eps", "radam")
-    checks.check_nonneg(weight_decay, "weight_decay", "radam")
-    ew.check_betas(betas, "radam")
+    ew.check_args("radam", lr, betas, eps=eps, weight_decay=weight_decay)
     cfg = _RAdam(lr, float(betas[0]), float(betas[1]), float(eps), float(weight_decay), bool(decoupled_weight_decay))
-    return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
+    return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("radam", cfg, _step))
 
 
 def _init(cfg: _RAdam, params: Params) -> RAdamState:
@@ -114,18 +111,6 @@ def _step(cfg: _RAdam, grads, state: RAdamState, params, apply: bool, why=None):
         return None
     m, v, u = (optree.tree_unflatten(treedef, x) for x in out)
     return u, RAdamState(state.count + 1, m, v)
-
-
-def _update(cfg: _RAdam, grads: Updates, state: RAdamState, params: Params | None = None):
-    return _step(cfg, grads, state, params, False)
-
-
-def _applied(cfg: _RAdam, grads: Updates, state: RAdamState, params: Params, request: Apply):
-    out = _step(cfg, grads, state, params, True, request.why)
-    if out is None:
-        return None
-    ew.note(request.why, "radam: torch's single-tensor step, written straight into new flat buffers")
-    return Applied(out[0]), out[1]
 
 
 def _unit(g, m, v, p, new, *, cfg: _RAdam, scalars: ew.Scalars, apply: bool):

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import _checks as checks
 from . import _elementwise as ew
-from ._base import Applied, Apply, FusedUpdate, GradientTransformationExtraArgs
+from ._base import GradientTransformationExtraArgs
 from ._checks import Params, ScalarOrSchedule, Updates
 from ._names import torch_names
 
@@ -78,11 +78,9 @@ def rmsprop(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "rmsprop")
-    for name, v in (("alpha", alpha), ("eps", eps), ("weight_decay", weight_decay), ("momentum", momentum)):
-        checks.check_nonneg(v, name, "rmsprop")
+    ew.check_args("rmsprop", lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum)
     cfg = _RMSprop(lr, float(alpha), float(eps), float(weight_decay), float(momentum), bool(centered))
-    return GradientTransformationExtraArgs(functools.partial(_init, cfg), FusedUpdate(cfg, _update, _applied))
+    return GradientTransformationExtraArgs(functools.partial(_init, cfg), ew.fused_update("rmsprop", cfg, _step))
 
 
 def _init(cfg: _RMSprop, params: Params) -> RMSpropState:
@@ -115,18 +113,6 @@ def _step(cfg: _RMSprop, grads, state: RMSpropState, params, apply: bool, why=No
         state.count + 1, tree(new_sq), tree(new_ga) if cfg.centered else (), tree(new_buf) if cfg.momentum > 0 else ()
     )
     return tree(u), new_state
-
-
-def _update(cfg: _RMSprop, grads: Updates, state: RMSpropState, params: Params | None = None):
-    return _step(cfg, grads, state, params, False)
-
-
-def _applied(cfg: _RMSprop, grads: Updates, state: RMSpropState, params: Params, request: Apply):
-    out = _step(cfg, grads, state, params, True, request.why)
-    if out is None:
-        return None
-    ew.note(request.why, "rmsprop: torch's single-tensor step, written straight into new flat buffers")
-    return Applied(out[0]), out[1]
 
 
 def _unit(g, sq, ga, buf, p, new, *, cfg: _RMSprop, scalars: ew.Scalars, apply: bool):

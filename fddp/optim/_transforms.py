@@ -60,6 +60,11 @@ def _bias_correction(decay: float, count: Tensor) -> Tensor:
     return 1.0 - torch.pow(decay, count.to(torch.float64))
 
 
+def _debias(xs: list[Tensor], bc: Tensor) -> list[Tensor]:
+    """Each of ``xs`` divided by the bias correction ``bc`` (cast to its dtype, as optax's ``bias_correction``)."""
+    return [x / bc.to(x.dtype) for x in xs]
+
+
 def _moment(g: Tensor, t: Tensor, decay: float) -> Tensor:
     return (1 - decay) * g + decay * t  # optax's update_moment, order 1
 
@@ -380,8 +385,7 @@ def ema(decay: float, debias: bool = True, accumulator_dtype: torch.dtype | None
         count = state.count + 1
         out = new
         if debias:
-            bc = _bias_correction(decay, count)
-            out = [e / bc.to(e.dtype) for e in new]
+            out = _debias(new, _bias_correction(decay, count))
         return optree.tree_unflatten(treedef, out), EmaState(count, optree.tree_unflatten(treedef, _cast(new, accumulator_dtype)))
 
     return GradientTransformationExtraArgs(init, update)

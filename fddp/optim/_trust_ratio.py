@@ -159,10 +159,7 @@ def lamb(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "lamb")
-    for name, v in (("eps", eps), ("eps_root", eps_root), ("weight_decay", weight_decay)):
-        checks.check_nonneg(v, name, "lamb")
-    ew.check_betas(betas, "lamb")
+    ew.check_args("lamb", lr, betas, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
     b1, b2 = float(betas[0]), float(betas[1])
     where = "lamb.update"
 
@@ -250,9 +247,7 @@ def lars(
         >>> state = opt.init(params)
         >>> params, state = fddp.optim.apply_gradients(opt, {"w": torch.full((3,), 0.5)}, state, params)
     """
-    checks.check_lr(lr, "lars")
-    for name, v in (("weight_decay", weight_decay), ("momentum", momentum), ("trust_coefficient", trust_coefficient), ("eps", eps)):
-        checks.check_nonneg(v, name, "lars")
+    ew.check_args("lars", lr, weight_decay=weight_decay, momentum=momentum, trust_coefficient=trust_coefficient, eps=eps)
     where = "lars.update"
 
     def init(params: Params) -> LarsState:

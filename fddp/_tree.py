@@ -156,8 +156,8 @@ def adopt_torch_nodes() -> None:
         [tensor([1.]), tensor([0.])]
     """
     nodes = _torch_pytree.SUPPORTED_NODES
-    if len(nodes) == _adopted_from[0]:
-        return
+    if len(nodes) == _adopted_from[0] or torch.compiler.is_compiling():
+        return  # under torch.compile: dynamo traces no registration (types met eagerly first are known)
     for cls, node in list(nodes.items()):
         if not isinstance(cls, type) or cls.__module__.split(".")[0] == "torch" or optree.register_pytree_node.get(cls) is not None:
             continue
@@ -183,7 +183,7 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
             leaves = list(map(tree.__getitem__, keys))
             if all(map(isinstance, leaves, itertools.repeat(_Tensor))):
                 return leaves, spec
-    if len(_torch_pytree.SUPPORTED_NODES) != _adopted_from[0]:
+    if len(_torch_pytree.SUPPORTED_NODES) != _adopted_from[0] and not torch.compiler.is_compiling():
         adopt_torch_nodes()
     return optree.tree_flatten(tree, none_is_leaf=True)
 

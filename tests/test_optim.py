@@ -373,18 +373,8 @@ def test_vmap_ensemble_equals_separate_updates(name):
         # Both sides take the same gradients: vmap(grad) and a loop of grad run different kernels,
         # which round differently on some CPUs, and Adam normalises that difference up to ~1e-5.
         grads = vmap(grad(loss))(stacked)
-        updates, state = vmap(opt.update)(grads, state, stacked)
-        stacked = optim.apply_updates(stacked, updates)
-        new = []
-        for i, (p, s) in enumerate(singles):
-            u, s = opt.update({k: g[i] for k, g in grads.items()}, s, p)
-            new.append((optim.apply_updates(p, u), s))
-        singles = new
-    for i, (p, s) in enumerate(singles):
-        for k in p:
-            torch.testing.assert_close(stacked[k][i], p[k], rtol=1e-6, atol=1e-7)
-        for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(s)):
-            torch.testing.assert_close(a[i], b, rtol=1e-6, atol=1e-7)
+        updates, state, stacked, singles = vmapped_and_alone(opt, grads, state, stacked, singles)
+    assert_members_equal(stacked, state, singles)
     assert all(u.dtype == torch.float32 for u in updates.values())
 
 
@@ -521,3 +511,23 @@ def test_state_from_another_optimizer_is_rejected():
 def test_invalid_hyperparameters_rejected_at_construction(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def vmapped_and_alone(opt, grads: dict, state, stacked: dict, singles: list) -> tuple:
+    """One step of a vmapped ensemble and of each member alone, from the same stacked gradients."""
+    updates, state = vmap(opt.update)(grads, state, stacked)
+    stacked = optim.apply_updates(stacked, updates)
+    new = []
+    for i, (p, s) in enumerate(singles):
+        u, s = opt.update({k: g[i] for k, g in grads.items()}, s, p)
+        new.append((optim.apply_updates(p, u), s))
+    return updates, state, stacked, new
+
+
+def assert_members_equal(stacked: dict, state, singles: list) -> None:
+    """Each ensemble member's parameters and state equal the member stepped alone (float32 roundings)."""
+    for i, (p, s) in enumerate(singles):
+        for k in p:
+            torch.testing.assert_close(stacked[k][i], p[k], rtol=1e-6, atol=1e-7)
+        for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(s)):
+            torch.testing.assert_close(a[i], b, rtol=1e-6, atol=1e-7)

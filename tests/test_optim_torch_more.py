@@ -11,6 +11,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from test_optim import assert_members_equal, vmapped_and_alone
 from torch.func import stack_module_state, vmap
 
 from fddp import optim
@@ -139,18 +140,8 @@ def test_vmap_ensemble_equals_separate_updates(name):
     singles = [(p, opt.init(p)) for (p,) in singles]
     for step in range(3):
         grads = {k: g.expand(4, *g.shape).clone() for k, g in _grads(singles[0][0], step).items()}
-        updates, state = vmap(opt.update)(grads, state, stacked)
-        stacked = optim.apply_updates(stacked, updates)
-        new = []
-        for i, (p, s) in enumerate(singles):
-            u, s = opt.update({k: g[i] for k, g in grads.items()}, s, p)
-            new.append((optim.apply_updates(p, u), s))
-        singles = new
-    for i, (p, s) in enumerate(singles):
-        for k in p:
-            torch.testing.assert_close(stacked[k][i], p[k], rtol=1e-6, atol=1e-7)
-        for a, b in zip(optree.tree_leaves(state), optree.tree_leaves(s)):
-            torch.testing.assert_close(a[i], b, rtol=1e-6, atol=1e-7)
+        updates, state, stacked, singles = vmapped_and_alone(opt, grads, state, stacked, singles)
+    assert_members_equal(stacked, state, singles)
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,20 @@
-"""What fddp's per-call agreement costs by itself: the header's round trip, against the collectives around it.
+"""What fddp's per-call agreement costs by itself: the head, and steady-state calls against a raw all-reduce.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/agreement.py
+    torchrun --standalone --nproc-per-node=3 benchmarks/agreement.py
 
-Every fddp call that communicates first all-reduces one fixed-size header (``fddp/_dist.py``:
-14 int64, 112 bytes). This times, on each rank, ``--repeats`` calls of each row after a barrier, interleaved
-round by round, and reports the median per call in µs (the slowest rank's):
+Every fddp call that communicates sends one fixed-size head (``fddp/_dist/_header.py``: 512
+float64, 4 KiB); a plain mean or ``psum`` whose values fit rides in it. This times, on each rank,
+``--repeats`` calls of each row after a barrier, interleaved round by round (``--rounds``), and
+reports the median per call in µs (the slowest rank's), and each fddp row's time over the raw
+all-reduce of the same values in the same round (the median over rounds):
 
-    agreement header          fddp._dist.agree on the default group (the header, blocking)
+    agreement head            fddp._dist.agree on the default group (a head alone, blocking)
     all_reduce, 8 floats      torch.distributed.all_reduce of a small tensor (32 bytes: at these
                               sizes a gloo all-reduce costs its latency, not its bytes)
+    all_reduce, 40 floats     the same values as the tiny tree below, in one raw all-reduce
+    ddp_step, 10 x 4 floats   fddp.ddp_step on a tree of 10 leaves of 4 floats (steady state)
+    psum, 10 x 4 floats       fddp.psum of the same tree
     one-rank all_reduce       the same on a group of this rank alone: the hand-off to gloo's
                               thread that every collective pays, with no peer (what
                               benchmarks/overhead.py's one-rank ddp_step pays per bucket)
@@ -36,18 +42,22 @@ import fddp._dist
 def rows(alone: dist.ProcessGroup) -> dict[str, object]:
     header_rows = [("benchmark", "agreement", None)]
     digest = fddp._dist.digest(header_rows)
-    small, mine = torch.zeros(8), torch.zeros(8)
+    small, mine, forty = torch.zeros(8), torch.zeros(8), torch.zeros(40)
+    tree = {f"l{i}": torch.full((4,), float(i)) for i in range(10)}
     return {
-        "agreement header": lambda: fddp._dist.agree(None, "benchmark", header_rows, signature=digest),
+        "agreement head": lambda: fddp._dist.agree(None, "benchmark", header_rows, signature=digest),
         "all_reduce, 8 floats": lambda: dist.all_reduce(small),
+        "all_reduce, 40 floats": lambda: dist.all_reduce(forty),
+        "ddp_step, 10 x 4 floats": lambda: fddp.ddp_step(tree, tree),
+        "psum, 10 x 4 floats": lambda: fddp.psum(tree),
         "one-rank all_reduce": lambda: dist.all_reduce(mine, group=alone, async_op=True).wait(),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=500)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=540)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "agreement.json"))
     args = parser.parse_args()
     fddp.init()
@@ -61,13 +71,23 @@ def main() -> None:
         for _ in range(20):
             f()
     times: dict[str, list[float]] = {name: [] for name in calls}
+    per_round: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(args.rounds):
         for name, f in calls.items():
             dist.barrier()
+            ts = []
             for _ in range(args.repeats // args.rounds):
                 t0 = time.perf_counter()
                 f()
-                times[name].append(time.perf_counter() - t0)
+                ts.append(time.perf_counter() - t0)
+            times[name] += ts
+            per_round[name].append(statistics.median(ts))
+    raw = per_round["all_reduce, 40 floats"]
+    ratios = {}
+    for name in ("ddp_step, 10 x 4 floats", "psum, 10 x 4 floats"):
+        t = torch.tensor([statistics.median(a / b for a, b in zip(per_round[name], raw))])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ratios[name] = t.item()
     medians = {}
     for name, ts in times.items():
         t = torch.tensor([statistics.median(ts) * 1e6])
@@ -76,7 +96,9 @@ def main() -> None:
     if rank == 0:
         print(f"{world} gloo ranks, torch {torch.__version__}, median µs per call of {args.repeats} (the slowest rank's)")
         for name, us in medians.items():
-            print(f"  {name:<24}{us:9.1f}")
+            print(f"  {name:<26}{us:9.1f}")
+        for name, x in ratios.items():
+            print(f"  {name} / all_reduce, 40 floats: {x:.2f}x (median over {args.rounds} rounds)")
         record = {
             "torch": torch.__version__,
             "world": world,
@@ -84,6 +106,7 @@ def main() -> None:
             "load_before": load_before,
             "load_after": os.getloadavg(),
             "median_us": medians,
+            "ratio_to_raw_all_reduce": ratios,
         }
         with open(args.out, "w") as f:
             json.dump(record, f, indent=1)

@@ -263,12 +263,9 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=0, help="also time fddp.grad on a tree of this many leaves")
     parser.add_argument("--instructions", action="store_true", help="also count instructions per call under callgrind")
     parser.add_argument("--instruction-calls", type=int, default=20)
-    parser.add_argument("--no-inband", action="store_true", help="send every call's header apart (the agreement not in band)")
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
     args = parser.parse_args()
-    if args.no_inband:  # the separate header of every call, for a paired comparison with the default
-        fddp._dist._agreement.INBAND = False
     torch.set_num_threads(1)
     fddp.init()  # one process: a one-rank group
     if args.child:

@@ -198,48 +198,44 @@ DEFAULT_MODELS = ["mlp", "transformer", "conv", "lm"]  # gpt2 needs the hf extra
 class Counter:
     """Counts the all-reduces issued through ``torch.distributed.all_reduce`` and their bytes.
 
-    fddp's per-call agreement is counted apart: a separate header (``fddp._dist._header``: 160
-    bytes) in ``headers``, a header carried in band (the tail appended to the first bucket's
-    all-reduce, ``_header.tail``) in ``tail_bytes``. ``calls`` and ``bytes`` are the gradients'
-    collectives and their values, comparable with DDP's buckets.
+    fddp's per-call head (``fddp._dist._header``: 4 KiB) is counted apart, in ``headers``, unless
+    the call's data rides in it: then it counts as the data's collective, with the data's bytes.
+    ``calls`` and ``bytes`` are the gradients' collectives and their values, comparable with DDP's
+    buckets.
     """
 
     def __init__(self) -> None:
-        self.calls, self.bytes, self.headers, self.tail_bytes = 0, 0, 0, 0
+        self.calls, self.bytes, self.headers = 0, 0, 0
 
     @contextlib.contextmanager
     def active(self):
         header_mod = fddp._dist._header
-        original, exchange, make_tail = dist.all_reduce, header_mod.exchange, header_mod.tail
+        original, exchange = dist.all_reduce, header_mod.exchange
         in_header = [False]
-        pending = [0]  # the bytes of a tail built for the next all-reduce
 
         def counting(t, *args, **kwargs):
             if not in_header[0]:
                 self.calls += 1
-                self.bytes += t.numel() * t.element_size() - pending[0]
-                self.tail_bytes += pending[0]
-                pending[0] = 0
+                self.bytes += t.numel() * t.element_size()
             return original(t, *args, **kwargs)
 
-        def header(*args, **kwargs):
-            self.headers += 1
+        def header(head, group, data=0):
+            if data:
+                self.calls += 1
+                self.bytes += data * 4  # float32 values, or float64's 8: counted as the common float32
+            else:
+                self.headers += 1
             in_header[0] = True
             try:
-                return exchange(*args, **kwargs)
+                return exchange(head, group, data)
             finally:
                 in_header[0] = False
 
-        def tail(*args, **kwargs):
-            t = make_tail(*args, **kwargs)
-            pending[0] = t.numel() * t.element_size()
-            return t
-
-        dist.all_reduce, header_mod.exchange, header_mod.tail = counting, header, tail
+        dist.all_reduce, header_mod.exchange = counting, header
         try:
             yield self
         finally:
-            dist.all_reduce, header_mod.exchange, header_mod.tail = original, exchange, make_tail
+            dist.all_reduce, header_mod.exchange = original, exchange
 
 
 def _loss_fn(apply_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
@@ -268,21 +264,6 @@ def unagreed(step: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[to
             step(x, y)
 
     run.agreement_off = True  # type: ignore[attr-defined]
-    return run
-
-
-def headed(step: Callable[[torch.Tensor, torch.Tensor], None]) -> Callable[[torch.Tensor, torch.Tensor], None]:
-    """``step`` with every call's header sent apart (the agreement not in band: what the tail
-    saves). The switch is read when a call completes, so the block's first step still carries."""
-
-    def run(x, y):
-        agreement = fddp._dist._agreement
-        agreement.INBAND = False
-        try:
-            step(x, y)
-        finally:
-            agreement.INBAND = True
-
     return run
 
 
@@ -425,7 +406,6 @@ def make_modes(
     # The same without the per-call agreement (fddp.set_checks(agreement=False) for this mode's
     # steps only; every rank runs the modes in the same order): what the agreement costs.
     modes["grad_and_value_noagree"] = unagreed(fddp_mode(overlapped()))
-    modes["grad_and_value_header"] = headed(fddp_mode(overlapped()))
     modes["ddp_step_noagree"] = unagreed(fddp_mode(lambda p, loss, x, y: fddp.ddp_step(p, torch.func.grad(loss)(p, x, y), **caps)))
     # The same without the error channel and the header's fingerprint (patched out, see lean()): what
     # the failure handling of issue 30 costs a step.
@@ -456,9 +436,7 @@ def comm_of(mode: str, step: Callable, model: nn.Module, batch: tuple, caps: dic
         # DDP's reducer and the compiled graph do not go through dist.all_reduce: count the plan
         # (DDP assigns buckets by the same rule, tested in tests/test_buckets.py).
         return len(plan.buckets), plan.nbytes
-    # The steady state: a step after two of this mode. The agreed history predicts each call from
-    # the one before it (fddp._dist._agreement); after another mode's steps, the prediction is
-    # relearnt in two steps, which may each send zeros and a tail in place of a header (a probe).
+    # The steady state: a step after two of this mode (the first of a signature checks the tree).
     step(*batch)
     step(*batch)
     with Counter().active() as c:
@@ -599,7 +577,6 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
 PLOT_MODES = {
     "ddp": ("torch DDP (the reference)", "#222222"),
     "grad_and_value": ("fddp.grad_and_value, overlapped", "#1b7837"),
-    "grad_and_value_header": ("fddp.grad_and_value, header apart (not in band)", "#5aae61"),
     "grad_and_value_donated": ("  the same, apply_gradients(donate=True)", "#5aae61"),
     "grad_and_value_optax": ("  the same, opt.update + apply_updates", "#a6dba0"),
     "grad_and_value_bf16": ("  the same, bf16 buckets", "#66bd63"),

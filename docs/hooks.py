@@ -48,7 +48,6 @@ STEP_MODES = {
     "grad_and_value_psgd1_auto": "the same with PowerSGD rank 1",
     "compiled": "`torch.compile` of `torch.func.grad` + `fddp.ddp_step` + `fddp.optim`",
     "grad_and_value_noagree": "`fddp.grad_and_value`, the per-call agreement off (`fddp.set_checks(agreement=False)`)",
-    "grad_and_value_header": "`fddp.grad_and_value` with every call's header sent apart (the agreement not carried in the first bucket)",
     "ddp_step_noagree": "`fddp.ddp_step`, the per-call agreement off",
     "grad_and_value_lean": "`fddp.grad_and_value` without the error channel and the header's fingerprint",
     "ddp_step_lean": "`fddp.ddp_step` without the error channel and the header's fingerprint",

@@ -157,22 +157,19 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 90
 def count_calls(names: tuple[str, ...], entry: Callable[[str, tuple], Any]):
     """Record the ``torch.distributed`` functions ``names`` called while the block runs.
 
-    Yields a list that gets ``entry(name, args)`` per call. fddp's per-call agreement header
-    (``fddp._dist._header``, or the zeros with a tail that stand in for it where peers may carry
-    theirs in band: ``fddp._dist._agreement.probe``) is not one of a call's data collectives: it
-    is counted apart, in ``calls.headers``, and the collectives it issues are not recorded. (A
-    header carried in band rides on the first bucket's all-reduce, which is recorded, longer by
-    ``fddp._dist._header.tail_size(n)``.)
+    Yields a list that gets ``entry(name, args)`` per call. fddp's per-call head
+    (``fddp._dist._header``) is not one of a call's data collectives: it is counted apart, in
+    ``calls.headers``, and the collective it issues is not recorded; a head that carries the
+    call's data (a plain mean or sum that fits in it) is recorded as an ``all_reduce`` of that
+    data (its DATA slots), and not counted as a head.
     """
     import torch.distributed as tdist
 
-    import fddp._dist._agreement
-    import fddp._dist._header
+    import fddp._dist._header as header
 
     calls = _Calls()
     originals = {name: getattr(tdist, name) for name in names}
-    exchange = fddp._dist._header.exchange
-    probe = fddp._dist._agreement.probe
+    exchange = header.exchange
     in_header = [False]
 
     def counting(name, fn):
@@ -183,28 +180,27 @@ def count_calls(names: tuple[str, ...], entry: Callable[[str, tuple], Any]):
 
         return wrapper
 
-    def as_header(fn):
-        def header(*args, **kwargs):
+    def as_header(head, group, data=0):
+        if data:
+            if "all_reduce" in names:
+                calls.append(entry("all_reduce", (head[header.DATA : header.DATA + data], group)))
+        else:
             calls.headers += 1
-            in_header[0] = True
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                in_header[0] = False
-
-        return header
+        in_header[0] = True
+        try:
+            return exchange(head, group, data)
+        finally:
+            in_header[0] = False
 
     for name, fn in originals.items():
         setattr(tdist, name, counting(name, fn))
-    fddp._dist._header.exchange = as_header(exchange)
-    fddp._dist._agreement.probe = as_header(probe)
+    header.exchange = as_header
     try:
         yield calls
     finally:
         for name, fn in originals.items():
             setattr(tdist, name, fn)
-        fddp._dist._header.exchange = exchange
-        fddp._dist._agreement.probe = probe
+        header.exchange = exchange
 
 
 def count_all_reduces():

@@ -4,7 +4,7 @@ no host read of a collective's result per call.
 On an NCCL group a header that lived on the GPU would be read back by the host at every call (a
 device-to-host sync, which torch DDP never makes); ``fddp._dist.control_group`` gives such groups
 a gloo side group of the same ranks for their headers. No GPU here: ``SIDE_CONTROL`` makes a gloo
-group take the same path, and the early-bucket, mismatch and announcement cases of
+group take the same path, and the steady-state, mismatch and announcement cases of
 ``test_early.py`` run through it. The second test counts, with a ``TorchFunctionMode``, every
 host read (``item``, ``tolist``, ``float``, ``bool``, ``.cpu()``...) of a tensor that went through
 a data-group collective, over steady-state steps: on CUDA each would be a sync per step.
@@ -38,7 +38,7 @@ def _side_group() -> dist.ProcessGroup:
 
 
 def _headers_on(g: dist.ProcessGroup) -> tuple[list, object]:
-    """Record the group of every header all-reduce (int64, the header's size); returns the
+    """Record the group of every head all-reduce (float64, the head's size); returns the
     record and the original function, to put back."""
     import fddp._dist._header as header
 
@@ -46,7 +46,7 @@ def _headers_on(g: dist.ProcessGroup) -> tuple[list, object]:
     original = dist.all_reduce
 
     def spy(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if t.dtype == torch.int64 and t.numel() == header.SIZE:
+        if t.dtype == torch.float64 and t.numel() == header.HEAD:
             seen.append(group)
         return original(t, op=op, group=group, async_op=async_op)
 
@@ -75,7 +75,7 @@ def _cases(g: dist.ProcessGroup, control: dist.ProcessGroup, headers: list) -> t
     errors = []
     for mode in ("tree", "raise"):
         for _ in range(2):
-            fddp.ddp_step(params, params, group=g)  # the next call goes early on rank 0
+            fddp.ddp_step(params, params, group=g)  # steady state
         try:
             if r == 1 and mode == "tree":
                 fddp.ddp_step(_params(6), _params(6), group=g)

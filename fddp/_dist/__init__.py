@@ -8,10 +8,10 @@ picture):
   fraction of a second instead of a hang (``_scope``; failures posted in ``_failures``, and the
   waits that watch for them in ``_waits``);
 - **the agreement**: before its collectives move, it calls :func:`agree` (or
-  :func:`start_agreement`) with rows that describe what the ranks must share; a difference is a
-  :class:`MismatchError` on every rank naming it (``_agreement``, the header's layout in
-  ``_header``, the diagnosis in ``_diagnosis``, collectives its header does not fix in
-  ``_sequences``);
+  :func:`start_agreement`, where :func:`can_carry` lets a small sum ride in the call's head) with
+  rows that describe what the ranks must share; a difference is a :class:`MismatchError` on every
+  rank naming it (``_agreement``, the head's layout in ``_header``, the diagnosis in
+  ``_diagnosis``, collectives its head does not fix in ``_sequences``);
 - **the replica digest**: values that must be equal on every rank are compared through
   :func:`replica_digest` and nothing else (``_digest``).
 
@@ -26,8 +26,7 @@ from fddp._dist._agreement import (
     Agreement,
     agree,
     agreements,
-    completed,
-    goes_early,
+    can_carry,
     request,
     signature_digest,
     start_agreement,
@@ -74,19 +73,18 @@ __all__ = [
     "begin_epoch",
     "call",
     "call_count",
+    "can_carry",
     "checks",
     "checksum",
     "collective",
     "collective_device",
     "control_group",
-    "completed",
     "count_call",
     "describe_token",
     "digest",
     "entry",
     "epoch",
     "fail",
-    "goes_early",
     "name_difference",
     "owe",
     "raise_if_failed_here",

@@ -1,42 +1,26 @@
-"""The agreement: the one way the ranks of a group agree that they are about to run the same call.
+"""The agreement: the one way the ranks of a group check that they are about to run the same call.
 
 :func:`agree` (or :func:`start_agreement`, finished later) is the only entry. Every capability
 describes what its ranks must share as rows (``(name, value, keys)``: a tree's paths, shapes and
-dtypes, options, a step count, checksums); the rows' digest travels in the call's header
-(``_header``) with the call's number, the function, and a sampled digest of values that must be
-equal (``_digest.replica_digest``). Only on a difference are the rows themselves exchanged, to
-name the first that differs (``_diagnosis``). A call that issues collectives its header does not
-fix asks for a sequence (``_sequences``).
+dtypes, options, a step count, checksums); the rows' digest is the call's *signature*. Each call
+sends one head (``_header``: a fixed-size float64 all-reduce) whose identity field is a digest of
+the signature, the call's number on the group, the function and the agreement setting; the
+summed head says whether every rank sent the same identity (exactly: ``n * sum(c*c) ==
+sum(c)**2`` per 8-bit chunk), who announced a failure, which request bits were set, and whether
+the sampled replica digests agree. Only on a difference are the rows themselves exchanged, on the
+group's store, to name the first that differs (``_diagnosis``). A call that issues collectives
+its signature does not fix asks for a sequence (``_sequences``).
 
-With the agreement switched off (:func:`fddp.set_checks`), known signatures send no header; a
-new one still does, and so does the first call after the switch, saying so.
+**The data rides in the head.** A plain mean whose only bucket fits in the head's DATA slots
+(float32 or float64, on the CPU) puts it there (``Agreement.send_with``, through
+``fddp.sync._comm``): the call's check and its data are one collective, the one it would send
+anyway. Any other call sends its head first and waits for it before its first bucket (a
+``grad_and_value`` waits when backward has made that bucket, so the round trip overlaps backward).
+Nothing is predicted and nothing decided locally reaches a field the ranks compare: whether the
+data rides is a function of the signature, which the identity compares.
 
-**Early buckets.** A call that is the one the agreed history predicts on the group (the call that
-followed the last completed call the last time that one completed, or, before any has, a repeat
-of it: the same signature and function, as a training loop's every step) need not wait for its
-header before its buckets go out: its bucket plan is the one every rank already agreed on, so the
-sizes its collectives pair with are known to match. Such a rank sends its header and its buckets back to
-back (:func:`goes_early`, ``early=True``) and checks the header before it returns anything: one
-round trip a call instead of two. Every rank makes the same decision from the same agreed history,
-so they all go early or none does; a rank whose call is another (its plan may differ) waits for
-the header first, and, where a peer went early, sends zeros in place of the peer's buckets
-(:func:`drain`: the last call's collectives, which it knows) before it raises: mismatched sizes
-are never issued, every rank raises, and no mixed mean is returned. A failure announced in place
-of the header drains the same way, so the group stays in step.
-
-**In band.** Where the last completed call's first collective is the plain mean's all-reduce of
-a float32/float64 CPU bucket, on a two-rank group that carries its own headers (gloo; ``completed`` records
-it as the call's *carrier*), the next agreement on the group sends no header at all. A call that
-repeats that call (early, and itself a plain mean) appends its header's fields, as a tail
-(``_header.tail``: 0/1 bits and counts, exact under a sum), to its first bucket's own
-all-reduce; any other agreement (another call, another function, an announcement of a failure)
-sends zeros of that bucket's size with its tail in place of a header (:func:`probe`). Either
-way every rank's first message is the same all-reduce, and the reduced tail says what the
-header would have (``_header.from_tail``: the same fields, equal everywhere exactly when every
-rank sent the same). A rank that probed while peers carried meets their other buckets with zeros
-(``drain``, all but the first); every rank then raises as with a header. Other hooks, NCCL and
-half-precision buckets keep the separate header (their arithmetic or their device cannot carry
-it), and so does a call after one that completed none of this kind.
+With the agreement switched off (:func:`fddp.set_checks`), known signatures send no head; a new
+one still does, and so does the first call after the switch, saying so.
 """
 
 from __future__ import annotations
@@ -52,16 +36,12 @@ from fddp import _caches
 from fddp._dist import _header
 from fddp._dist._diagnosis import disagree, name_difference
 from fddp._dist._digest import digest, name_digest, traced_digest
-from fddp._dist._errors import MismatchError
 from fddp._dist._failures import fail, raise_announced, raise_if_failed
 from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, control_group, frame, size, state
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
-__all__ = [
-    "agree", "start_agreement", "Agreement", "Agreed", "signature_digest", "goes_early", "completed", "drain", "probe", "request",
-    "take_requested", "agreements", "INBAND",
-]
+__all__ = ["agree", "start_agreement", "can_carry", "Agreement", "Agreed", "signature_digest", "request", "take_requested", "agreements"]
 
 Rows = Callable[[], list[tuple]]
 
@@ -156,25 +136,20 @@ def start_agreement(
     ask: bool = False,
     values: int | None = 0,
     sequenced: bool = False,
-    early: bool = False,
-    inband: bool = False,
+    carry: bool = False,
 ) -> Agreement:
-    """Send this call's header and return at once (the arguments are :func:`agree`'s).
+    """Send this call's head and return at once (the arguments are :func:`agree`'s).
 
     The call is numbered now; the caller must :meth:`Agreement.finish` it before this call's
-    other collectives on ``group``, unless ``early`` (where :func:`goes_early` said so): then its
-    buckets may go out first, and the caller finishes the agreement before it returns anything.
-
-    With ``inband`` too (the caller's first collective is the plain all-reduce of its first
-    bucket, the mean's), where the last completed call can carry one: no header is sent; the
-    result's :attr:`Agreement.tail` is to be appended to that first all-reduce, whose work and
-    reduced tail the caller hands back with :meth:`Agreement.carried` (see "In band").
+    other collectives on ``group``. With ``carry`` (the call's only collective is the plain sum
+    of a bucket that :func:`can_carry`), the head is not sent yet: the caller sends it with its
+    data (:meth:`Agreement.send_with`) where :attr:`Agreement.open` says a head is due.
     """
     build = rows if callable(rows) else (lambda: rows)
     if signature is None:
         signature = signature_digest(key, build) if key is not None else digest(build())
     if torch.compiler.is_compiling():
-        # A compiled call's header is in its graph: the signature's digest (taken at trace time)
+        # A compiled call's head is in its graph: the signature's digest (taken at trace time)
         # and the function, compared at every call. The call numbers and the state live outside
         # the graph, so a compiled step checks less than an eager one: what it runs, not when.
         if checks().agreement:
@@ -186,68 +161,58 @@ def start_agreement(
         _collect()
     new = signature not in st.seen
     replicas = st.seen.get(signature)
-    asked = ask and new
     call_ = st.agreed
     st.agreed += 1  # the call happens, if only to fail: the ranks stay numbered alike
     on = checks().agreement
-    # With the agreement off, known trees send no header; the first call after turning it off
+    # With the agreement off, known trees send no head; the first call after turning it off
     # still sends one (saying so), so that a rank that turned it off alone is named, not met by
-    # its peers' headers with its buckets.
+    # its peers' heads with its buckets.
     if size(group) > 1 and (on or new or st.last_mode is not False):
         name = name_digest(what)
-        key_ = (signature, name)
-        segment = Segment(group, key_, what, call_) if sequenced and on else None
+        segment = Segment(group, (signature, name), what, call_) if sequenced and on else None
         f = frame(st)
         if f is not None:
             f.sent = True
         st.last_mode = on
         printed = (values or 0) if checks().replicas and replicas is not False else 0
-        learn = int(sequenced and on and key_ not in st.recordings)
-        flags = st.requests
-        carrier = st.last[3] if st.last is not None else None
-        if carrier is not None:
-            # The last call can carry the header in band: every rank's first message is an
-            # all-reduce of its first bucket's size with a tail, the bucket itself or zeros.
-            inband = bool(early and inband)
-            numel, dtype = carrier
-            both = [signature, call_, name, printed, int(on), 0]
-            t = _header.tail(both, size(group), dtype, new=int(new), asked=int(asked), learn=learn, flags=flags, inband=inband)
-            context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, inband, (t, both))
-            if inband:
-                return Agreement(None, None, None, context, call_, tail=t)
-            return Agreement(*probe(group, numel, t), None, context, call_)
-        went = _early_digest(st.last) if early else 0
-        t = _header.build([signature, call_, name, printed, int(on), went], int(new), int(asked), learn, flags)
-        context = (group, what, st, signature, call_, build, names, replicas, early, segment, flags, None, None)
-        return Agreement(t, _header.exchange(t, group, what), None, context, call_)
+        head = _header.build(
+            digest((signature, call_, name, int(on))), printed=printed, new=int(new), asked=int(ask and new),
+            learn=int(segment is not None and segment.key not in st.recordings), flags=st.requests,
+        )  # fmt: skip
+        a = Agreement(head, None, None, (group, what, st, signature, call_, build, names, replicas, segment, st.requests), call_)
+        if not carry:
+            a.work = _header.exchange(head, group)
+        return a
     _remember(st, signature, replicas)
     if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
         st.requested |= st.requests
         st.requests = 0
-    return Agreement(None, None, Agreed(new, asked), (), call_)  # one rank, or a known tree with the agreement off
+    return Agreement(None, None, Agreed(new, ask and new), (), call_)  # one rank, or a known tree with the agreement off
 
 
-def probe(group: dist.ProcessGroup | None, numel: int, tail: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Send zeros in place of the last call's first bucket, followed by ``tail``: what a rank
-    whose peers may carry their header in band sends in place of a header. Returns the tail's
-    view (read once the work completes) and the work."""
-    probe = torch.zeros(numel + tail.numel(), dtype=tail.dtype)
-    probe[numel:] = tail
-    return probe[numel:], dist.all_reduce(probe, group=group, async_op=True)
+_CARRIERS = (torch.float32, torch.float64)  # exact in the head's float64 slots
+
+
+def can_carry(group: dist.ProcessGroup | None, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a sum of ``numel`` values of ``dtype`` on ``device`` can ride in a head on ``group``
+    (a function of the call's signature and the group: every rank that agrees decides alike)."""
+    return (
+        numel <= _header.HEAD - _header.DATA and dtype in _CARRIERS and device.type == "cpu"
+        and not torch.compiler.is_compiling() and control_group(group) is group
+    )  # fmt: skip
 
 
 def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int) -> None:
-    """The header of a compiled call: a functional all-reduce in the graph, and an assertion that
-    fails, on every rank alike, where the ranks' signatures or functions differ."""
-    name = traced_digest(what)
-    # The eager header's size and layout (call number -1: a graph keeps no count), so that a
-    # compiled call that meets an eager one on another rank pairs with its header, not its
-    # buckets: the eager rank raises too, instead of an abort in the backend.
-    t = _header.build([signature, -1, name, 0, 1, 0], device=collective_device(group))
-    out = funcol.wait_tensor(funcol.all_reduce(t, "max", group if group is not None else dist.group.WORLD))
-    both = _header.BOTH
+    """The head of a compiled call: a functional all-reduce in the graph, and an assertion that
+    fails, on every rank alike, where the ranks' identities differ."""
+    # The eager head's size and layout (call number -1: a graph keeps no count), so that a
+    # compiled call that meets an eager one on another rank pairs with its head, never with a
+    # bucket: the eager rank raises too, instead of an abort in the backend.
+    ident = traced_digest((signature, -1, traced_digest(what), 1))
+    t = _header.build(ident, device=collective_device(group))
+    out = funcol.wait_tensor(funcol.all_reduce(t, "sum", group if group is not None else dist.group.WORLD))
     torch._assert_async(
-        (out[:both] == -out[both : 2 * both]).all() & (out[_header.FAILED] == 0),
+        _header.traced_verdict(out, dist.get_world_size(group)),
         f"fddp.{what} (compiled): the ranks disagree on what they synchronise: the tree's structure, shapes or dtypes, "
         "an option (bucket caps, compression), or the fddp function (every rank must run the same compiled step, "
         "the same number of times). Run the step once without torch.compile: the eager agreement names the difference.",
@@ -261,106 +226,14 @@ def _remember(st: GroupState, signature: int, replicas: bool | None) -> None:
     st.seen.move_to_end(signature)
     if len(st.seen) > REMEMBERED:
         st.seen.popitem(last=False)
-    st.last = None  # until the call completes (completed): a call that fails leaves no plan to go early on
-    st.before, st.prev = st.prev, None  # the call completed before this one; this one, once it completes
-
-
-# The header in band (see the module's "In band"); False sends a separate header always, the
-# path before it (benchmarks compare the two).
-INBAND = True
-
-
-def goes_early(group: dist.ProcessGroup | None, what: str, signature: int) -> bool:
-    """Whether this call may send its buckets without waiting for its header: it repeats the last
-    call the ranks agreed on and completed on ``group`` (the same decision on every rank that is
-    at the same call)."""
-    if torch.compiler.is_compiling() or not checks().agreement:
-        return False
-    st = state(group)
-    last = st.last
-    return last is not None and last[0] == signature and last[1] == name_digest(what) and st.failed is None and size(group) > 1
-
-
-_CARRIERS = (torch.float32, torch.float64)  # sums of 0/1 and counts stay exact below 2**24 ranks
-
-
-def completed(
-    group: dist.ProcessGroup | None,
-    what: str,
-    signature: int,
-    collectives: Sequence[tuple] | None,
-    call: int | None = None,
-    carrier: bool = False,
-) -> None:
-    """Note that the call agreed as ``signature`` completed, having issued ``collectives`` (each an
-    all-reduce, as ``(numel, dtype, device)``; ``None``: other kinds, which cannot go early).
-
-    With ``call`` (its number among the group's agreements), only if it is still the last agreed
-    call: a synchronisation finished later (``fddp.diloco``'s in flight) must not stand for the
-    calls agreed since, which every rank records alike. With ``carrier`` (the first collective
-    is the plain sum of a bucket), a CPU float32/float64 first bucket on a two-rank group that
-    carries its own headers can carry the next repeat's header in band. Two ranks only: the tail
-    lengthens the all-reduce, which moves gloo's chunk boundaries, and so the order in which three
-    or more ranks' values are summed; a sum of two is the same in any order, so the mean stays
-    bitwise torch DDP's.
-    """
-    if torch.compiler.is_compiling():
-        return
-    st = state(group)
-    if call is not None and st.agreed != call + 1:
-        return
-    name = name_digest(what)
-    record = None
-    if collectives is not None and checks().agreement:
-        first = collectives[0] if collectives else None
-        can_carry = (
-            carrier and INBAND and first is not None and first[1] in _CARRIERS and first[2].type == "cpu"
-            and control_group(group) is group and st.size is None and size(group) == 2
-        )  # fmt: skip
-        record = (signature, name, tuple(collectives), (first[0], first[1]) if can_carry else None)
-    # The agreed history is every rank's, so is what it predicts: the call that followed this one
-    # the last time it completed (a loop that alternates grad_and_value and a broadcast, say), or,
-    # before any has, this call again.
-    key = (signature, name)
-    if st.before is not None:
-        st.successors[st.before] = record
-        st.successors.move_to_end(st.before)
-        if len(st.successors) > REMEMBERED:
-            st.successors.popitem(last=False)
-    st.prev, st.before = key, None
-    st.last = st.successors.get(key, record) if checks().agreement else None
-
-
-def _early_digest(last: tuple | None) -> int:
-    """The digest of the collectives a rank that goes early issues (the last completed call's)."""
-    return 0 if last is None else digest(tuple((n, str(dtype)) for n, dtype, _ in last[2])) or 1
-
-
-def drain(group: dist.ProcessGroup | None, st: GroupState, what: str, went: int = 0, skip: int = 0) -> None:
-    """A peer went early with the last completed call's buckets (``went``: their digest) while this
-    rank did not: send zeros in their place (the same all-reduces: their sizes are the ones every
-    rank agreed on), so that the group stays in step while every rank raises. Where this rank does
-    not know those collectives (its history is not its peers'), nothing can pair with them: fail
-    the group instead of issuing collectives of other sizes. ``skip``: the first collectives,
-    already paired (in band: the first bucket met this rank's zeros and tail)."""
-    last = st.last
-    if last is None or (went and _early_digest(last) != went):
-        e = MismatchError(
-            f"fddp.{what}: a peer sent its buckets before this call's header (its call repeats the last one the ranks "
-            "completed), but this rank holds no such call: the ranks' histories on this group differ."
-        )
-        fail(group, what, e)
-        raise e
-    works = [dist.all_reduce(torch.zeros(n, dtype=dtype, device=device), group=group, async_op=True) for n, dtype, device in last[2][skip:]]
-    for w in works:
-        wait(w, group, what, "the zeros sent in place of a peer's early buckets")
 
 
 class Agreement:
-    """A call's agreement under way: its header is on the wire (made by :func:`start_agreement`).
+    """A call's agreement under way (made by :func:`start_agreement`): its head on the wire, or,
+    where :attr:`open`, waiting for the call's data to ride in it.
 
     ``fddp.grad_and_value`` starts it once the forward pass has run and finishes it when backward
-    has its first bucket ready, so that the header's round trip overlaps the backward that fills
+    has its first bucket ready, so that the head's round trip overlaps the backward that fills
     that bucket.
 
     Example:
@@ -369,72 +242,62 @@ class Agreement:
         >>> agreement.finish()  # before this call's first bucket
     """
 
-    __slots__ = ("header", "work", "result", "context", "call", "tail")
+    __slots__ = ("header", "work", "result", "context", "call")
 
-    def __init__(
-        self,
-        header: torch.Tensor | None,
-        work: Any,
-        result: Agreed | None,
-        context: tuple = (),
-        call: int | None = None,
-        tail: torch.Tensor | None = None,
-    ) -> None:
+    def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = (), call: int | None = None) -> None:
         self.header, self.work, self.result, self.context = header, work, result, context
         self.call = call  # the call's number among the group's agreements (None: a compiled call's)
-        self.tail = tail  # in band: the tail the caller appends to its first all-reduce
 
-    def carried(self, reduced: torch.Tensor, work: Any) -> None:
-        """In band: the first all-reduce carrying :attr:`tail` is issued; ``reduced`` is the tail's
-        place in its buffer, valid once ``work`` completes."""
-        self.header, self.work, self.tail = reduced, work, None
+    @property
+    def open(self) -> bool:
+        """A head is due and not sent: the call's data is to ride in it (:meth:`send_with`)."""
+        return self.header is not None and self.work is None
+
+    def send_with(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Send the head with ``flat`` (a bucket that :func:`can_carry`) in its DATA slots; return
+        the slots (the sum, in float64, once the work completes) and the work."""
+        n = flat.numel()
+        data = self.header[_header.DATA : _header.DATA + n]
+        data.copy_(flat.reshape(-1))
+        self.work = _header.exchange(self.header, self.context[0], data=n)
+        return data, self.work
 
     def finish(self) -> Agreed:
-        """Wait for the header; return what every rank learned.
+        """Wait for the head; return what every rank learned.
 
         Raises:
-            MismatchError: on every rank, when the ranks' headers differ.
+            MismatchError: on every rank, when the ranks' identities differ.
             PeerError: on every rank that did not fail, when a rank announced a failure.
         """
         if self.result is not None:
             return self.result
-        group, what, st, signature, call_, rows, names, replicas, early, segment, flags, inband, mine = self.context
+        group, what, st, signature, call_, rows, names, replicas, segment, flags = self.context
         if self.work is None:
-            e = RuntimeError(f"fddp.{what}: internal error: an agreement in band whose first bucket never went out")
+            e = RuntimeError(f"fddp.{what}: internal error: an agreement whose data never went out with its head")
             fail(group, what, e)
             raise e
         wait(self.work, group, what, "the agreement on this call")
-        if inband is None:
-            h = self.header.tolist()
-            went = h[_header.EARLY] and not early
-        else:
-            h, carried = _header.from_tail(self.header, size(group), mine)
-            went = carried and not inband
-        # Every rank read the same header: its requests are learnt here, even by a call that raises.
-        st.requested |= _header.flags_of(h)
+        v = _header.read(self.header, size(group))
+        # Every rank read the same head: its requests are learnt here, even by a call that raises.
+        st.requested |= v.flags
         st.requests &= ~flags
-        if went:  # a peer's buckets are on their way: meet them with zeros (in band: all but the first)
-            drain(group, st, what, h[_header.EARLY] if inband is None else 0, skip=0 if inband is None else 1)
-        if h[_header.FAILED]:
-            raise_announced(group, st, what, call_, h[_header.FAILED])
-        if not _header.agrees(h):
-            disagree(group, what, call_, rows, names, seen=h)
+        if v.fails:
+            raise_announced(group, st, what, call_, v.failed)
+        if not v.agrees:
+            disagree(group, what, call_, rows, names, seen=v.key)
         # Fingerprints compare only values that were equal once (replicas, after fddp.broadcast):
         # a tree whose values differ at its first comparison differs by design and is left alone;
-        # a rank that sent none (0: its values live on a GPU) leaves this call uncompared.
-        high, low = h[_header.PRINT], -h[_header.BOTH + _header.PRINT]
-        compared = low != 0
-        equal = high == low
-        drifted = compared and not equal and replicas is True
-        if compared:
-            replicas = True if equal and replicas is not False else (replicas is True)
+        # a rank that sent none (its values live on a GPU) leaves this call uncompared.
+        drifted = v.compared and not v.equal and replicas is True
+        if v.compared:
+            replicas = True if v.equal and replicas is not False else (replicas is True)
         _remember(st, signature, replicas)
         if segment is not None:
-            segment.learning = bool(h[_header.LEARN])  # every rank's answer: one without the recording makes all learn
+            segment.learning = v.learn  # every rank's answer: one without the recording makes all learn
             if not segment.learning:
                 segment.expected = st.recordings[segment.key]
                 st.recordings.move_to_end(segment.key)
-        self.result = Agreed(bool(h[_header.NEW]), bool(h[_header.ASKED]), drifted, segment)
+        self.result = Agreed(v.new, v.asked, drifted, segment)
         return self.result
 
 

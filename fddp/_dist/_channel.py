@@ -125,6 +125,13 @@ class Channel:
         except Exception as e:  # noqa: BLE001 - the peer died between its post and its header, or the store is gone
             return Failure(rank, "?", call, "unknown", f"(its report could not be read from the store: {e})", False)
 
+    def posted(self, call: int, rank: int) -> bool:
+        """Whether ``rank`` posted a failure for its call ``call``."""
+        try:
+            return bool(self.store.check([self._key("call", call, "rank", rank)]))
+        except Exception:  # noqa: BLE001 - a store that is gone cannot tell
+            return False
+
     def exchange(self, topic: str, rank: int, world: int, mine: dict, timeout: float = 5.0) -> list[dict | None]:
         """Post ``mine`` (JSON) under ``topic`` and read every rank's; ``None`` for a rank that
         does not post within ``timeout`` seconds in all (a rank inside a compiled step, or gone).

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from fddp._dist._channel import Failure
 from fddp._dist._errors import PeerError
-from fddp._dist._groups import GroupState, channel_of, state, states
+from fddp._dist._groups import GroupState, channel_of, size, state, states
 
 __all__ = ["fail", "peer_error", "raise_if_failed", "raise_if_failed_here", "raise_announced", "first_line"]
 
@@ -53,11 +53,14 @@ def raise_if_failed_here() -> None:
         raise_if_failed(mine[0], mine[0].failed.what)
 
 
-def raise_announced(group: dist.ProcessGroup | None, st: GroupState, what: str, call_: int, failed: int) -> None:
-    """A peer announced its failure (``failed`` is its rank + 1) in place of this call's header: raise it here."""
+def raise_announced(group: dist.ProcessGroup | None, st: GroupState, what: str, call_: int, failed: int | None) -> None:
+    """A peer announced its failure in place of this call's head (``failed``: its rank; ``None``:
+    several did, and the first that posted its report is named): raise it here."""
     channel = channel_of(st, group)
-    unread = Failure(failed - 1, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
-    raise peer_error(what, channel.announced(call_ + 1, failed - 1) if channel is not None else unread)
+    if channel is not None and failed is None:
+        failed = next((r for r in range(size(group)) if channel.posted(call_ + 1, r)), 0)
+    unread = Failure(-1 if failed is None else failed, "?", call_ + 1, "unknown", "(no store to read its report from)", False)
+    raise peer_error(what, channel.announced(call_ + 1, failed) if channel is not None else unread)
 
 
 def fail(group: dist.ProcessGroup | None, what: str, e: BaseException, everywhere: bool = False) -> None:

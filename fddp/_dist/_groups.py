@@ -69,15 +69,6 @@ class GroupState:
         # (they were equal once: these are replicas), False (they differed at the first
         # comparison: values that differ by design, no longer fingerprinted).
         self.seen: collections.OrderedDict[int, bool | None] = collections.OrderedDict()
-        # The call every rank expects next, where its buckets may go out early (and its header in
-        # band): (signature, function, its collectives as (numel, dtype, device), the first
-        # bucket's (numel, dtype) where it can carry the header, else None); see _agreement. It is
-        # the call that followed the last completed one the last time that one completed
-        # (successors, keyed by (signature, function), LRU), so a loop of any period goes early.
-        self.last: tuple[int, int, tuple, Any] | None = None
-        self.successors: collections.OrderedDict[tuple, tuple | None] = collections.OrderedDict()
-        self.prev: tuple | None = None  # the last completed call's key (None after a call that did not complete)
-        self.before: tuple | None = None  # the key prev held when the call in progress was agreed
         self.owner: int | None = None  # the thread inside an fddp call on this group
         self.owner_name = ""
         self.owner_what = ""
@@ -89,15 +80,15 @@ class GroupState:
         self.channel: _channel.Channel | None = None
         self.failed: Failure | None = None  # a fatal failure: this group carries no more fddp calls
         self.mine = False  # ... and it was this rank's
-        self.last_mode: bool | None = None  # the agreement setting at this rank's last header (None: none yet)
-        self.held: list[Any] = []  # announcements' headers in flight (kept until they complete)
+        self.last_mode: bool | None = None  # the agreement setting at this rank's last head (None: none yet)
+        self.held: list[Any] = []  # announcements' heads in flight (kept until they complete)
         self.waits = 0  # numbers this rank's waits, for the board
         self.recordings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # agreed sequences, LRU
         self.owed = 0  # collectives of an earlier call still to come on this group (a backward)
         self.watched: bool | None = None  # whether the watcher reads this group's channel (None: not decided yet)
-        self.requests = 0  # this rank's request bits, sent with its next header (_agreement.request)
-        self.requested = 0  # the or of every rank's requests in the headers agreed since the last take_requested
-        self.control: Any = None  # the group the headers travel on (control_group), once decided
+        self.requests = 0  # this rank's request bits, sent with its next head (_agreement.request)
+        self.requested = 0  # the or of every rank's requests in the heads agreed since the last take_requested
+        self.control: Any = None  # the group the heads travel on (control_group), once decided
 
     def busy(self) -> bool:
         """Whether this rank's peers may be waiting for it on this group: a call is in progress
@@ -359,12 +350,11 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     tensors (gloo, a mixed ``"cpu:gloo,cuda:nccl"`` group, a fault-tolerant group), else a gloo
     group of the same ranks, made once, at the group's first header.
 
-    Why: the host reads every header (``.tolist()``) before it decides what the call's
-    collectives are. On an NCCL group a CUDA header would make the host wait for the GPU stream
-    at every call, which torch DDP never does; a CPU header on gloo costs a wait for the peers'
-    hosts only. The buckets stay on ``group``; the headers pair with headers only, since every
-    rank sends one at every agreement, and a rank whose peers sent buckets early sends zeros in
-    their place on ``group`` (``_agreement.drain``) as before.
+    Why: the host reads every head before it decides what the call's collectives are. On an
+    NCCL group a CUDA head would make the host wait for the GPU stream at every call, which torch
+    DDP never does; a CPU head on gloo costs a wait for the peers' hosts only. The buckets stay on
+    ``group``; heads pair with heads only, since every rank sends one at every agreement (a call
+    whose data rides in its head does so only where the control group is the group itself).
     """
     st = state(group)
     control = st.control

@@ -28,61 +28,36 @@ import torch
 import torch.distributed as dist
 
 from fddp._dist import _header, _watcher
-from fddp._dist._agreement import drain, probe
 from fddp._dist._channel import Failure
 from fddp._dist._errors import collective, is_collective
 from fddp._dist._failures import fail, first_line, raise_if_failed
 from fddp._dist._groups import Frame, GroupState, channel_of, checks, lock, rank, size, state
-from fddp._dist._waits import wait
 
 __all__ = ["call", "entry", "owe", "backward_scope"]
 
 
 def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: BaseException) -> None:
-    """This rank failed before sending anything for its call: post why, then send a header that
-    says so in place of the call's agreement, so the peers raise at the same call.
-
-    Where the peers may have sent their buckets early (the last call completed, and this one may
-    repeat it: see ``_agreement``), wait for the header and send zeros in their place, so that the
-    group stays in step; otherwise the header completes on its own while this rank raises."""
+    """This rank failed before sending anything for its call: post why, then send a head that
+    says so in place of the call's, so the peers raise at the same call. A head has one size
+    whatever the call, so it pairs with the peers' heads (their data riding in them or not) and
+    the group stays in step while every rank raises."""
     if st.owed > 0:  # a backward of an earlier call still owes its collectives: the peers will wait in them
         fail(group, what, e)
         return
     call_ = st.agreed
     st.agreed += 1
     me = rank(group)
-    failure = Failure(me, what, call_ + 1, type(e).__name__, first_line(e), False)
     channel = channel_of(st, group)
     try:
         if channel is not None:
-            channel.post(failure)
-        carrier = st.last[3] if st.last is not None else None
-        if carrier is None:
-            t = _header.blank()
-            t[_header.FAILED] = me + 1
-            work = _header.exchange(t, group, what)
-        else:  # the peers may carry their header in band: announce in the probe's shape (see _agreement)
-            tail = _header.tail([0] * _header.BOTH, size(group), carrier[1], failed=me + 1)
-            t, work = probe(group, carrier[0], tail)
+            channel.post(Failure(me, what, call_ + 1, type(e).__name__, first_line(e), False))
+        work = _header.exchange(_header.build(0, failed=me), group)
     except Exception:  # noqa: BLE001 - cannot announce: make it fatal, which needs nothing of the peers
         st.agreed -= 1
         fail(group, what, e)
         return
-    if st.last is None:
-        st.held = [w for w in st.held if not w.is_completed()][-8:]
-        st.held.append(work)
-    else:
-        try:
-            wait(work, group, what, "the announcement of this rank's failure")
-            if carrier is None:
-                went = int(t[_header.EARLY])
-                if went:
-                    drain(group, st, what, went)
-            elif _header.from_tail(t, size(group))[1]:
-                drain(group, st, what, skip=1)  # the first bucket met the announcement itself
-        except Exception:  # noqa: BLE001 - the peers' buckets cannot be matched: fatal
-            fail(group, what, e)
-            return
+    st.held = [w for w in st.held if not w.is_completed()][-8:]  # kept until they complete
+    st.held.append(work)
     collective(e)  # outer calls on this group see an exception every rank raises at this point
 
 
@@ -155,8 +130,6 @@ class call:
         if st is None:
             return
         try:
-            # Still inside the call while its failure is reported: an announcement may send
-            # zeros in place of the peers' early buckets, which are this call's collectives.
             if e is None or is_collective(e) or st.failed is not None or size(self.group) == 1:
                 return
             if self.unknown:  # the peers may wait on any group: tell them all

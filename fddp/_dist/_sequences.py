@@ -282,17 +282,15 @@ def _deviate(seg: Segment, doing: str, expected: tuple | None) -> None:
 
 
 def _agree_token(group: dist.ProcessGroup | None, st: GroupState, seg: Segment, token: tuple) -> None:
-    """Agree on one collective of a call being learnt: the same header, its fields the token's."""
+    """Agree on one collective of a call being learnt: a head whose identity is the token's."""
     position = len(seg.tokens)
-    h = [digest((seg.key, token)), position, _header.TOKEN, 0, int(checks().agreement), 0]
-    t = _header.build(h)
-    wait(_header.exchange(t, group, seg.what), group, seg.what, f"the agreement on its {ordinal(position + 1)} collective")
-    out = t.tolist()
-    if out[_header.FAILED]:
-        raise_announced(group, st, seg.what, seg.call, out[_header.FAILED])
-    if out[:_header.BOTH] != [-x for x in out[_header.BOTH : 2 * _header.BOTH]]:
-        disagree(group, seg.what, seg.call, lambda: [("collective", describe_token(token), None)], _no_rows, (position, token), out)
-
+    head = _header.build(digest((seg.key, token, position, _header.TOKEN, int(checks().agreement))))
+    wait(_header.exchange(head, group), group, seg.what, f"the agreement on its {ordinal(position + 1)} collective")
+    v = _header.read(head, size(group))
+    if v.fails:
+        raise_announced(group, st, seg.what, seg.call, v.failed)
+    if not v.agrees:
+        disagree(group, seg.what, seg.call, lambda: [("collective", describe_token(token), None)], _no_rows, (position, token), v.key)
 
 
 def _no_rows(per_rank: Sequence[list[tuple]]) -> str:

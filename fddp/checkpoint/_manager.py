@@ -345,11 +345,8 @@ class Manager:
             if mine:
                 _dist.request(self.group, mine)
             if wait or _dist.agreements(self.group) == self._mark:
-                # Nothing carried a request since the last boundary (or the outcome is needed now):
-                # agree here. Recorded as completed, so that the agreed history predicts this call
-                # and the training's calls around it keep going early and in band.
+                # Nothing carried a request since the last boundary (or the outcome is needed now): agree here.
                 _dist.agree(self.group, _WHAT, _ROWS, signature=_SIGNATURE)
-                _dist.completed(self.group, _WHAT, _SIGNATURE, ())
             bits = _dist.take_requested(self.group, _MINE)
             self._mark = _dist.agreements(self.group)
         if bits & (WRITTEN | UNWRITTEN):

@@ -34,9 +34,6 @@ class Comm:
             (``SyncInfo.weight``).
         bytes_sent: payload bytes handed to collectives so far.
         collectives: collectives issued so far.
-        issued: the collectives issued so far as ``(numel, dtype, device)``, while all are
-            all-reduces (``None`` once another kind is issued): what a peer sends zeros in place
-            of, where this call's buckets go out before its header (``fddp._dist.goes_early``).
     """
 
     def __init__(
@@ -48,16 +45,14 @@ class Comm:
         self.weight_sum: torch.Tensor | None = None
         self.bytes_sent = 0
         self.collectives = 0
-        self.issued: list[tuple] | None = []
         # The call's sequence of collectives, where its header does not fix them (a fully sharded
         # forward's): each collective is checked against it before it is issued.
         self.segment: Segment | None = None
-        # An agreement in band (fddp._dist's "In band"): its tail rides on the next all-reduce (sum).
+        # An agreement whose head the next all-reduce (sum) rides in (fddp._dist's "The data rides in the head").
         self._carry: Any = None
 
     def carry(self, agreement: Any) -> None:
-        """Append ``agreement``'s tail to this call's next all-reduce (sum): the first bucket's, in
-        place of a separate header."""
+        """Send this call's next all-reduce (sum), its only collective, in ``agreement``'s head."""
         self._carry = agreement
 
     @property
@@ -65,16 +60,10 @@ class Comm:
         """Where small tensors for this group's collectives must live."""
         return collective_device(self.group)
 
-    def _issue(self, op: str, t: torch.Tensor, tag: str | None, numel: int | None = None, summed: bool = False) -> None:
-        """Check the collective against the call's sequence, and note it (``summed``: it is an
-        all-reduce (sum) of ``t``, which zeros can stand in for)."""
+    def _issue(self, op: str, t: torch.Tensor, tag: str | None, numel: int | None = None) -> None:
+        """Check the collective against the call's sequence."""
         if self.segment is not None:
             self.segment.issue(op, t, tag, numel)
-        if self.issued is not None:
-            if summed:
-                self.issued.append((t.numel(), t.dtype, t.device))
-            else:
-                self.issued = None
 
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_sent += t.numel() * t.element_size()
@@ -93,10 +82,10 @@ class Comm:
         self._count(t)
         if torch.compiler.is_compiling():
             return _TracedAllReduce(t, op, self.group)
-        self._issue(f"all-reduce ({op})", t, tag, summed=op == "sum")
+        self._issue(f"all-reduce ({op})", t, tag)
         if self._carry is not None and op == "sum":
             agreement, self._carry = self._carry, None
-            return _Carried(t, agreement, self.group)
+            return _Carried(t, agreement)
         return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
 
     def all_gather(self, t: torch.Tensor, tag: str | None = None) -> tuple[torch.Tensor, Any]:
@@ -129,7 +118,7 @@ class Comm:
         if dist.get_backend(self.group) == "gloo":
             self._check_parts("a reduce-scatter", t, out)
             self._count(t)
-            self._issue("reduce-scatter", t, tag, summed=True)  # an all-reduce of t on gloo
+            self._issue("reduce-scatter", t, tag)
             return _SlicedReduce(out, t.clone(), self.rank, self.group)
         return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out, tag=tag)
 
@@ -220,22 +209,14 @@ class _SlicedReduce:
 
 
 class _Carried:
-    """An all-reduce (sum) of ``t`` with an agreement's tail behind it, in one buffer: ``wait``
-    copies the bucket's part back into ``t`` (the in-place contract hooks rely on), and the
-    agreement reads the tail's part (``Agreement.carried``)."""
+    """An all-reduce (sum) of ``t`` in the DATA slots of its call's head (float64): ``wait`` copies
+    the sum back into ``t`` (the in-place contract hooks rely on)."""
 
-    __slots__ = ("t", "buf", "work", "copied")
+    __slots__ = ("t", "data", "work", "copied")
 
-    def __init__(self, t: torch.Tensor, agreement: Any, group: dist.ProcessGroup | None) -> None:
-        tail, n = agreement.tail, t.numel()
-        if tail.dtype != t.dtype:
-            raise RuntimeError(f"fddp: internal error: a {tail.dtype} tail for a {t.dtype} bucket")
+    def __init__(self, t: torch.Tensor, agreement: Any) -> None:
         self.t, self.copied = t, False
-        # One copy of the first bucket (capped at first_bucket_mb, 1 MiB by default): less than the
-        # round trip of a separate header.
-        self.buf = torch.cat([t.reshape(-1), tail])
-        self.work = dist.all_reduce(self.buf, group=group, async_op=True)
-        agreement.carried(self.buf[n:], self)
+        self.data, self.work = agreement.send_with(t)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -244,7 +225,7 @@ class _Carried:
         done = self.work.wait() if timeout is None else self.work.wait(timeout)
         # A sliced wait (fddp._dist.wait) may return before the sum is there: copy only once it is.
         if not self.copied and (timeout is None or done or self.work.is_completed()):
-            self.t.copy_(self.buf[: self.t.numel()].view_as(self.t))
+            self.t.copy_(self.data.view_as(self.t))
             self.copied = True
         return done
 

@@ -265,9 +265,9 @@ class _Transform:
             reducer.mark_backward()
             # Sent now and finished when backward has a bucket to send (or at the flush): a
             # rank whose peer is still in its forward pass goes on with its backward meanwhile.
-            # A step that repeats the last one the ranks completed does not wait even then: its
-            # buckets go out as backward fills them, and the header is checked at the end.
-            sync.announce(replicas=True, drift=True, early=True, gate=reducer)
+            # A tree whose one bucket fits sends it in the head when backward has made it, and
+            # the head is read at the end.
+            sync.announce(replicas=True, drift=True, gate=reducer)
             if loss.requires_grad:
                 raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                 if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
@@ -277,7 +277,7 @@ class _Transform:
                 if win.sums[i] is not None:
                     arrive(i, None)
         reducer.flush()
-        flats, info = sync.close(reducer)  # an early header is checked here, before anything is returned
+        flats, info = sync.close(reducer)  # a head that carried the data is read here, before anything is returned
         return sync.tree(flats, reducer.made_views(flats)), _detached(out), info
 
     def _under_transforms(

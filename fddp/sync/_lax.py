@@ -104,23 +104,24 @@ def _issue(op: _Op, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     with _dist.call(group, op.what):
         rows = lambda: op.rows(specs)  # noqa: E731 - built only for a new signature or a difference
         signature = _dist.signature_digest((op, specs), rows)
-        # A repeat of the last completed call (a psum in every step's loss) sends its all-reduces
-        # right behind its header and checks the header before returning (fddp._dist's early
-        # buckets: a peer at another call meets them with zeros). Sums only: zeros stand in for them.
-        early = op.kind in ("sum", "mean") and _dist.size(group) > 1 and _dist.goes_early(group, op.what, signature)
-        agreement = _dist.start_agreement(group, op.what, rows, signature=signature, early=early)
-        if not early:
-            agreement.finish()
+        # A sum of one dtype that fits rides in the call's head: one collective, the check included.
+        by_dtype = _by_dtype(leaves)
+        x0 = leaves[by_dtype[0][0]] if by_dtype else None
+        numel = sum(x.numel() for x in leaves)
+        carry = op.kind in ("sum", "mean") and len(by_dtype) == 1 and _dist.can_carry(group, numel, x0.dtype, x0.device)
+        agreement = _dist.start_agreement(group, op.what, rows, signature=signature, carry=carry)
         comm = Comm(group, op.what, None)  # type: ignore[arg-type] - no bucket plan: not a hook's comm
+        if agreement.open:
+            comm.carry(agreement)
+        else:
+            agreement.finish()
         out: list[Any] = [None] * len(leaves)
-        pending = [(idx, *_start(op, comm, [leaves[i] for i in idx])) for idx in _by_dtype(leaves)]
-        agreement.finish()  # before any result is returned (done already unless early)
+        pending = [(idx, *_start(op, comm, [leaves[i] for i in idx])) for idx in by_dtype]
+        agreement.finish()  # before any result is returned (done already unless the data rode in the head)
         for idx, finish, work in pending:
             comm.wait(work, f"the {_KINDS[op.kind]} of {len(idx)} leaves")
             for i, t in zip(idx, finish()):
                 out[i] = t
-        if comm.world_size > 1:
-            _dist.completed(group, op.what, signature, comm.issued, call=agreement.call)
     return out
 
 

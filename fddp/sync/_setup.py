@@ -231,7 +231,7 @@ class Sync:
     same four steps, in this order::
 
         sync = setup(tree, options, what, agree=False)   # open: plan, number the call
-        sync.announce(...)                               # the header: early, gated or waited
+        sync.announce(...)                               # the head: carrying the data, gated or waited
         reducer = sync.reducer(state); reducer.push(leaves)   # or reducer.arrive(i, g) from backward
         flats, info = sync.close(reducer)                # check, wait, record the call
 
@@ -249,7 +249,7 @@ class Sync:
             answer on every rank).
     """
 
-    __slots__ = ("leaves", "spec", "plan", "options", "what", "weight", "digest", "rows", "new", "_comm", "_pending", "_call")
+    __slots__ = ("leaves", "spec", "plan", "options", "what", "weight", "digest", "rows", "new", "_comm", "_pending")
 
     def __init__(
         self,
@@ -266,8 +266,7 @@ class Sync:
         self.weight, self.digest, self.rows = weight, digest, rows
         self.new = False  # after agree(): whether some rank met this signature for the first time
         self._comm: Comm | None = None
-        self._pending: PendingAgreement | None = None  # an early call's header, checked in close()
-        self._call: int | None = None  # the call's number in the group's agreements, once announced
+        self._pending: PendingAgreement | None = None  # a head that carries the data, read in close()
 
     @property
     def comm(self) -> Comm:
@@ -286,67 +285,59 @@ class Sync:
         ``fddp.broadcast`` since) also compares the leaves' checksums across the ranks, unless
         ``fddp.set_checks(replicas=False)``.
         """
-        return self._start(replicas, drift, early=False).finish()
+        return self._start(replicas, drift).finish()
 
-    def announce(self, *, replicas: bool = False, drift: bool = False, early: bool = False, gate: Reducer | None = None) -> None:
-        """Send this call's header: the one place a synchronisation starts its agreement and
-        decides when it is waited for.
+    def announce(self, *, replicas: bool = False, drift: bool = False, gate: Reducer | None = None) -> None:
+        """Start this call's agreement: the one place a synchronisation starts it and decides when
+        it is waited for.
 
-        - ``early`` (the caller may send buckets before the header is back) and the call repeats
-          the last one the ranks completed (``fddp._dist.goes_early``: every rank decides alike):
-          the buckets go at once, and :meth:`close` checks the header before anything is returned;
-        - otherwise, with a ``gate``: its reducer waits for the header before its first bucket
+        - where the call's only collective is a plain mean's bucket that fits in the head
+          (``fddp._dist.can_carry``: decided from the signature, alike on every rank), the bucket
+          rides in the head, and :meth:`close` reads the head before anything is returned;
+        - otherwise, with a ``gate``: its reducer waits for the head before its first bucket
           goes out (``grad_and_value``: the round trip overlaps the backward that fills it);
         - otherwise: waited for here, before any bucket.
 
-        ``replicas`` and ``drift`` (the leaves are the replicas' parameters: the header also
+        ``replicas`` and ``drift`` (the leaves are the replicas' parameters: the head also
         carries a fingerprint of them, and replicas that drifted apart are compared leaf by leaf
         and named) are :meth:`agree`'s.
         """
-        pending = self._start(replicas, drift, early)
-        if pending.early:
+        pending = self._start(replicas, drift, self._carries)
+        if pending.agreement.open:
+            self.comm.carry(pending.agreement)
             self._pending = pending
         elif gate is not None:
             gate.gate = pending
         else:
             pending.finish()
 
-    def _start(self, replicas: bool, drift: bool, early: bool) -> PendingAgreement:
+    def _start(self, replicas: bool, drift: bool, carry: bool = False) -> PendingAgreement:
         replicas = replicas and _dist.checks().replicas
         ask = replicas and module_aliases(self.leaves)
         group = self.options.group
-        several = _dist.size(group) > 1  # a one-rank group sends no header: no fingerprint, nothing early
-        send = replicas and drift and several
+        send = replicas and drift and _dist.size(group) > 1  # a one-rank group sends no head: no fingerprint
         values = _dist.replica_digest(self.leaves, "sampled") if send else 0
-        early = early and several and _dist.goes_early(group, self.what, self.digest)
-        # The plain mean's first collective is its first bucket's all-reduce (sum): it can carry
-        # the header in band, where the last call could (fddp._dist's "In band").
-        agreement = _dist.start_agreement(
-            group, self.what, self.rows, signature=self.digest, ask=ask, values=values, early=early, inband=early and self._plain
-        )
-        if agreement.tail is not None:
-            self.comm.carry(agreement)
-        self._call = agreement.call
-        return PendingAgreement(self, agreement, early)
+        agreement = _dist.start_agreement(group, self.what, self.rows, signature=self.digest, ask=ask, values=values, carry=carry)
+        return PendingAgreement(self, agreement)
 
     def close(self, reducer: Reducer) -> tuple[list[torch.Tensor], Any]:
-        """Finish the call: check a header still under way (before anything is returned: a
-        mismatch raises here, on every rank), wait for every bucket, and record the call, so that
-        the next call that repeats it may send its buckets early (``fddp._dist.completed``, where
-        no other agreement on the group came in between). Returns ``(reduced buffers, info)``.
+        """Finish the call: read a head still under way (the one its data rode in: before
+        anything is returned, so a mismatch raises here, on every rank), then wait for every
+        bucket. Returns ``(reduced buffers, info)``.
         """
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.finish()
-        flats, info = reducer.finish()
-        comm = self.comm
-        if comm.world_size > 1 and self._call is not None:
-            _dist.completed(self.options.group, self.what, self.digest, comm.issued, call=self._call, carrier=self._plain)
-        return flats, info
+        return reducer.finish()
 
     @property
-    def _plain(self) -> bool:
-        return type(self.options.hook) is Mean
+    def _carries(self) -> bool:
+        """Whether the call's data can ride in its head: a plain mean of one bucket that fits."""
+        buckets = self.plan.buckets
+        if type(self.options.hook) is not Mean or len(buckets) != 1 or _dist.size(self.options.group) == 1:
+            return False
+        b = buckets[0]
+        return _dist.can_carry(self.options.group, b.numel, b.dtype, b.device)
 
     def reducer(self, state: Any = None) -> Reducer:
         """A reducer for one synchronisation of this tree, with the hook's ``state``."""
@@ -363,15 +354,15 @@ class PendingAgreement:
     gate, by :meth:`Sync.close`, or at once.
 
     Example:
-        >>> pending = sync._start(replicas=True, drift=False, early=False)
+        >>> pending = sync._start(replicas=True, drift=False)
         >>> ...  # work that issues no collective on the group
         >>> pending.finish()  # before the call's first bucket
     """
 
-    __slots__ = ("sync", "agreement", "early")
+    __slots__ = ("sync", "agreement")
 
-    def __init__(self, sync: Sync, agreement: _dist.Agreement, early: bool = False) -> None:
-        self.sync, self.agreement, self.early = sync, agreement, early
+    def __init__(self, sync: Sync, agreement: _dist.Agreement) -> None:
+        self.sync, self.agreement = sync, agreement
 
     def finish(self) -> bool:
         """Wait for the agreement (and, on a tree fresh from ``fddp.functionalize``, compare the

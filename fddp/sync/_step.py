@@ -149,9 +149,9 @@ def ddp_step(
         out, info = _differentiable.ddp_step(params, grads, options, compression_state, w)
         return (out, info) if return_info else out
     sync = setup(params, options, "ddp_step", compression_state, weight=w, flat=(p_leaves, p_spec), specs=p_specs, agree=False)
-    # A step that repeats the last one the ranks completed sends its buckets right behind its
-    # header, and close() checks the header before anything is returned: one wait, not two.
-    sync.announce(replicas=True, drift=True, early=True)
+    # A tree whose one bucket fits sends it in the call's head, and close() reads the head before
+    # anything is returned: one collective, one wait.
+    sync.announce(replicas=True, drift=True)
     try:
         check_dtypes(sync, "ddp_step", compression)
     except TypeError as e:

@@ -109,8 +109,11 @@ class Pool:
                     pending.discard(r)
                     errors[r] = f"rank {r} died (exit code {self._exitcode(r)})"
         if errors:
+            # Every failed rank's story, the first first: a peer's error often says only that
+            # the first one left; the first's alone can hide why it did.
             r = min(errors)
-            raise RankError(f"rank {r} of {self.world_size} failed:\n{errors[r]}")
+            others = "".join(f"\n--- rank {o} failed too:\n{errors[o][-3000:]}" for o in sorted(errors) if o != r)
+            raise RankError(f"rank {r} of {self.world_size} failed:\n{errors[r]}{others}")
         return results
 
     def _exitcode(self, r: int) -> int | None:

@@ -168,7 +168,8 @@ def test_a_signal_to_the_torchrun_agent_and_its_workers_saves_the_step_both_reac
         logs = {"plain": plain.finish(timeout=120, ok=False), "slow": slow.finish(timeout=120, ok=False)}
     for name, job in (("plain", plain), ("slow", slow)):
         done = [job.read(f"done-{r}") for r in range(2)]
-        assert None not in done, (name, done, logs[name])  # every worker left the loop
+        if None in done:  # every worker left the loop; if not, the whole log says why (an assert's repr would cut it)
+            pytest.fail(f"{name}: done files {done}; progress {[job.read(f'progress-{r}') for r in range(2)]}; log:\n{logs[name][-6000:]}")
         done = [json.loads(d) for d in done]
         reached = done[0]["last"]
         assert done[1] == done[0] and done[0]["preempted"] and 2 <= reached < 60, (name, done, logs[name])

@@ -44,7 +44,6 @@ from fddp.sync._setup import as_hook
 from fddp.sync.hooks import CommHook, Mean
 
 __all__ = [
-    "HEAD_BYTES",
     "Link",
     "Prediction",
     "BucketChoice",

@@ -279,14 +279,15 @@ def project(args: argparse.Namespace) -> dict:
         bed_name = f"the test bed: {rec['cluster']['hosts']} hosts, {rec['cluster']['rate']}"
         label = f"{alpha * 1e6:.0f} us a message step, {bandwidth * 8 / 1e9:.2f} Gbit/s ({bed_name})"
         links[label] = (alpha, bandwidth)
-    params = {"w": torch.zeros(4)}  # the data plane does not matter here: a step whose values are all there at once
+    # The data plane does not matter here: one bucket too large to ride in the head, all there at once (ddp_step).
+    params = {"w": torch.zeros(1024)}
     at_once = Timeline(0.0, (0.0,), (), (), (), 0.0)
     rows = []
     for label, (alpha, bandwidth) in links.items():
         for algorithm in ("ring", "tree"):
             link = Link(alpha, bandwidth, algorithm)
             for world in WORLDS:
-                ps = {k: predict_step(params, at_once, link, world, calls=k, control_link=link) for k in PROJECTED_CALLS}
+                ps = {k: predict_step(params, at_once, link, world, calls=k) for k in PROJECTED_CALLS}
                 rows.append({
                     "link": label, "latency_s": alpha, "bandwidth_Bps": bandwidth, "algorithm": algorithm, "world": world,
                     "head_s": ps[0].head,

@@ -228,7 +228,9 @@ def predict_step(
             whose values ride in it (at most 470 float32/float64 values on the CPU; a larger
             call also sends its buckets, which this does not count).
         control_link: the link the heads travel (``None``: ``link``). Under NCCL the head goes
-            on a gloo side group over TCP, so pass that link's model; no data rides in it there.
+            on a gloo side group over TCP, so pass that link's model; no data rides in it there:
+            each of ``calls`` also sends its values on ``link`` (one more collective, counted at
+            ``link``'s latency).
         per_call: seconds of the host each head costs beyond its time on the wire (building,
             sending and reading it).
 
@@ -252,11 +254,15 @@ def predict_step(
     bare = _schedule(plan, rounds, timeline, link, world, after, bytes_scale, per_bucket, None)
     if world <= 1:  # a one-rank group sends no head
         return bare
-    head = (control_link if control_link is not None else link).all_reduce_time(HEAD_BYTES * bytes_scale, world)
+    # The head is 512 float64 slots whatever the data's dtype: bytes_scale leaves it alone.
+    head = (control_link if control_link is not None else link).all_reduce_time(HEAD_BYTES, world)
     carried = control_link is None and _carries(plan, compression)
-    heads = _Heads(head, calls, per_call, carried)
+    # A call's few values ride in its head on the data's own link; on a side link (NCCL's gloo
+    # group) they follow it as one more all-reduce on link, as long as its latency.
+    values = 0.0 if control_link is None else link.all_reduce_time(0, world)
+    heads = _Heads(head, calls, per_call, carried, values)
     full = _schedule(plan, rounds, timeline, link, world, after, bytes_scale, per_bucket, heads)
-    collectives = calls + (1 if carried else 1 + sum(len(r) for r in rounds))
+    collectives = calls * (1 if control_link is None else 2) + (1 if carried else 1 + sum(len(r) for r in rounds))
     return full._replace(collectives=collectives, host_waits=calls + 1, head=head, control=full.step - bare.step)
 
 
@@ -268,6 +274,7 @@ class _Heads(NamedTuple):
     calls: int  # heads before the backward pass, one after another
     per_call: float  # the host's own seconds per head
     carried: bool  # the step's only bucket rides in its head
+    values: float  # each other call's values, where they cannot ride in its head
 
 
 def _carries(plan: Any, compression: Any) -> bool:
@@ -298,7 +305,7 @@ def _schedule(
     if heads is not None:
         # The other calls' heads come first, one round trip after another; then this call's
         # head leaves as the backward pass starts (its host cost delays the backward pass).
-        shift = heads.calls * (heads.seconds + heads.per_call) + heads.per_call
+        shift = heads.calls * (heads.seconds + heads.values + heads.per_call) + heads.per_call
         ready_at = [t + shift for t in ready_at]
         head_back = timeline.backward + shift + heads.seconds
     prev_ready = wire_free = 0.0

@@ -67,6 +67,12 @@ def test_control_plane_counts_every_calls_head_by_hand():
     stalled = predict_step(params, timeline, link, 4, control_link=slow, **kw)
     assert stalled.head == pytest.approx(3e-3 + 1.5 * HEAD_BYTES / (MB / 1e-3))
     assert stalled.control == pytest.approx(stalled.head - 1e-3) and stalled.buckets[0][0] == pytest.approx(stalled.head)
+    # There a pmean's values cannot ride in its head: each call is a head and then an all-reduce.
+    nccl = predict_step(params, timeline, link, 4, calls=8, control_link=slow, **kw)
+    assert (nccl.collectives, nccl.host_waits) == (2 * 8 + 5, 9)
+    assert nccl.control == pytest.approx(8 * (stalled.head + 6e-4) + stalled.control)
+    # The head is float64 whatever the data: bytes_scale (projecting bf16 buckets) leaves it alone.
+    assert predict_step(params, timeline, link, 4, bytes_scale=0.5, **kw).head == alone.head
     # ddp_step: every value is there at once, so the head is all exposed.
     at_once = Timeline(0.0, (0.0,) * 4, (), (), (), 0.0)
     assert predict_step(params, at_once, link, 4, **kw).control == pytest.approx(head)

@@ -154,6 +154,7 @@ def test_prediction_sends_second_rounds_after_backward():
 def _auto_worker() -> tuple:
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     apply_fn, params = fddp.functionalize(model)
+    params = fddp.broadcast(params)  # replicas: verify_bucket_cap's timed steps check that they start equal
     g = torch.Generator().manual_seed(fddp.rank())
     x = torch.randn(32, 64, generator=g)
     loss = lambda p, x: apply_fn(p, x).pow(2).mean()  # noqa: E731

@@ -21,7 +21,8 @@ Writes ``benchmarks/results/control_plane_<hosts>x1_<rate>.json`` and prints the
 
 ``project`` prints the model's head per call and per step (``K`` calls, plus the step's own, all
 exposed as in a ``ddp_step``) for 2 ... 256 ranks on a ring and a tree, at 25 µs a message step
-(TCP over 10-100 GbE) and at each measured bed's link, and writes
+(TCP over 10-100 GbE) and at each measured bed's link; with ``--resnet``, ResNet-50's overlapped
+step (benchmarks/scaling.py's projection) with and without its heads. Writes
 ``benchmarks/results/control_plane_projection.json``.
 """
 
@@ -264,6 +265,46 @@ def run(args: argparse.Namespace) -> dict:
     return record
 
 
+def resnet_projection(args: argparse.Namespace) -> dict:
+    """ResNet-50's overlapped step (``grad_and_value``) with and without its heads: its own, and one
+    ``fddp.pmean`` per batch-norm layer (53). The timeline and the links are benchmarks/scaling.py's
+    projection's (measured here on small images, stretched to ``--resnet-ms``; 25 µs a message step,
+    96% of the line rate); the bucket cap is chosen as ``fddp.scaling.choose_bucket_cap`` does."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import scaling as bench
+
+    from fddp.scaling import Link, choose_bucket_cap
+
+    params, timeline, after, how = bench.resnet_timeline(args.resnet_ms / 1e3, 64, 4, 5)
+    per_bucket = how["per_bucket_s"]
+    rows = []
+    for rate in bench.RATES_GBIT:
+        for algorithm in ("ring", "tree"):
+            link = Link(PROJECTION_LATENCY_US * 1e-6, rate * 1e9 / 8 * 0.96, algorithm)
+            for world in WORLDS:
+                for calls in (0, 53):
+                    choice = choose_bucket_cap(params, timeline, link, world, after=after, per_bucket=per_bucket, calls=calls)
+                    p = choice.predictions[choice.bucket_cap_mb]
+                    rows.append({
+                        "rate_gbit": rate, "algorithm": algorithm, "world": world, "calls": calls,
+                        "bucket_cap_mb": choice.bucket_cap_mb, "step_s": p.step, "efficiency": p.efficiency,
+                        "efficiency_without_heads": p.compute / (p.step - p.control), "control_s": p.control,
+                        "collectives": p.collectives, "host_waits": p.host_waits,
+                    })  # fmt: skip
+    print(f"\nResNet-50, {args.resnet_ms:g} ms a step: efficiency without heads / with its own / with 53 pmean calls more")
+    for rate in bench.RATES_GBIT:
+        for algorithm in ("ring", "tree"):
+            cells = []
+            for world in (8, 64, 256):
+                own, bn = (
+                    next(r for r in rows if (r["rate_gbit"], r["algorithm"], r["world"], r["calls"]) == (rate, algorithm, world, k))
+                    for k in (0, 53)
+                )
+                cells.append(f"{world}: {own['efficiency_without_heads']:.2f} / {own['efficiency']:.2f} / {bn['efficiency']:.2f}")
+            print(f"  {rate:>3} Gbit/s {algorithm:<5}" + "   ".join(cells))
+    return {"resnet_ms": args.resnet_ms, "compute": how, "rows": rows}
+
+
 def project(args: argparse.Namespace) -> dict:
     """The model's head per call and per step at 2 ... 256 ranks, ring and tree."""
     import torch
@@ -297,6 +338,7 @@ def project(args: argparse.Namespace) -> dict:
         "command": " ".join(["python", "benchmarks/control_plane.py", *sys.argv[1:]]),
         "what": "per call: one 4 KiB head; per step: K heads one after another plus the step's own, all exposed (ddp_step)",
         "rows": rows,
+        "resnet50": resnet_projection(args) if args.resnet else None,
     }
     out = RESULTS / "control_plane_projection.json"
     out.write_text(json.dumps(record, indent=1))
@@ -323,6 +365,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--timeout", type=float, default=600, help="seconds for the launch")
     p.add_argument("--out-dir", default=str(RESULTS))
+    p.add_argument("--resnet", action="store_true", help="project: also ResNet-50's step with and without its heads")
+    p.add_argument("--resnet-ms", type=float, default=100.0, help="project: ResNet-50's assumed step (benchmarks/scaling.py's)")
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
     p.add_argument("--argv", nargs=argparse.REMAINDER, default=[], help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -15,7 +15,9 @@ scales to more ranks and faster or slower links, and to choose the bucket size:
 
 or all three at once, ``choice = fddp.scaling.auto_bucket_cap(loss_fn, params, x, y)``. With
 ``compression=`` the timeline includes the comm hook's own work (casts, PowerSGD's products) and
-the wire carries what the hook sends (:func:`wire_rounds`).
+the wire carries what the hook sends (:func:`wire_rounds`). The control plane is counted too: every
+fddp call's head (a 4 KiB all-reduce the host waits for), the step's own and ``calls=`` more
+(:func:`predict_step`; ``Prediction.collectives``, ``host_waits``, ``control``).
 
 The model leaves out what a shared CPU adds (the all-reduce's own compute competing with the
 backward pass) and what a real fabric adds (congestion, stragglers); the docs' Scaling page shows
@@ -35,10 +37,11 @@ import torch
 import torch.distributed as dist
 
 from fddp import _caches, _dist
+from fddp._dist import _header
 from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB, Bucket
 from fddp.sync import Cast, PowerSGD, Timeline, grad_and_value, plan_of
 from fddp.sync._setup import as_hook
-from fddp.sync.hooks import CommHook
+from fddp.sync.hooks import CommHook, Mean
 
 __all__ = [
     "Link",
@@ -123,6 +126,11 @@ class Prediction(NamedTuple):
         exposed: communication not hidden behind the backward pass (``step - compute``).
         efficiency: ``compute / step``, the scaling efficiency (1 is linear scaling).
         buckets: per bucket, ``(start, end)`` of its all-reduce, in seconds from the step's start.
+        collectives: collectives per step: every call's head, and the buckets' rounds (none where
+            the step's only bucket rides in its head).
+        host_waits: times per step the host blocks on a head before it goes on (one per call).
+        head: seconds one head takes on the control link.
+        control: seconds the heads add to the step (the step less the same step without heads).
     """
 
     step: float
@@ -130,6 +138,10 @@ class Prediction(NamedTuple):
     exposed: float
     efficiency: float
     buckets: tuple[tuple[float, float], ...]
+    collectives: int = 0
+    host_waits: int = 0
+    head: float = 0.0
+    control: float = 0.0
 
 
 def wire_rounds(compression: Any, bucket: Bucket) -> tuple[int, ...]:
@@ -174,6 +186,9 @@ def predict_step(
     bytes_scale: float = 1.0,
     compression: Any = None,
     per_bucket: float = 0.0,
+    calls: int = 0,
+    control_link: Link | None = None,
+    per_call: float = 0.0,
 ) -> Prediction:
     """Predict one overlapped step (``fddp.grad_and_value``) of ``params`` on ``world`` ranks.
 
@@ -183,6 +198,16 @@ def predict_step(
     issues it. The step ends when the backward pass and every round are done, plus the work the
     timeline shows after the backward pass (``timeline.end - last gradient``: waiting, casting
     back, decompressing) and ``after``.
+
+    The control plane is counted too: every fddp call that communicates sends one head (a
+    ``HEAD_BYTES`` (4 KiB) all-reduce on ``control_link``) and the host waits for it. The step's own
+    call sends its head when the backward pass starts, and its first bucket cannot launch before
+    the head is back (the backward pass stalls for whatever of the round trip it did not hide);
+    where the call's only bucket is a plain mean of at most 470 float32/float64 values on the CPU,
+    and the head travels on the data's own link, the bucket rides in the head instead. Each of
+    ``calls`` further calls (a global batch norm's ``fddp.pmean`` per layer, a metric's
+    ``fddp.psum``) is one head, carrying its tiny values, waited for before the step goes on: they
+    run one after another, before the backward pass.
 
     Args:
         params: the parameter tree (its leaves' sizes and definition order make the buckets).
@@ -199,36 +224,112 @@ def predict_step(
         per_bucket: seconds of the computing thread each bucket costs (launching and collecting
             it; :func:`measure_bucket_cost`): bucket ``k``'s gradients are ready ``k`` such costs
             later, and the backward pass ends ``len(buckets)`` later.
+        calls: fddp calls per step besides the step's own (0: the step's one call), each a head
+            whose values ride in it (at most 470 float32/float64 values on the CPU; a larger
+            call also sends its buckets, which this does not count).
+        control_link: the link the heads travel (``None``: ``link``). Under NCCL the head goes
+            on a gloo side group over TCP, so pass that link's model; no data rides in it there:
+            each of ``calls`` also sends its values on ``link`` (one more collective, counted at
+            ``link``'s latency).
+        per_call: seconds of the host each head costs beyond its time on the wire (building,
+            sending and reading it).
 
     Returns:
         The :class:`Prediction`; its ``compute`` is the step without communication, one bucket
-        and no per-bucket cost, so that ``efficiency`` counts that cost as a loss.
+        and no per-bucket cost, so that ``efficiency`` counts that cost as a loss. Its
+        ``collectives``, ``host_waits``, ``head`` and ``control`` count the control plane.
 
     Example:
-        >>> p = predict_step(params, timeline, Link.gbit(10), world=64)
-        >>> p.efficiency
+        >>> p = predict_step(params, timeline, Link.gbit(10), world=64, calls=8)
+        >>> p.efficiency, p.collectives, p.control
     """
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+        raise ValueError(f"predict_step: calls must be an int >= 0 (fddp calls per step besides the step's own), got {calls!r}")
+    if not per_call >= 0:
+        raise ValueError(f"predict_step: per_call must be seconds >= 0, got {per_call!r}")
     plan = plan_of(params, bucket_cap_mb, first_bucket_mb)
     if len(timeline.ready) != plan.num_leaves:
         raise ValueError(f"predict_step: the timeline has {len(timeline.ready)} leaves, params have {plan.num_leaves}")
+    rounds = [wire_rounds(compression, b) for b in plan.buckets]
+    bare = _schedule(plan, rounds, timeline, link, world, after, bytes_scale, per_bucket, None)
+    if world <= 1:  # a one-rank group sends no head
+        return bare
+    # The head is 512 float64 slots whatever the data's dtype: bytes_scale leaves it alone.
+    head = (control_link if control_link is not None else link).all_reduce_time(HEAD_BYTES, world)
+    carried = control_link is None and _carries(plan, compression)
+    # A call's few values ride in its head on the data's own link; on a side link (NCCL's gloo
+    # group) they follow it as one more all-reduce on link, as long as its latency.
+    values = 0.0 if control_link is None else link.all_reduce_time(0, world)
+    heads = _Heads(head, calls, per_call, carried, values)
+    full = _schedule(plan, rounds, timeline, link, world, after, bytes_scale, per_bucket, heads)
+    collectives = calls * (1 if control_link is None else 2) + (1 if carried else 1 + sum(len(r) for r in rounds))
+    return full._replace(collectives=collectives, host_waits=calls + 1, head=head, control=full.step - bare.step)
+
+
+HEAD_BYTES = _header.HEAD * 8  # every fddp call's head: 512 float64 slots, 4 KiB
+
+
+class _Heads(NamedTuple):
+    seconds: float  # one head's round trip on the control link
+    calls: int  # heads before the backward pass, one after another
+    per_call: float  # the host's own seconds per head
+    carried: bool  # the step's only bucket rides in its head
+    values: float  # each other call's values, where they cannot ride in its head
+
+
+def _carries(plan: Any, compression: Any) -> bool:
+    """Whether the step's data rides in its head (``fddp.sync.Sync._carries``, from the plan alone)."""
+    if type(as_hook(compression, False, "scaling")) is not Mean or len(plan.buckets) != 1:
+        return False
+    b = plan.buckets[0]
+    return b.numel <= _header.HEAD - _header.DATA and b.dtype in (torch.float32, torch.float64) and b.device.type == "cpu"
+
+
+def _schedule(
+    plan: Any,
+    rounds: list[tuple[int, ...]],
+    timeline: Timeline,
+    link: Link,
+    world: int,
+    after: float,
+    bytes_scale: float,
+    per_bucket: float,
+    heads: _Heads | None,
+) -> Prediction:
+    """The step's schedule (:func:`predict_step`), with the heads or (``None``) without them."""
     backward_end = max(timeline.ready, default=timeline.backward)
     tail = max(0.0, timeline.end - backward_end) if timeline.end else 0.0
+    compute = backward_end + tail + after
+    ready_at = list(timeline.ready)
+    head_back, shift = 0.0, 0.0
+    if heads is not None:
+        # The other calls' heads come first, one round trip after another; then this call's
+        # head leaves as the backward pass starts (its host cost delays the backward pass).
+        shift = heads.calls * (heads.seconds + heads.values + heads.per_call) + heads.per_call
+        ready_at = [t + shift for t in ready_at]
+        head_back = timeline.backward + shift + heads.seconds
     prev_ready = wire_free = 0.0
-    spans, seconds = [], []
+    spans = []
     for k, b in enumerate(plan.buckets):
         # Buckets launch in plan order, each once its last gradient is in and its predecessor has.
-        ready = max([prev_ready, *(timeline.ready[i] + k * per_bucket for i in b.indices)])
-        rounds = wire_rounds(compression, b)
+        ready = max([prev_ready, *(ready_at[i] + k * per_bucket for i in b.indices)])
+        if k == 0 and heads is not None and not heads.carried and head_back > ready:
+            # The host waits for the head before the first bucket: the backward pass stalls.
+            stall = head_back - ready
+            ready_at = [t + stall if t > ready else t for t in ready_at]
+            shift, ready = shift + stall, head_back
         start = max(ready, wire_free)
-        wire_free = start + link.all_reduce_time(rounds[0] * bytes_scale, world)
+        if heads is not None and heads.carried:
+            wire_free = start + heads.seconds  # the bucket is the head's DATA
+        else:
+            wire_free = start + link.all_reduce_time(rounds[k][0] * bytes_scale, world)
         spans.append((start, wire_free))
-        seconds.append(rounds[1:])
         prev_ready = ready
-    for i, more in enumerate(seconds):  # second rounds: issued once backward is over, in order
-        for nbytes in more:
+    backward_end += shift
+    for i, more in enumerate(rounds):  # second rounds: issued once backward is over, in order
+        for nbytes in more[1:]:
             wire_free = max(wire_free, backward_end) + link.all_reduce_time(nbytes * bytes_scale, world)
             spans[i] = (spans[i][0], wire_free)
-    compute = backward_end + tail + after
     step = max(backward_end + len(plan.buckets) * per_bucket, wire_free) + tail + after
     return Prediction(step, compute, step - compute, compute / step if step > 0 else 1.0, tuple(spans))
 
@@ -274,6 +375,9 @@ def choose_bucket_cap(
     bytes_scale: float = 1.0,
     compression: Any = None,
     per_bucket: float = 0.0,
+    calls: int = 0,
+    control_link: Link | None = None,
+    per_call: float = 0.0,
 ) -> BucketChoice:
     """Choose the bucket cap that the model predicts fastest for this tree, timeline and link.
 
@@ -282,7 +386,9 @@ def choose_bucket_cap(
     bucket capped at ``min(1, cap)`` MiB, as torch DDP does. Each bucket's CPU cost is
     ``per_bucket`` (:func:`measure_bucket_cost`); walking from the largest cap down, a smaller one
     is chosen only if its step is more than 0.5% shorter than the best so far (a tie goes to fewer
-    collectives). Pure: every rank that passes the same arguments gets the same answer.
+    collectives). ``calls``, ``control_link`` and ``per_call`` are :func:`predict_step`'s (the
+    control plane: the same for every cap, unless the first bucket waits for its head). Pure:
+    every rank that passes the same arguments gets the same answer.
 
     Example:
         >>> choice = choose_bucket_cap(params, timeline, Link.gbit(1), world=2)
@@ -294,7 +400,8 @@ def choose_bucket_cap(
     for cap in sorted(candidates):
         preds[cap] = predict_step(
             params, timeline, link, world, bucket_cap_mb=cap, first_bucket_mb=min(1.0, cap), after=after,
-            bytes_scale=bytes_scale, compression=compression, per_bucket=per_bucket,
+            bytes_scale=bytes_scale, compression=compression, per_bucket=per_bucket, calls=calls, control_link=control_link,
+            per_call=per_call,
         )  # fmt: skip
     best = max(preds)
     for cap in sorted(preds, reverse=True):

@@ -45,6 +45,57 @@ def test_prediction_overlaps_buckets_with_backward_by_hand():
     assert one_bucket.step == pytest.approx(8.5e-3)
 
 
+def test_control_plane_counts_every_calls_head_by_hand():
+    from fddp.scaling import HEAD_BYTES
+
+    params, timeline = _tree_and_timeline()  # first bucket ready at 1 ms with one bucket per leaf
+    link = Link(latency=1e-4, bandwidth=MB / 1e-3)
+    head = 6e-4 + 1.5 * HEAD_BYTES / (MB / 1e-3)  # a ring of 4: 6 latencies, 6/4 of 4 KiB
+    kw = dict(bucket_cap_mb=1, first_bucket_mb=1)
+    alone = predict_step(params, timeline, link, 4, **kw)
+    assert HEAD_BYTES == 4096 and alone.head == pytest.approx(head)
+    # The step's own head overlaps the first millisecond of backward: counted, but costs nothing.
+    assert (alone.collectives, alone.host_waits, alone.control) == (5, 1, 0.0)
+    # 8 global batch-norm means: 8 heads one after another, each carrying its values.
+    bn = predict_step(params, timeline, link, 4, calls=8, per_call=1e-5, **kw)
+    assert (bn.collectives, bn.host_waits) == (13, 9)
+    assert bn.control == pytest.approx(8 * (head + 1e-5) + 1e-5) and bn.step == pytest.approx(alone.step + bn.control)
+    assert bn.compute == alone.compute  # the heads are communication, not compute
+    # A slow control link (NCCL's gloo side group): the head outlasts the 1 ms of backward before
+    # the first bucket, and the backward pass waits for the rest.
+    slow = Link(latency=5e-4, bandwidth=MB / 1e-3)
+    stalled = predict_step(params, timeline, link, 4, control_link=slow, **kw)
+    assert stalled.head == pytest.approx(3e-3 + 1.5 * HEAD_BYTES / (MB / 1e-3))
+    assert stalled.control == pytest.approx(stalled.head - 1e-3) and stalled.buckets[0][0] == pytest.approx(stalled.head)
+    # There a pmean's values cannot ride in its head: each call is a head and then an all-reduce.
+    nccl = predict_step(params, timeline, link, 4, calls=8, control_link=slow, **kw)
+    assert (nccl.collectives, nccl.host_waits) == (2 * 8 + 5, 9)
+    assert nccl.control == pytest.approx(8 * (stalled.head + 6e-4) + stalled.control)
+    # The head is float64 whatever the data: bytes_scale (projecting bf16 buckets) leaves it alone.
+    assert predict_step(params, timeline, link, 4, bytes_scale=0.5, **kw).head == alone.head
+    # ddp_step: every value is there at once, so the head is all exposed.
+    at_once = Timeline(0.0, (0.0,) * 4, (), (), (), 0.0)
+    assert predict_step(params, at_once, link, 4, **kw).control == pytest.approx(head)
+    # A plain mean of 100 float32 values rides in its head: one collective, as long as a head.
+    small = {"w": torch.zeros(100)}
+    rides = predict_step(small, Timeline(0.0, (1e-3,), (), (), (), 1e-3), link, 4, calls=2)
+    assert (rides.collectives, rides.host_waits) == (3, 3)
+    assert list(rides.buckets[0]) == pytest.approx([1e-3 + 2 * head, 1e-3 + 3 * head]) and len(rides.buckets) == 1
+    # ... but not where the head travels on another link (NCCL), nor in bf16, nor past 470 values.
+    assert predict_step(small, Timeline(0.0, (1e-3,), (), (), (), 1e-3), link, 4, control_link=link).collectives == 2
+    assert predict_step(small, Timeline(0.0, (1e-3,), (), (), (), 1e-3), link, 4, compression="bf16").collectives == 2
+    assert predict_step({"w": torch.zeros(471)}, Timeline(0.0, (1e-3,), (), (), (), 1e-3), link, 4).collectives == 2
+    # One rank sends no head; 256 ranks pay 510 latencies a head on a ring, 16 on a tree.
+    one = predict_step(params, timeline, link, 1, calls=8, **kw)
+    assert (one.collectives, one.host_waits, one.control, one.head) == (0, 0, 0.0, 0.0)
+    tree = Link(latency=1e-4, bandwidth=MB / 1e-3, algorithm="tree")
+    assert predict_step(params, timeline, link, 256, **kw).head == pytest.approx(510e-4 + 510 / 256 * HEAD_BYTES / (MB / 1e-3))
+    assert predict_step(params, timeline, tree, 256, **kw).head == pytest.approx(16e-4 + 2 * HEAD_BYTES / (MB / 1e-3))
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="calls must be an int >= 0"):
+            predict_step(params, timeline, link, 4, calls=bad)
+
+
 def test_choice_trades_latency_against_overlap():
     params, timeline = _tree_and_timeline()
     fast = choose_bucket_cap(params, timeline, Link(latency=0.0, bandwidth=MB / 1e-3), world=2)
@@ -103,6 +154,7 @@ def test_prediction_sends_second_rounds_after_backward():
 def _auto_worker() -> tuple:
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     apply_fn, params = fddp.functionalize(model)
+    params = fddp.broadcast(params)  # replicas: verify_bucket_cap's timed steps check that they start equal
     g = torch.Generator().manual_seed(fddp.rank())
     x = torch.randn(32, 64, generator=g)
     loss = lambda p, x: apply_fn(p, x).pow(2).mean()  # noqa: E731

@@ -203,6 +203,29 @@ def test_a_differentiable_step_and_a_rank_out_of_data_agree():
             assert outs[4] == params["w"].tolist()
 
 
+def _announced_worker() -> tuple:
+    """Rank 1 asks for a save (as a SIGTERM handler does); rank 0's next call fails before it
+    sends anything (announced). Both must take the same request bits at the next boundary."""
+    from fddp import _dist
+
+    r = fddp.rank()
+    params = fddp.broadcast({"w": torch.ones(3)})
+    if r == 1:
+        _dist.request(None, _dist.PREEMPT)
+    failed = _outcome(lambda: fddp.ddp_step(params, {"w": torch.ones(3)}, weight=-1.0 if r == 0 else 1.0))[0]
+    bits = _dist.take_requested(None)
+    return failed, _dist.agreements(None), bits, fddp.ddp_step(params, params)["w"].tolist()
+
+
+def test_a_rank_that_announces_a_failure_learns_its_peers_requests_too():
+    # Before: the announcing rank never read its head's sum, so rank 1's Manager saved and
+    # stopped while rank 0 trained on (and the two met at mismatched collectives).
+    (f0, a0, b0, w0), (f1, a1, b1, w1) = run(_announced_worker, 2, timeout=60)
+    assert (f0, f1) == ("ValueError", "PeerError")
+    assert a0 == a1 and b0 == b1 == fddp._dist.PREEMPT, (a0, a1, b0, b1)
+    assert w0 == w1 == [1.0, 1.0, 1.0]
+
+
 def test_the_heads_sum_says_exactly_when_every_rank_sent_the_same_identity():
     """The head's arithmetic, with the all-reduce done by hand: sums of 0..255 chunks and their
     squares over n heads, for identities that differ in one bit, in every chunk, or not at all."""

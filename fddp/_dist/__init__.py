@@ -17,8 +17,8 @@ picture):
 
 Below them: what is remembered per group and membership epoch (``_groups``) and the store records
 through which ranks talk outside collectives (``_channel``). Each is one file; imports point down:
-``_channel, _errors -> _digest, _groups -> _header -> _failures -> _waits -> _diagnosis ->
-_sequences -> _agreement -> _scope``.
+``_channel, _errors -> _digest, _groups -> _header, _watcher -> _failures -> _waits ->
+_diagnosis -> _sequences -> _agreement -> _scope``.
 """
 
 from fddp._dist._agreement import (

@@ -159,6 +159,8 @@ def start_agreement(
     raise_if_failed(st, what)
     if _asked:
         _collect()
+    if st.held:
+        _read_announced(group, st, what)
     new = signature not in st.seen
     replicas = st.seen.get(signature)
     call_ = st.agreed
@@ -318,6 +320,15 @@ def _collect() -> None:
         state(group).requests |= bits
 
 
+def _read_announced(group: dist.ProcessGroup | None, st: GroupState, what: str) -> None:
+    """Read the heads of this rank's announced failures (``_scope._announce`` sends them without
+    waiting): their sums carry the peers' request bits, which the peers learnt at those calls."""
+    held, st.held = st.held, []
+    for work, head in held:
+        wait(work, group, what, "the head of an earlier call that this rank announced it failed")
+        st.requested |= _header.read(head, size(group)).flags
+
+
 def request(group: dist.ProcessGroup | None, bits: int) -> None:
     """Ask every rank of ``group`` for something (``bits``, below ``2**FLAG_BITS``): the bits ride
     in this rank's next agreement header on the group, and every rank learns them from that
@@ -348,6 +359,8 @@ def take_requested(group: dist.ProcessGroup | None, mask: int = (1 << _header.FL
     if _asked:
         _collect()
     st = state(group)
+    if st.held:
+        _read_announced(group, st, "checkpoint.Manager.step")
     if size(group) == 1:
         st.requested |= st.requests
         st.requests = 0

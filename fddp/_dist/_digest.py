@@ -4,11 +4,11 @@
 bits that are the same in every process. :func:`replica_digest` hashes what the ranks *hold*, at
 one of two depths: ``"full"`` reads every byte (``fddp.verify_replicas``, the first call on a new
 tree, DiLoCo's snapshot, a fault-tolerant group's state), ``"sampled"`` reads the first and last
-elements of the first and last leaves (every call's header: replicas that drift apart differ in
+elements of the first and last leaves (every call's head: replicas that drift apart differ in
 nearly every element). Every equality check of fddp compares these digests, nothing else.
 
-All digests are below ``2**62``, so a header can carry each as ``(x, -x)`` in an int64 and one MAX
-all-reduce gives every field's minimum and maximum.
+All digests are below ``2**62``; the head (``_header``) carries one as eight 8-bit chunks and
+their squares, whose sums say exactly whether every rank sent the same digest.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ class GroupState:
         self.failed: Failure | None = None  # a fatal failure: this group carries no more fddp calls
         self.mine = False  # ... and it was this rank's
         self.last_mode: bool | None = None  # the agreement setting at this rank's last head (None: none yet)
-        self.held: list[Any] = []  # announcements' heads in flight (kept until they complete)
+        self.held: list[Any] = []  # this rank's announcements, (work, head), until the next agreement reads them
         self.waits = 0  # numbers this rank's waits, for the board
         self.recordings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()  # agreed sequences, LRU
         self.owed = 0  # collectives of an earlier call still to come on this group (a backward)
@@ -275,12 +275,12 @@ class Checks(NamedTuple):
     """Which cross-rank checks fddp makes (see :func:`set_checks`).
 
     Attributes:
-        agreement: every synchronisation first agrees on a fixed-size header (signature, call
+        agreement: every synchronisation first agrees on a fixed-size head (signature, call
             number, function): one small all-reduce per call.
         replicas: the first synchronisation of a new tree compares a checksum of the parameters
             across the ranks (``grad``/``grad_and_value``'s differentiated arguments, ``ddp_step``'s
             ``params``): a forgotten ``fddp.broadcast(params)`` is an error, not 50 silent steps;
-            and every call's header carries a fingerprint of them, so replicas that drift apart
+            and every call's head carries a fingerprint of them, so replicas that drift apart
             (a rank that skipped an update, resumed from another checkpoint) are caught at the
             next call.
 
@@ -299,13 +299,15 @@ _checks = [Checks()]
 def set_checks(*, agreement: bool | None = None, replicas: bool | None = None) -> Checks:
     """Turn fddp's cross-rank checks on or off, for every group of this process; return the new setting.
 
-    Every rank must make the same choice: the header is part of every call, so a rank with it off
-    meets its peers' headers with its buckets (the ranks' first call after the change is checked:
-    the setting rides in the header of the call that makes it). Both are on by default. With
-    ``agreement=False`` a synchronisation skips its header (one small all-reduce, a latency per
-    call): ranks that diverge then give a silently wrong mean or an error from the backend instead
-    of a :class:`MismatchError`, a rank that fails takes the group down (its peers still raise
-    :class:`PeerError`), and a new tree is still checked once, at its first call.
+    Every rank must make the same choice, at the same point: the head is part of every call. A
+    rank that turns it *off* alone is named at its next call (that call still sends a head, which
+    says so). A rank that turns it back *on* alone is not: it sends a head where its peers, off,
+    send a known call's buckets, and the backend aborts or, where the bucket has the head's size,
+    returns a wrong sum. Both are on by default. With ``agreement=False`` a synchronisation skips
+    its head (one small all-reduce, a latency per call): ranks that diverge then give a silently
+    wrong mean or an error from the backend instead of a :class:`MismatchError`, a rank that fails
+    takes the group down (its peers still raise :class:`PeerError`), and a new tree is still
+    checked once, at its first call.
     ``replicas=False`` skips the parameter checksum of a new tree and the per-call fingerprint:
     for ``ddp_step`` on values that legitimately differ between ranks.
 

@@ -51,13 +51,15 @@ def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: Bas
     try:
         if channel is not None:
             channel.post(Failure(me, what, call_ + 1, type(e).__name__, first_line(e), False))
-        work = _header.exchange(_header.build(0, failed=me), group)
+        head = _header.build(0, failed=me)
+        work = _header.exchange(head, group)
     except Exception:  # noqa: BLE001 - cannot announce: make it fatal, which needs nothing of the peers
         st.agreed -= 1
         fail(group, what, e)
         return
-    st.held = [w for w in st.held if not w.is_completed()][-8:]  # kept until they complete
-    st.held.append(work)
+    # Not waited for here (this rank raises at once), but read before this rank's next agreement
+    # or take_requested on the group: the peers learnt its sum's request bits at this call.
+    st.held.append((work, head))
     collective(e)  # outer calls on this group see an exception every rank raises at this point
 
 

@@ -179,3 +179,38 @@ def _reads_worker() -> dict:
 def test_no_host_read_of_a_collective_result_per_step():
     for counts in run(_reads_worker, 2, timeout=120):
         assert counts[2] == [] and counts[3] == [], counts  # steady state: nothing read on the host
+
+
+def _side_failure_worker() -> tuple:
+    """On an NCCL group the data's waits are the stream's, but a head's is the host's, on the
+    gloo side group: it must read the channel like a gloo wait. Here the group counts as NCCL
+    for the waits (``_waits.sliced``), its heads on a side group: rank 1 posts a fatal failure
+    and stays alive; rank 0, waiting in its next call's head, must raise PeerError at once."""
+    import time
+
+    from fddp._dist import _waits
+
+    g = _side_group()
+    real = _waits.sliced
+    _waits.sliced = lambda group: group is not g and real(group)  # noqa: E731 - g waits as NCCL's would
+    try:
+        params = fddp.broadcast(_params(), group=g)
+        if fddp.rank() == 1:
+            fddp._dist.fail(g, "test", RuntimeError("this rank's stream is gone"))
+            time.sleep(4)  # alive: no lost connection to notice, only the posted failure
+            return None
+        t0 = time.monotonic()
+        try:
+            fddp.ddp_step(params, params, group=g)
+            got = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            got = f"{type(e).__name__}: {e}"
+        return time.monotonic() - t0, got
+    finally:
+        _waits.sliced = real
+
+
+def test_a_head_wait_on_the_side_group_reads_a_peers_posted_failure():
+    # Before: a plain wait on the side group, until its timeout (30 s here, 30 min by default).
+    (took, got), _ = run(_side_failure_worker, 2, timeout=60)
+    assert got.startswith("PeerError") and "this rank's stream is gone" in got and took < 3.0, (took, got)

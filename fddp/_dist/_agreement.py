@@ -278,7 +278,7 @@ class Agreement:
             e = RuntimeError(f"fddp.{what}: internal error: an agreement whose data never went out with its head")
             fail(group, what, e)
             raise e
-        wait(self.work, group, what, "the agreement on this call")
+        wait(self.work, group, what, "the agreement on this call", head=True)
         v = _header.read(self.header, size(group))
         # Every rank read the same head: its requests are learnt here, even by a call that raises.
         st.requested |= v.flags
@@ -325,7 +325,7 @@ def _read_announced(group: dist.ProcessGroup | None, st: GroupState, what: str) 
     waiting): their sums carry the peers' request bits, which the peers learnt at those calls."""
     held, st.held = st.held, []
     for work, head in held:
-        wait(work, group, what, "the head of an earlier call that this rank announced it failed")
+        wait(work, group, what, "the head of an earlier call that this rank announced it failed", head=True)
         st.requested |= _header.read(head, size(group)).flags
 
 

@@ -285,7 +285,7 @@ def _agree_token(group: dist.ProcessGroup | None, st: GroupState, seg: Segment, 
     """Agree on one collective of a call being learnt: a head whose identity is the token's."""
     position = len(seg.tokens)
     head = _header.build(digest((seg.key, token, position, _header.TOKEN, int(checks().agreement))))
-    wait(_header.exchange(head, group), group, seg.what, f"the agreement on its {ordinal(position + 1)} collective")
+    wait(_header.exchange(head, group), group, seg.what, f"the agreement on its {ordinal(position + 1)} collective", head=True)
     v = _header.read(head, size(group))
     if v.fails:
         raise_announced(group, st, seg.what, seg.call, v.failed)

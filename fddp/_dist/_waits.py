@@ -25,7 +25,7 @@ from fddp._dist import _channel
 from fddp._dist._channel import Failure
 from fddp._dist._errors import MismatchError, PeerError
 from fddp._dist._failures import fail, peer_error
-from fddp._dist._groups import GroupState, board, call_count, channel_of, global_ranks, label, rank, size, state
+from fddp._dist._groups import GroupState, board, call_count, channel_of, control_group, global_ranks, label, rank, size, state
 
 __all__ = ["wait", "sliced"]
 
@@ -35,9 +35,10 @@ _POSTED_S = 1.0  # after a lost connection, how long a dying peer's own post may
 _LOST = ("connection", "broken pipe", "reset by peer", "closed by peer", "end of file", "eof")
 
 
-def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> None:
+def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str, *, head: bool = False) -> None:
     """Wait for an async collective, watching for a peer's failure; on failure say which rank,
-    which call and what it was doing.
+    which call and what it was doing. ``head``: the work is a head, on ``group``'s control group
+    (an NCCL group's gloo side group: a host wait, taken in slices like gloo's own).
 
     Raises:
         PeerError: a peer posted a fatal failure, or died (its connection was lost).
@@ -45,7 +46,7 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> N
         RuntimeError: the group's timeout ran out.
     """
     try:
-        if not sliced(group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
+        if not sliced(control_group(group) if head else group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
             work.wait()  # NCCL's, a traced collective's, or a hook's own kind of work: one plain wait
             return
         if not _slice(work):

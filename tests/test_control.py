@@ -7,7 +7,9 @@ a gloo side group of the same ranks for their headers. No GPU here: ``SIDE_CONTR
 group take the same path, and the steady-state, mismatch and announcement cases of
 ``test_early.py`` run through it. The second test counts, with a ``TorchFunctionMode``, every
 host read (``item``, ``tolist``, ``float``, ``bool``, ``.cpu()``...) of a tensor that went through
-a data-group collective, over steady-state steps: on CUDA each would be a sync per step.
+a data-group collective, over steady-state steps: on CUDA each would be a sync per step. The
+last one makes the data group's collectives complete only seconds after they are issued (NCCL's
+asynchrony) and checks that the steady-state calls return long before.
 """
 
 from __future__ import annotations
@@ -214,3 +216,97 @@ def test_a_head_wait_on_the_side_group_reads_a_peers_posted_failure():
     # Before: a plain wait on the side group, until its timeout (30 s here, 30 min by default).
     (took, got), _ = run(_side_failure_worker, 2, timeout=60)
     assert got.startswith("PeerError") and "this rank's stream is gone" in got and took < 3.0, (took, got)
+
+
+def _late_worker(directory: str) -> dict:
+    """NCCL's asynchrony on gloo: the data group's waits are NCCL's (``_waits.sliced``), and its
+    collectives return a work that completes ``LATE`` seconds later and whose ``wait`` returns at
+    once (on CUDA it orders what follows on the stream; the values here are computed at issue,
+    so that the steps stay right). A call that waited for a collective to complete, or polled it,
+    would take ``late_s``. The heads are real: each call's head is still a host round trip with
+    the peers' hosts on the side group (never with the GPU stream), which this does not remove."""
+    import time
+
+    from fddp import checkpoint as ckpt
+    from fddp._dist import _waits
+
+    late_s = 2.0
+
+    class _Late:
+        def __init__(self) -> None:
+            self.done_at = time.monotonic() + late_s
+
+        def wait(self, timeout: object = None) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return time.monotonic() >= self.done_at
+
+    g = _side_group()
+    issued: list = []
+    originals = {n: getattr(dist, n) for n in ("all_reduce", "broadcast")}
+
+    def late(name):
+        def issue(*args, **kwargs):
+            if kwargs.get("group") is not g:
+                return originals[name](*args, **kwargs)
+            originals[name](*args, **{**kwargs, "async_op": False})
+            issued.append(name)
+            return _Late()
+
+        return issue
+
+    real_sliced = _waits.sliced
+    r = fddp.rank()
+    params = fddp.broadcast({"w": torch.randn(6, 4), "b": torch.zeros(4)}, group=g)
+    opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(1e-2))
+    state = opt.init(params)
+    gv = fddp.grad_and_value(lambda p, x: ((x @ p["w"] + p["b"]) ** 2).mean(), group=g)
+    x = torch.randn(3, 6) + r
+    steps = {
+        "grad_and_value": lambda: gv(params, x)[0],
+        "ddp_step": lambda: fddp.ddp_step(params, params, group=g),
+        "psum": lambda: fddp.psum(params, group=g),
+        "apply_gradients": lambda: fddp.optim.apply_gradients(opt, params, state, params),
+        "clip_by_global_norm": lambda: fddp.optim.clip_by_global_norm(1.0).update(params, opt.init(params)[0]),
+    }
+    took: dict = {}
+    with ckpt.Manager(directory, every=None, signals=(), group=g) as manager:
+        for step in range(4):  # the first calls learn their signatures; the last ones are steady
+            for what, fn in steps.items():
+                for n in originals:
+                    setattr(dist, n, late(n))
+                _waits.sliced = lambda group: group is not g and real_sliced(group)  # noqa: E731
+                try:
+                    issued.clear()
+                    t0 = time.monotonic()
+                    fn()
+                    took[what] = (time.monotonic() - t0, len(issued))
+                finally:
+                    _waits.sliced = real_sliced
+                    for n, f in originals.items():
+                        setattr(dist, n, f)
+            for n in originals:
+                setattr(dist, n, late(n))
+            _waits.sliced = lambda group: group is not g and real_sliced(group)  # noqa: E731
+            try:
+                issued.clear()
+                t0 = time.monotonic()
+                manager.step(step, {"params": params})
+                took["Manager.step"] = (time.monotonic() - t0, len(issued))
+            finally:
+                _waits.sliced = real_sliced
+                for n, f in originals.items():
+                    setattr(dist, n, f)
+            time.sleep(late_s)  # every late work completed before the next step
+    return took
+
+
+def test_steady_state_calls_return_before_their_collectives_complete(tmp_path):
+    for r, took in enumerate(run(_late_worker, 2, str(tmp_path), timeout=120)):
+        for what in ("grad_and_value", "ddp_step", "psum"):
+            seconds, issued = took[what]
+            assert issued >= 1 and seconds < 1.0, (r, what, seconds, issued)  # a late collective, not waited for
+        for what in ("apply_gradients", "clip_by_global_norm", "Manager.step"):
+            seconds, issued = took[what]
+            assert issued == 0 and seconds < 1.0, (r, what, seconds, issued)  # replicated: nothing to send

@@ -313,7 +313,8 @@ class Sync:
 
     def _start(self, replicas: bool, drift: bool, carry: bool = False) -> PendingAgreement:
         replicas = replicas and _dist.checks().replicas
-        ask = replicas and module_aliases(self.leaves)
+        leaves = self.leaves
+        ask = (lambda: module_aliases(leaves)) if replicas else False  # asked only of a tree new to this rank
         group = self.options.group
         send = replicas and drift and _dist.size(group) > 1  # a one-rank group sends no head: no fingerprint
         values = _dist.replica_digest(self.leaves, "sampled") if send else 0
@@ -439,7 +440,7 @@ def setup(
         )
     if specs is None:
         specs = specs_of(leaves)
-    order = definition_order(tree)
+    order = definition_order(tree, spec)
     option_rows = options.signature_rows(state)
 
     def rows() -> list[tuple]:

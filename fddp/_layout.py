@@ -106,13 +106,14 @@ class Bucket:
     # Plans are made once and looked up (caches of views, slots) on every step: hash them once.
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.indices, self.shapes, self.dtype, self.device)))
+        object.__setattr__(self, "_numel", sum(self.numels))  # asked several times a call
 
     def __hash__(self) -> int:
         return self._hash
 
     @property
     def numel(self) -> int:
-        return sum(self.numels)
+        return self._numel
 
     @property
     def nbytes(self) -> int:

@@ -80,6 +80,7 @@ class GroupState:
         # call asks several times, and each question is a few Python calls in torch)
         self.dist_rank: int | None = None
         self.dist_size: int | None = None
+        self.sliced: bool | None = None  # whether its waits block the host (_waits.sliced), once asked
         self.store = store  # the channel's store (begin_epoch); None: the group's own
         self.channel: _channel.Channel | None = None
         self.failed: Failure | None = None  # a fatal failure: this group carries no more fddp calls

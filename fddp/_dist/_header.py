@@ -26,6 +26,7 @@ a token's (a collective of a stage-3 call being learnt).
 from __future__ import annotations
 
 import array
+import operator
 from typing import Any, NamedTuple
 
 import torch
@@ -133,11 +134,7 @@ class Verdict(NamedTuple):
 
 
 def _same(v: list[int], sq: list[int], n: int) -> bool:
-    return list(map(n.__mul__, sq)) == list(map(_square, v))
-
-
-def _square(x: int) -> int:
-    return x * x
+    return list(map(n.__mul__, sq)) == list(map(operator.mul, v, v))
 
 
 def read(head: torch.Tensor, n: int) -> Verdict:

@@ -10,6 +10,8 @@ of collectives.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -158,7 +160,7 @@ class Reducer:
         for i, s in enumerate(self.slots):
             views = s.open()
             values = [leaves[k] for k in s.layout.indices]
-            if any(v is None for v in values):
+            if any(map(operator.is_, values, itertools.repeat(None))):
                 for view, v in zip(views, values):
                     view.zero_() if v is None else view.copy_(v)
             else:

@@ -71,7 +71,20 @@ class SyncOptions:
     check_finite: bool = False
 
     def signature_rows(self, state: Any) -> tuple[tuple, ...]:
-        """The options as signature rows: any per-rank difference names the option and both values."""
+        """The options as signature rows: any per-rank difference names the option and both values.
+
+        Without a hook state and with a frozen hook (fddp's own), the rows are made once per
+        options object (a training loop's options come from :func:`make_options`' cache)."""
+        if state is None and not torch.compiler.is_compiling():  # dynamo traces the rows, not the memo
+            rows = self.__dict__.get("_rows")
+            if rows is None:
+                rows = self._signature_rows(None)
+                if dataclasses.is_dataclass(self.hook) and self.hook.__dataclass_params__.frozen:
+                    object.__setattr__(self, "_rows", rows)
+            return rows
+        return self._signature_rows(state)
+
+    def _signature_rows(self, state: Any) -> tuple[tuple, ...]:
         return (
             ("option weight", "a weight" if self.weighted else "no weight", None),
             ("option bucket_cap_mb", repr(float(self.bucket_cap_mb)), None),

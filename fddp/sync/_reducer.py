@@ -89,7 +89,7 @@ class _Slot:
         self.layout, self.scale, self.fill = layout, scale, fill
         self.flat: torch.Tensor | None = None  # the buffer, until it is handed to the hook
         self.views: Sequence[torch.Tensor] | None = None  # its leaf views, made on first use
-        self.missing = set(layout.indices)  # fddp.grad's path: leaves still to arrive
+        self.missing = set(layout.index_set)  # fddp.grad's path: leaves still to arrive
         self.held: list[tuple[int, torch.Tensor]] = []  # small leaves' values, copied in at launch
         self.bucket: GradBucket | None = None  # as handed to the hook
         self.pending: Any = None

@@ -3,6 +3,7 @@
     python benchmarks/overhead.py --leaves 34 100                 # wall time
     python benchmarks/overhead.py --leaves 34 100 --instructions  # also instructions, under callgrind
     torchrun --standalone --nproc-per-node=2 benchmarks/overhead.py --leaves 34 100  # with the round trips
+    python benchmarks/overhead.py --leaves 34 100 --ranked-instructions  # the same rows' instructions (callgrind)
 
 Under torchrun (2 or more gloo ranks) the rows are what a training step pays beyond torch's own
 collective, each against its reference in the same repeat (after a barrier, rank 0's time):
@@ -37,6 +38,12 @@ do by up to 60%. A small C helper (compiled with the system's C compiler against
 ``valgrind/callgrind.h``) zeroes the counters before a row's calls and dumps them after; the
 per-call count is the dump's total over ``--instruction-calls`` calls.
 
+``--ranked-instructions`` (run plainly, not under torchrun) counts the two-rank rows the same way:
+it starts two gloo ranks on this host, rank 0 under callgrind (its main thread's instructions
+only: gloo's threads and the wait are left out), and prints each row and the overheads, the
+``per-call sum`` among them, in instructions per call. Every call then sends its agreement's head,
+which a one-rank group does not.
+
 Prints a table and writes ``benchmarks/results/overhead.json``. Timings are this machine's;
 compare rows within a run.
 """
@@ -65,6 +72,7 @@ from floor import report
 
 _CG_SOURCE = """
 #include <valgrind/callgrind.h>
+void cg_start(void) { CALLGRIND_START_INSTRUMENTATION; }
 void cg_zero(void) { CALLGRIND_ZERO_STATS; }
 void cg_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
 """
@@ -140,11 +148,18 @@ def measure_ranked(n: int, repeats: int) -> dict[str, float]:
     import torch.distributed as dist
 
     rows = interleaved(ranked_calls(n), repeats, before=dist.barrier)
-    rows["ddp_step overhead"] = rows["ddp_step"] - rows["all_reduce"]
-    rows["grad_and_value overhead"] = rows["fddp.grad_and_value"] - rows["autograd.grad + hooks + all_reduce"]
-    rows["optimizer overhead"] = rows["fddp.optim.apply_gradients"] - rows["torch.optim.SGD.step()"]
-    rows["per-call sum"] = rows["ddp_step overhead"] + rows["grad_and_value overhead"] + rows["optimizer overhead"]
+    rows.update(_ranked_overheads(rows))
     return rows
+
+
+def _ranked_overheads(rows: dict[str, float]) -> dict[str, float]:
+    out = {
+        "ddp_step overhead": rows["ddp_step"] - rows["all_reduce"],
+        "grad_and_value overhead": rows["fddp.grad_and_value"] - rows["autograd.grad + hooks + all_reduce"],
+        "optimizer overhead": rows["fddp.optim.apply_gradients"] - rows["torch.optim.SGD.step()"],
+    }
+    out["per-call sum"] = sum(out.values())
+    return out
 
 
 def with_overheads(rows: dict[str, float]) -> dict[str, float]:
@@ -217,6 +232,85 @@ def count_instructions(n: int, k: int) -> None:
         lib.cg_dump(name.encode())
 
 
+def count_ranked_instructions(n: int, k: int) -> None:
+    """In a rank of ``ranked_instructions``: each two-rank row's ``k`` calls, after a barrier,
+    between a zero and a dump of rank 0's counters (instrumented from the warm calls on)."""
+    import torch.distributed as dist
+
+    lib = ctypes.CDLL(os.environ["FDDP_CG_LIB"]) if fddp.rank() == 0 else None
+    fns = ranked_calls(n)
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    if lib is not None:
+        lib.cg_start()
+    for name, fn in fns.items():
+        dist.barrier()
+        if lib is not None:
+            lib.cg_zero()
+        for _ in range(k):
+            fn()
+        if lib is not None:
+            lib.cg_dump(name.encode())
+
+
+def ranked_instructions(leaves: list[int], k: int) -> dict[int, dict[str, float]] | str:
+    """Instructions per call of every two-rank row on rank 0 (see the module's docstring), or why not."""
+    import socket
+
+    if shutil.which("valgrind") is None or shutil.which("cc") is None:
+        return "valgrind or a C compiler is missing"
+    if not os.path.exists("/usr/include/valgrind/callgrind.h"):
+        return "valgrind/callgrind.h is missing"
+    tmp = tempfile.mkdtemp(prefix="fddp-cg-")
+    try:
+        src, lib = os.path.join(tmp, "cg.c"), os.path.join(tmp, "libcg.so")
+        with open(src, "w") as f:
+            f.write(_CG_SOURCE)
+        subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", lib, src], check=True)
+        out: dict[int, dict[str, float]] = {}
+        for n in leaves:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            prefix = os.path.join(tmp, f"cg-{n}")
+            env = {**os.environ, "FDDP_CG_LIB": lib, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}  # fmt: skip
+            child = [sys.executable, __file__, "--ranked-child", str(n), "--instruction-calls", str(k)]
+            quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+            peer = subprocess.Popen(child, env={**env, "RANK": "1", "LOCAL_RANK": "1"}, **quiet)
+            cg = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes", f"--callgrind-out-file={prefix}.%p"]
+            try:
+                subprocess.run(cg + child, check=True, env={**env, "RANK": "0", "LOCAL_RANK": "0"}, **quiet)
+            finally:
+                peer.wait(timeout=600)
+            rows = _dumped(glob.glob(prefix + ".*-01"), k)
+            out[n] = {name: rows[name] for name in ranked_calls_names()}
+            out[n].update(_ranked_overheads(out[n]))
+        return out
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dumped(paths: list[str], k: int) -> dict[str, float]:
+    """Each named dump's total over ``k`` calls: ``{row: instructions per call}``."""
+    rows: dict[str, float] = {}
+    for path in paths:
+        with open(path) as f:
+            lines = f.read().splitlines()
+        tag = "desc: Trigger: Client Request:"
+        name = next((line[len(tag):].strip() for line in lines if line.startswith(tag)), "")
+        total = next((int(line.split()[1]) for line in lines if line.startswith("summary:")), None)
+        if name and total is not None:
+            rows[name] = total / k
+    return rows
+
+
+def ranked_calls_names() -> tuple[str, ...]:
+    return ("all_reduce", "ddp_step", "autograd.grad + hooks + all_reduce", "fddp.grad_and_value", "torch.optim.SGD.step()",
+            "fddp.optim.apply_gradients")  # fmt: skip
+
+
 def instructions(leaves: list[int], k: int) -> dict[int, dict[str, float]] | str:
     """Instructions per call of every row, or a sentence saying why they cannot be counted here."""
     if shutil.which("valgrind") is None or shutil.which("cc") is None:
@@ -263,11 +357,28 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=0, help="also time fddp.grad on a tree of this many leaves")
     parser.add_argument("--instructions", action="store_true", help="also count instructions per call under callgrind")
     parser.add_argument("--instruction-calls", type=int, default=20)
+    parser.add_argument("--ranked-instructions", action="store_true",
+                        help="count the two-rank rows' instructions per call under callgrind (run plainly: it starts the ranks)")
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--ranked-child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "overhead.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    fddp.init()  # one process: a one-rank group
+    if args.ranked_instructions:
+        counted = ranked_instructions(args.leaves, args.instruction_calls)
+        if isinstance(counted, str):
+            print(f"instructions not counted: {counted}")
+            return
+        args.out = args.out.replace("overhead.json", "overhead_2ranks_instructions.json")
+        report(counted, "instructions per call, rank 0", {n: f"{n} leaves" for n in counted}, ".0f", args, "results_instructions")
+        total = sum(r["per-call sum"] for r in counted.values())
+        print(f"per-call sum over {', '.join(map(str, counted))} leaves: {total / 1e6:.2f}M instructions")
+        return
+    fddp.init()  # one process: a one-rank group; a ranked child: its rank of two
+    if args.ranked_child:
+        count_ranked_instructions(args.ranked_child, args.instruction_calls)
+        fddp.shutdown()
+        return
     if args.child:
         count_instructions(args.child, args.instruction_calls)
         fddp.shutdown()

@@ -106,13 +106,20 @@ class Bucket:
     # Plans are made once and looked up (caches of views, slots) on every step: hash them once.
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash((self.indices, self.shapes, self.dtype, self.device)))
+        object.__setattr__(self, "_numel", sum(self.numels))  # asked several times a call
+        object.__setattr__(self, "_index_set", frozenset(self.indices))  # copied by every call's reducer
 
     def __hash__(self) -> int:
         return self._hash
 
     @property
     def numel(self) -> int:
-        return sum(self.numels)
+        return self._numel
+
+    @property
+    def index_set(self) -> frozenset[int]:
+        """The leaf indices as a set (a copy of it costs less than building one from ``indices``)."""
+        return self._index_set
 
     @property
     def nbytes(self) -> int:

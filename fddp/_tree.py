@@ -178,11 +178,23 @@ def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
         ([tensor([0.]), tensor([1.])], PyTreeSpec({'a': *, 'b': *}, NoneIsLeaf))
     """
     if type(tree) is dict and not torch.compiler.is_compiling():
-        spec, keys = _dict_spec(tuple(tree))
-        if spec is not None:
-            leaves = list(map(tree.__getitem__, keys))
-            if all(map(isinstance, leaves, itertools.repeat(_Tensor))):
-                return leaves, spec
+        flat = _flat_dict(tree)
+        if flat is not None:
+            return flat
+    return _optree_flatten(tree)
+
+
+def _flat_dict(tree: dict) -> tuple[list[torch.Tensor], optree.PyTreeSpec] | None:
+    """A flat dict of tensors' leaves and structure (the usual tree, without optree's walk), or ``None``."""
+    spec, keys = _dict_spec(tuple(tree))
+    if spec is not None:
+        leaves = list(map(tree.__getitem__, keys))
+        if all(map(isinstance, leaves, itertools.repeat(_Tensor))):
+            return leaves, spec
+    return None
+
+
+def _optree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     if len(_torch_pytree.SUPPORTED_NODES) != _adopted_from[0] and not torch.compiler.is_compiling():
         adopt_torch_nodes()
     return optree.tree_flatten(tree, none_is_leaf=True)
@@ -218,7 +230,11 @@ def tensor_leaves(tree: Any, what: str, *, none_ok: bool = False, name: str = "t
         Traceback (most recent call last):
         TypeError: fddp.ddp_step: every leaf must be a torch.Tensor, but leaf 'w' is float
     """
-    leaves, spec = flatten(tree)
+    if type(tree) is dict and not torch.compiler.is_compiling():
+        flat = _flat_dict(tree)
+        if flat is not None:
+            return flat  # every leaf checked a tensor already
+    leaves, spec = _optree_flatten(tree)
     if all(map(isinstance, leaves, itertools.repeat(_Tensor))):
         return leaves, spec
     not_a_module(tree, what, name)
@@ -274,24 +290,33 @@ def _insertion_paths(tree: Any, prefix: tuple = ()) -> list[tuple]:
     return [prefix]
 
 
-def definition_order(tree: Any) -> tuple[int, ...] | None:
+def definition_order(tree: Any, spec: optree.PyTreeSpec | None = None) -> tuple[int, ...] | None:
     """Return the leaf indices (into ``optree``'s flatten order) in the order the tree was built.
 
     optree flattens a dict in sorted key order, so ``'layers.10'`` comes before ``'layers.2'`` and
     ``'bias'`` before ``'weight'``. A dict of parameters is built in module registration order,
     the order forward uses them and the reverse of the order backward produces their gradients,
     which is the order buckets should fill. ``None`` when the two orders agree, or when the tree
-    holds node types other than dicts, lists and tuples (their flatten order is kept).
+    holds node types other than dicts, lists and tuples (their flatten order is kept). ``spec``,
+    the tree's structure where the caller has it, spares a walk over a flat dict's values.
 
     Example:
         >>> definition_order({"b": torch.zeros(1), "a": torch.zeros(1)})
         (1, 0)
     """
-    if type(tree) is dict and not torch.compiler.is_compiling() and all(map(isinstance, tree.values(), itertools.repeat(_Tensor))):
+    if type(tree) is dict and not torch.compiler.is_compiling() and (
+        _flat_spec(spec, len(tree)) if spec is not None else all(map(isinstance, tree.values(), itertools.repeat(_Tensor)))
+    ):
         # The usual tree, a flat dict of tensors (fddp.functionalize's): its order depends on the
         # keys alone, cached per key tuple instead of walking the tree on every call.
         return _flat_dict_order(tuple(tree))
     return _definition_order(tree)
+
+
+def _flat_spec(spec: optree.PyTreeSpec, n: int) -> bool:
+    """Whether ``spec`` (a dict's of ``n`` entries) holds a leaf in every entry: the dict is flat
+    (read from the structure the caller has, instead of walking the values again)."""
+    return spec.num_leaves == n and spec.num_nodes == n + 1
 
 
 @_caches.cached(maxsize=64)

@@ -133,7 +133,7 @@ def start_agreement(
     key: Hashable = None,
     signature: int | None = None,
     names: Callable[[Sequence[list[tuple]]], str] = name_difference,
-    ask: bool = False,
+    ask: bool | Callable[[], bool] = False,
     values: int | None = 0,
     sequenced: bool = False,
     carry: bool = False,
@@ -143,7 +143,9 @@ def start_agreement(
     The call is numbered now; the caller must :meth:`Agreement.finish` it before this call's
     other collectives on ``group``. With ``carry`` (the call's only collective is the plain sum
     of a bucket that :func:`can_carry`), the head is not sent yet: the caller sends it with its
-    data (:meth:`Agreement.send_with`) where :attr:`Agreement.open` says a head is due.
+    data (:meth:`Agreement.send_with`) where :attr:`Agreement.open` says a head is due. ``ask``
+    may be a function: it is asked only where the signature is new to this rank (the only case
+    its answer counts), so a known tree's call does not pay for it.
     """
     build = rows if callable(rows) else (lambda: rows)
     if signature is None:
@@ -162,6 +164,8 @@ def start_agreement(
     if st.held:
         _read_announced(group, st, what)
     new = signature not in st.seen
+    if callable(ask):
+        ask = new and ask()
     replicas = st.seen.get(signature)
     call_ = st.agreed
     st.agreed += 1  # the call happens, if only to fail: the ranks stay numbered alike

@@ -76,6 +76,11 @@ class GroupState:
         self.frames: list[Frame] = []
         self.epoch = epoch
         self.rank, self.size = rank, size  # from the quorum (begin_epoch); None: torch.distributed's
+        # torch.distributed's rank and size of the group, asked once (a group's never change; a
+        # call asks several times, and each question is a few Python calls in torch)
+        self.dist_rank: int | None = None
+        self.dist_size: int | None = None
+        self.sliced: bool | None = None  # whether its waits block the host (_waits.sliced), once asked
         self.store = store  # the channel's store (begin_epoch); None: the group's own
         self.channel: _channel.Channel | None = None
         self.failed: Failure | None = None  # a fatal failure: this group carries no more fddp calls
@@ -114,9 +119,16 @@ def _forget() -> None:
 _caches.register("fddp._dist._states", _forget)
 
 
+# torch.distributed's record of the default group: ``dist.group.WORLD`` is two Python properties
+# over its one attribute, and a call asks for its group's state a dozen times.
+# (torch 2.4 to 2.13: ``_world._default_pg``; another torch reads the property).
+_world = getattr(dist.distributed_c10d, "_world", None)
+_DIRECT = _world is not None and "_default_pg" in vars(_world) and dist.group.WORLD is _world._default_pg
+
+
 def state(group: dist.ProcessGroup | None) -> GroupState:
     """``group``'s state in its current epoch (made on first use)."""
-    pg = group if group is not None else dist.group.WORLD
+    pg = group if group is not None else _world._default_pg if _DIRECT else dist.group.WORLD
     if pg is None:
         return GroupState()  # no process group at all (a faked world): nothing to remember
     last_ref, last_st = _last
@@ -148,7 +160,11 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     if torch.compiler.is_compiling():
         return dist.get_rank(group)  # dynamo traces no state (a fault-tolerant step runs eagerly)
     st = state(group)
-    return st.rank if st.rank is not None else dist.get_rank(group)
+    if st.rank is not None:
+        return st.rank
+    if st.dist_rank is None:
+        st.dist_rank = dist.get_rank(group)
+    return st.dist_rank
 
 
 def size(group: dist.ProcessGroup | None = None) -> int:
@@ -156,7 +172,11 @@ def size(group: dist.ProcessGroup | None = None) -> int:
     if torch.compiler.is_compiling():
         return dist.get_world_size(group)
     st = state(group)
-    return st.size if st.size is not None else dist.get_world_size(group)
+    if st.size is not None:
+        return st.size
+    if st.dist_size is None:
+        st.dist_size = dist.get_world_size(group)
+    return st.dist_size
 
 
 def begin_epoch(group: dist.ProcessGroup | None, *, rank: int, world_size: int, store: Any = None, epoch: int | None = None) -> int:

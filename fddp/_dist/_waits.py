@@ -46,7 +46,7 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str, *, h
         RuntimeError: the group's timeout ran out.
     """
     try:
-        if not sliced(control_group(group) if head else group) or not hasattr(work, "is_completed") or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not sliced(control_group(group) if head else group) or not hasattr(work, "is_completed"):
             work.wait()  # NCCL's, a traced collective's, or a hook's own kind of work: one plain wait
             return
         if not _slice(work):
@@ -85,11 +85,15 @@ def _slice(work: Any) -> bool:
 
 
 def sliced(group: dist.ProcessGroup | None) -> bool:
-    """Whether waits on ``group`` block the host (gloo: they can be taken in slices)."""
-    try:
-        return dist.get_backend(group) != "nccl"
-    except Exception:  # noqa: BLE001 - a group torch.distributed does not register: wait plainly
-        return False
+    """Whether waits on ``group`` block the host (gloo: they can be taken in slices); asked of
+    torch once per group state (a group's backend does not change, and every wait asks)."""
+    st = state(group)
+    if st.sliced is None:
+        try:
+            st.sliced = dist.get_backend(group) != "nccl"
+        except Exception:  # noqa: BLE001 - a group torch.distributed does not register: wait plainly
+            return False
+    return st.sliced
 
 
 def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> None:

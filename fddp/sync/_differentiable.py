@@ -24,6 +24,8 @@ Three paths, chosen per call:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from typing import Any, Sequence
 
 import optree
@@ -239,7 +241,11 @@ def needed(leaves: list[Any]) -> bool:
         return True
     if forward_ad._current_level >= 0:  # a dual level is open: tangents may ride on the leaves
         return True
-    return torch.is_grad_enabled() and _any_requires_grad(*(t for t in leaves if t is not None))
+    if not torch.is_grad_enabled():
+        return False
+    if any(map(operator.is_, leaves, itertools.repeat(None))):
+        leaves = [t for t in leaves if t is not None]
+    return _any_requires_grad(*leaves)
 
 
 def _any_requires_grad_py(*tensors: torch.Tensor) -> bool:

@@ -10,6 +10,8 @@ of collectives.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 from typing import Any, NamedTuple, Sequence
 
@@ -87,7 +89,7 @@ class _Slot:
         self.layout, self.scale, self.fill = layout, scale, fill
         self.flat: torch.Tensor | None = None  # the buffer, until it is handed to the hook
         self.views: Sequence[torch.Tensor] | None = None  # its leaf views, made on first use
-        self.missing = set(layout.indices)  # fddp.grad's path: leaves still to arrive
+        self.missing = set(layout.index_set)  # fddp.grad's path: leaves still to arrive
         self.held: list[tuple[int, torch.Tensor]] = []  # small leaves' values, copied in at launch
         self.bucket: GradBucket | None = None  # as handed to the hook
         self.pending: Any = None
@@ -158,7 +160,7 @@ class Reducer:
         for i, s in enumerate(self.slots):
             views = s.open()
             values = [leaves[k] for k in s.layout.indices]
-            if any(v is None for v in values):
+            if any(map(operator.is_, values, itertools.repeat(None))):
                 for view, v in zip(views, values):
                     view.zero_() if v is None else view.copy_(v)
             else:

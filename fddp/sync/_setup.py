@@ -71,7 +71,20 @@ class SyncOptions:
     check_finite: bool = False
 
     def signature_rows(self, state: Any) -> tuple[tuple, ...]:
-        """The options as signature rows: any per-rank difference names the option and both values."""
+        """The options as signature rows: any per-rank difference names the option and both values.
+
+        Without a hook state and with a frozen hook (fddp's own), the rows are made once per
+        options object (a training loop's options come from :func:`make_options`' cache)."""
+        if state is None and not torch.compiler.is_compiling():  # dynamo traces the rows, not the memo
+            rows = self.__dict__.get("_rows")
+            if rows is None:
+                rows = self._signature_rows(None)
+                if dataclasses.is_dataclass(self.hook) and self.hook.__dataclass_params__.frozen:
+                    object.__setattr__(self, "_rows", rows)
+            return rows
+        return self._signature_rows(state)
+
+    def _signature_rows(self, state: Any) -> tuple[tuple, ...]:
         return (
             ("option weight", "a weight" if self.weighted else "no weight", None),
             ("option bucket_cap_mb", repr(float(self.bucket_cap_mb)), None),
@@ -313,7 +326,8 @@ class Sync:
 
     def _start(self, replicas: bool, drift: bool, carry: bool = False) -> PendingAgreement:
         replicas = replicas and _dist.checks().replicas
-        ask = replicas and module_aliases(self.leaves)
+        leaves = self.leaves
+        ask = (lambda: module_aliases(leaves)) if replicas else False  # asked only of a tree new to this rank
         group = self.options.group
         send = replicas and drift and _dist.size(group) > 1  # a one-rank group sends no head: no fingerprint
         values = _dist.replica_digest(self.leaves, "sampled") if send else 0
@@ -439,7 +453,7 @@ def setup(
         )
     if specs is None:
         specs = specs_of(leaves)
-    order = definition_order(tree)
+    order = definition_order(tree, spec)
     option_rows = options.signature_rows(state)
 
     def rows() -> list[tuple]:

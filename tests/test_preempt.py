@@ -16,7 +16,7 @@ Issue 53, jobs stopped as schedulers stop them:
 
 - SIGTERM, and SIGINT, to torchrun's agent and its 2 workers together (what SLURM does; the agent
   forwards it, so each worker gets it twice): both workers save the step they reached and stop,
-  with and without an asynchronous save in flight;
+  with and without an asynchronous save in flight, and with the agent's forward 2.5 s late;
 - a signal repeated within the grace period is one request, also while ``close`` runs; a later
   one before the save interrupts;
 - one writer per directory and prefix in a process: a second Manager, or ``save_step``, of another
@@ -144,26 +144,34 @@ def test_sigterm_to_one_rank_saves_the_step_both_reached_and_a_fresh_job_resumes
     assert not torch.equal(got["params"]["w"], saved["params"]["w"])  # the resumed job trained
 
 
-def _signal_the_step(job: _Job, sig: int) -> None:
+def _signal_the_step(job: _Job, sig: int, agent_after: float = 0.0) -> None:
     """What SLURM does at ``scancel``, the time limit or ``--signal`` (and a Ctrl-C under ``srun``):
     signal every process of the job step, torchrun's agent and its workers together; the agent
-    forwards the signal to its workers too, so each worker gets it twice within milliseconds."""
-    for pid in [job.proc.pid] + [int(job.read(f"pid-{r}")) for r in range(2)]:
+    forwards the signal to its workers too, so each worker gets it twice within milliseconds, or,
+    from an agent on a loaded node, ``agent_after`` seconds later (past the grace period)."""
+    workers = [int(job.read(f"pid-{r}")) for r in range(2)]
+    if not agent_after:
+        os.kill(job.proc.pid, sig)
+    for pid in workers:
         os.kill(pid, sig)
+    if agent_after:
+        time.sleep(agent_after)
+        os.kill(job.proc.pid, sig)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_torchrun_agent_and_its_workers_saves_the_step_both_reached(tmp_path, sig):
     # Two jobs at once: in one, no save is in flight when the signal comes; in the other, the
-    # asynchronous save of step 4 is still being written (2 s more): it must complete, and the
-    # signal's save of the reached step after it.
+    # asynchronous save of step 4 is still being written (4 s more): it must complete, and the
+    # signal's save of the reached step after it; there the agent's forward comes 2.5 s late,
+    # before the save (what a loaded machine did: it killed both workers short of their save).
     plain = _Job(tmp_path / "plain", 60, 0.3, tmp_path / "plain-out")
-    slow = _Job(tmp_path / "slow", 60, 0.5, tmp_path / "slow-out", slow="4:2")
+    slow = _Job(tmp_path / "slow", 60, 0.5, tmp_path / "slow-out", slow="4:4")
     try:
         plain.wait_for("progress-1", at_least=2)
         _signal_the_step(plain, sig)
         slow.wait_for("writing-4")
-        _signal_the_step(slow, sig)
+        _signal_the_step(slow, sig, agent_after=2.5)
     finally:
         logs = {"plain": plain.finish(timeout=120, ok=False), "slow": slow.finish(timeout=120, ok=False)}
     for name, job in (("plain", plain), ("slow", slow)):
@@ -398,7 +406,7 @@ def test_manager_refuses_what_it_cannot_do(tmp_path):
     assert "main thread" in str(error[0].value)
 
 
-def test_a_signal_repeated_within_the_grace_period_is_one_request_and_a_later_one_interrupts(tmp_path):
+def test_a_signal_repeated_within_the_grace_period_is_one_request_and_a_later_one_interrupts(tmp_path, monkeypatch):
     me = os.getpid()
     try:
         with ckpt.Manager(tmp_path / "a") as manager:  # the default grace period, 2 s
@@ -425,6 +433,20 @@ def test_a_signal_repeated_within_the_grace_period_is_one_request_and_a_later_on
             os.kill(me, signal.SIGINT)
             time.sleep(5)
     assert ckpt.steps(tmp_path / "b") == []
+
+    # In a torchrun worker a late repeat before the save is the agent's forward (seen 2 s late on a
+    # loaded machine, which killed a worker short of its save): the same request.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    try:
+        with ckpt.Manager(tmp_path / "d", grace=0.2) as manager:
+            os.kill(me, signal.SIGINT)
+            time.sleep(0.3)
+            os.kill(me, signal.SIGINT)
+            time.sleep(0.1)
+            assert manager.step(1, {"step": 1}) and manager.should_stop
+    except KeyboardInterrupt:
+        pytest.fail("a torchrun worker's late repeat of one SIGINT interrupted before the save")
+    assert [s for s, _ in ckpt.steps(tmp_path / "d")] == [1]
     with pytest.raises(ValueError, match="grace must be"):
         ckpt.Manager(tmp_path / "c", grace=-1)
 

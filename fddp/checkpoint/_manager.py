@@ -18,7 +18,8 @@ last header is learnt at the following boundary: the save is at most one step la
 forwards what it gets, so a worker receives one preemption two or more times within milliseconds.
 The handler takes arrivals of a signal within ``grace`` seconds of the one that asked as that
 same request; only a later one before the save falls through to the previous handler (a person's
-second Ctrl-C). ``close`` waits out the grace period of a signal that arrived, so that a late copy
+second Ctrl-C), and not in a torchrun worker, whose agent may forward seconds late and ends a
+worker that does not stop itself. ``close`` waits out the grace period of a signal that arrived, so that a late copy
 meets this handler rather than the default action after the save.
 
 **One writer per series.** The manager claims its directory and prefix in this process
@@ -109,7 +110,10 @@ class Manager:
     after its save). An arrival later than that, before the save, is a deliberate second request
     and falls through to the signal's previous handler: a second Ctrl-C more than ``grace``
     seconds after the first interrupts as usual (``KeyboardInterrupt``), a second ``SIGTERM``
-    terminates. An arrival later than that, after the save, asks for another save.
+    terminates. In a torchrun worker (``TORCHELASTIC_RUN_ID`` set) every arrival before the save
+    is the same request: the agent forwards each signal it gets, seconds late on a loaded node,
+    and itself ends a worker that does not stop within its ``--shutdown-timeout``. An arrival
+    later than ``grace``, after the save, asks for another save.
 
     With ``async_=True``, a periodic save copies the tree's tensors to host memory and returns;
     rank 0 writes the file on a background thread while training goes on. A failed write leaves
@@ -197,6 +201,9 @@ class Manager:
         self._taken = 0  # ... of which the boundaries have seen (one process, or without the agreement)
         self._waiting: set[int] = set()  # signals received whose save is still to come
         self._asked: dict[int, float] = {}  # each signal's arrival that made its latest request (time.monotonic())
+        # A torchrun worker: its agent forwards every signal it gets, late on a loaded node, and
+        # ends a worker that does not stop itself (--shutdown-timeout); see _on_signal.
+        self._forwarded = "TORCHELASTIC_RUN_ID" in os.environ
         self._saved: int | None = None  # the last step saved
         self._stop = False
         self._closed = False
@@ -213,8 +220,12 @@ class Manager:
         now = time.monotonic()
         if now - self._asked.get(signum, -math.inf) < self.grace:
             return  # the same request again: another path of one delivery (the agent's forward, SLURM's)
-        if signum in self._waiting:  # asked again later, before the save: do what the signal did before
-            self._fall_through(signum, frame)
+        if signum in self._waiting:  # asked again later, before the save
+            # Under torchrun a repeat is the agent's forward, however late (a loaded node's agent
+            # forwarded seconds after SLURM's own copy, which killed a worker short of its save);
+            # elsewhere a deliberate second request: do what the signal did before.
+            if not self._forwarded:
+                self._fall_through(signum, frame)
             return
         self._asked[signum] = now
         self._waiting.add(signum)

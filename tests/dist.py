@@ -34,6 +34,9 @@ class RankError(RuntimeError):
 
 
 def _worker(rank: int, world_size: int, store_path: str, conn: Any, timeout_s: float) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a rank that dies of a signal (SIGSEGV seen once) prints every thread's Python stack
     import torch
     import torch.distributed as dist
     import torch.distributed.nn.functional  # noqa: F401 - before the group: see fddp.init

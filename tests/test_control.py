@@ -271,33 +271,27 @@ def _late_worker(directory: str) -> dict:
         "clip_by_global_norm": lambda: fddp.optim.clip_by_global_norm(1.0).update(params, opt.init(params)[0]),
     }
     took: dict = {}
+
+    def timed(what: str, fn) -> None:
+        """Run ``fn`` with g's collectives late and its waits NCCL's; note its time and collectives."""
+        for n in originals:
+            setattr(dist, n, late(n))
+        _waits.sliced = lambda group: group is not g and real_sliced(group)  # noqa: E731
+        try:
+            issued.clear()
+            t0 = time.monotonic()
+            fn()
+            took[what] = (time.monotonic() - t0, len(issued))
+        finally:
+            _waits.sliced = real_sliced
+            for n, f in originals.items():
+                setattr(dist, n, f)
+
     with ckpt.Manager(directory, every=None, signals=(), group=g) as manager:
         for step in range(4):  # the first calls learn their signatures; the last ones are steady
             for what, fn in steps.items():
-                for n in originals:
-                    setattr(dist, n, late(n))
-                _waits.sliced = lambda group: group is not g and real_sliced(group)  # noqa: E731
-                try:
-                    issued.clear()
-                    t0 = time.monotonic()
-                    fn()
-                    took[what] = (time.monotonic() - t0, len(issued))
-                finally:
-                    _waits.sliced = real_sliced
-                    for n, f in originals.items():
-                        setattr(dist, n, f)
-            for n in originals:
-                setattr(dist, n, late(n))
-            _waits.sliced = lambda group: group is not g and real_sliced(group)  # noqa: E731
-            try:
-                issued.clear()
-                t0 = time.monotonic()
-                manager.step(step, {"params": params})
-                took["Manager.step"] = (time.monotonic() - t0, len(issued))
-            finally:
-                _waits.sliced = real_sliced
-                for n, f in originals.items():
-                    setattr(dist, n, f)
+                timed(what, fn)
+            timed("Manager.step", lambda: manager.step(step, {"params": params}))  # noqa: B023 - called at once
             time.sleep(late_s)  # every late work completed before the next step
     return took
 

@@ -254,20 +254,28 @@ def count_ranked_instructions(n: int, k: int) -> None:
             lib.cg_dump(name.encode())
 
 
+def _callgrind_lib() -> tuple[str, str | None]:
+    """A temporary directory and the compiled callgrind start/stop shim in it, or (why not, None)."""
+    if shutil.which("valgrind") is None or shutil.which("cc") is None:
+        return "valgrind or a C compiler is missing", None
+    if not os.path.exists("/usr/include/valgrind/callgrind.h"):
+        return "valgrind/callgrind.h is missing", None
+    tmp = tempfile.mkdtemp(prefix="fddp-cg-")
+    src, lib = os.path.join(tmp, "cg.c"), os.path.join(tmp, "libcg.so")
+    with open(src, "w") as f:
+        f.write(_CG_SOURCE)
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", lib, src], check=True)
+    return tmp, lib
+
+
 def ranked_instructions(leaves: list[int], k: int) -> dict[int, dict[str, float]] | str:
     """Instructions per call of every two-rank row on rank 0 (see the module's docstring), or why not."""
     import socket
 
-    if shutil.which("valgrind") is None or shutil.which("cc") is None:
-        return "valgrind or a C compiler is missing"
-    if not os.path.exists("/usr/include/valgrind/callgrind.h"):
-        return "valgrind/callgrind.h is missing"
-    tmp = tempfile.mkdtemp(prefix="fddp-cg-")
+    tmp, lib = _callgrind_lib()
+    if lib is None:
+        return tmp  # why not
     try:
-        src, lib = os.path.join(tmp, "cg.c"), os.path.join(tmp, "libcg.so")
-        with open(src, "w") as f:
-            f.write(_CG_SOURCE)
-        subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", lib, src], check=True)
         out: dict[int, dict[str, float]] = {}
         for n in leaves:
             with socket.socket() as s:
@@ -313,16 +321,10 @@ def ranked_calls_names() -> tuple[str, ...]:
 
 def instructions(leaves: list[int], k: int) -> dict[int, dict[str, float]] | str:
     """Instructions per call of every row, or a sentence saying why they cannot be counted here."""
-    if shutil.which("valgrind") is None or shutil.which("cc") is None:
-        return "valgrind or a C compiler is missing"
-    if not os.path.exists("/usr/include/valgrind/callgrind.h"):
-        return "valgrind/callgrind.h is missing"
-    tmp = tempfile.mkdtemp(prefix="fddp-cg-")
+    tmp, lib = _callgrind_lib()
+    if lib is None:
+        return tmp  # why not
     try:
-        src, lib = os.path.join(tmp, "cg.c"), os.path.join(tmp, "libcg.so")
-        with open(src, "w") as f:
-            f.write(_CG_SOURCE)
-        subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", lib, src], check=True)
         out: dict[int, dict[str, float]] = {}
         for n in leaves:
             prefix = os.path.join(tmp, f"cg-{n}")

@@ -18,6 +18,11 @@ all-reduce of the same values in the same round (the median over rounds):
     one-rank all_reduce       the same on a group of this rank alone: the hand-off to gloo's
                               thread that every collective pays, with no peer (what
                               benchmarks/overhead.py's one-rank ddp_step pays per bucket)
+    all_reduce after 50 µs of host work, ... after 100 µs
+                              the raw all-reduce of 40 floats, each call after a busy wait of that
+                              long: what host work between collectives costs in wall time by itself
+                              (the floor under any fddp call's ratio: a call's own Python is such
+                              host work)
 
 What the agreement costs inside a training step (where a rank also waits for a peer that is a
 little behind) is benchmarks/step.py's ``*_noagree`` modes against their twins. Prints a table and
@@ -39,6 +44,13 @@ import fddp
 import fddp._dist
 
 
+def _busy(seconds: float) -> None:
+    """Host work that takes ``seconds``: a spin, as a call's Python would be (no sleep, no syscall)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def rows(alone: dist.ProcessGroup) -> dict[str, object]:
     header_rows = [("benchmark", "agreement", None)]
     digest = fddp._dist.digest(header_rows)
@@ -51,6 +63,8 @@ def rows(alone: dist.ProcessGroup) -> dict[str, object]:
         "ddp_step, 10 x 4 floats": lambda: fddp.ddp_step(tree, tree),
         "psum, 10 x 4 floats": lambda: fddp.psum(tree),
         "one-rank all_reduce": lambda: dist.all_reduce(mine, group=alone, async_op=True).wait(),
+        "all_reduce after 50 µs of host work": lambda: (_busy(50e-6), dist.all_reduce(forty)),
+        "all_reduce after 100 µs of host work": lambda: (_busy(100e-6), dist.all_reduce(forty)),
     }
 
 
@@ -84,7 +98,8 @@ def main() -> None:
             per_round[name].append(statistics.median(ts))
     raw = per_round["all_reduce, 40 floats"]
     ratios = {}
-    for name in ("ddp_step, 10 x 4 floats", "psum, 10 x 4 floats"):
+    compared = ("ddp_step, 10 x 4 floats", "psum, 10 x 4 floats", *(f"all_reduce after {us} µs of host work" for us in (50, 100)))
+    for name in compared:
         t = torch.tensor([statistics.median(a / b for a, b in zip(per_round[name], raw))])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         ratios[name] = t.item()
@@ -96,7 +111,7 @@ def main() -> None:
     if rank == 0:
         print(f"{world} gloo ranks, torch {torch.__version__}, median µs per call of {args.repeats} (the slowest rank's)")
         for name, us in medians.items():
-            print(f"  {name:<26}{us:9.1f}")
+            print(f"  {name:<38}{us:9.1f}")
         for name, x in ratios.items():
             print(f"  {name} / all_reduce, 40 floats: {x:.2f}x (median over {args.rounds} rounds)")
         record = {

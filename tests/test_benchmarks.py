@@ -65,10 +65,13 @@ def test_agreement_benchmark_times_the_head_and_its_references(tmp_path: Path) -
     assert record["world"] == 2
     assert set(record["median_us"]) == {
         "agreement head", "all_reduce, 8 floats", "all_reduce, 40 floats", "ddp_step, 10 x 4 floats", "psum, 10 x 4 floats",
-        "one-rank all_reduce",
+        "one-rank all_reduce", "all_reduce after 50 µs of host work", "all_reduce after 100 µs of host work",
     }  # fmt: skip
     assert all(math.isfinite(v) and v > 0 for v in record["median_us"].values())
-    assert set(record["ratio_to_raw_all_reduce"]) == {"ddp_step, 10 x 4 floats", "psum, 10 x 4 floats"}
+    assert record["median_us"]["all_reduce after 100 µs of host work"] >= 100  # the host work is really done
+    assert set(record["ratio_to_raw_all_reduce"]) == {
+        "ddp_step, 10 x 4 floats", "psum, 10 x 4 floats", "all_reduce after 50 µs of host work", "all_reduce after 100 µs of host work",
+    }  # fmt: skip
 
 
 def test_round_trips_benchmark_times_every_way_a_header_could_travel(tmp_path: Path) -> None:

@@ -101,7 +101,11 @@ def build(
     fields += (0, 0) if failed is None else (1, failed + 1)
     fields += _FLAG_FIELDS[flags] if 0 <= flags < 1 << FLAG_BITS else ((flags >> b) & 1 for b in range(FLAG_BITS))
     # From bytes: a tenth of the cost of torch.tensor(list) on the hot path (every call builds one).
-    head = torch.frombuffer(bytearray(array.array("d", fields).tobytes() + _PAD), dtype=torch.float64)
+    # Cloned, so that the head's storage is torch's: a frombuffer tensor's is a Python object, and
+    # the backend's thread may drop a collective's last reference to it, freeing that object from
+    # a thread with no Python frame (rank 1 of test_preempt's boundaries test died of SIGSEGV there,
+    # in such a thread, about once in 30 runs).
+    head = torch.frombuffer(bytearray(array.array("d", fields).tobytes() + _PAD), dtype=torch.float64).clone()
     return head if device is None else head.to(device)
 
 

@@ -135,7 +135,8 @@ def pack(tree: Any, step: int) -> Packed:
     header = {"format": MAGIC, "version": VERSION, "step": step, "payload": plain, "tensors": specs, "layout": layout,
               "chunks": [c.numel() for c in chunks]}  # fmt: skip
     raw = json.dumps(header, separators=(",", ":")).encode()
-    return Packed(torch.frombuffer(bytearray(raw), dtype=torch.uint8), chunks)
+    # Cloned: a storage of torch's own, not a Python object that a backend thread might free (_header.build).
+    return Packed(torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone(), chunks)
 
 
 def header_of(raw: torch.Tensor, where: str = "fddp.ft: a peer's live state") -> dict:

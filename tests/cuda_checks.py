@@ -263,6 +263,31 @@ def no_host_sync_per_step(device: torch.device) -> None:
 
 
 @check
+def steady_state_heads_are_read_one_call_later(device: torch.device) -> None:
+    """On NCCL a steady-state call does not wait for its head (it travels on the gloo side group):
+    ddp_step and psum return with it unread, the next call reads it, and apply_gradients reads
+    every one before it updates (``tests/test_control.py`` runs the same on gloo, made NCCL-like)."""
+    if device.type == "cpu":
+        raise Skip("needs NCCL (tests/test_control.py emulates it on gloo)")
+    from fddp._dist import _agreement
+
+    apply_fn, params = fddp.functionalize(_model().to(device))
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+    opt = fddp.optim.sgd(1e-2)
+    state = opt.init(params)
+    x, y = _batch(device, fddp.rank())
+    local = torch.func.grad(_loss_fn(apply_fn))(params, x, y)
+    unread = []
+    for _ in range(4):  # the first calls learn their signatures (and wait for their heads)
+        grads = fddp.ddp_step(params, local)
+        unread.append(len(_agreement._unsettled))
+        fddp.psum({"n": torch.ones((), device=device)})
+        unread.append(len(_agreement._unsettled))
+    params, state = fddp.optim.apply_gradients(opt, grads, state, params)
+    assert unread[-4:] == [1, 1, 1, 1] and not _agreement._unsettled, unread
+
+
+@check
 def compiled_step_matches_eager(device: torch.device) -> None:
     """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
     if device.type == "cpu":

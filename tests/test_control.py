@@ -218,45 +218,86 @@ def test_a_head_wait_on_the_side_group_reads_a_peers_posted_failure():
     assert got.startswith("PeerError") and "this rank's stream is gone" in got and took < 3.0, (took, got)
 
 
-def _late_worker(directory: str) -> dict:
-    """NCCL's asynchrony on gloo: the data group's waits are NCCL's (``_waits.sliced``), and its
-    collectives return a work that completes ``LATE`` seconds later and whose ``wait`` returns at
-    once (on CUDA it orders what follows on the stream; the values here are computed at issue,
-    so that the steps stay right). A call that waited for a collective to complete, or polled it,
-    would take ``late_s``. The heads are real: each call's head is still a host round trip with
-    the peers' hosts on the side group (never with the GPU stream), which this does not remove."""
-    import time
+class _Late:
+    """A collective's work that completes ``after`` seconds after its issue. With ``work`` (a
+    head's, on the gloo side group): its ``wait`` blocks until then, and for ``work``; else it
+    returns at once, as an NCCL work's does (it only orders the stream)."""
 
-    from fddp import checkpoint as ckpt
+    def __init__(self, after: float, work: object = None) -> None:
+        import time
+
+        self.done_at, self.work = time.monotonic() + after, work
+
+    def wait(self, timeout: object = None) -> bool:
+        import time
+
+        if self.work is None:
+            return True
+        left = self.done_at - time.monotonic()
+        time.sleep(max(0.0, left if timeout is None else min(left, timeout.total_seconds())))  # type: ignore[attr-defined]
+        if time.monotonic() < self.done_at:
+            return False
+        return self.work.wait() if timeout is None else self.work.wait(timeout)  # type: ignore[attr-defined]
+
+    def is_completed(self) -> bool:
+        import time
+
+        return time.monotonic() >= self.done_at and (self.work is None or self.work.is_completed())  # type: ignore[attr-defined]
+
+
+def _nccl_like(g: dist.ProcessGroup, late_s: float, data: bool = True):
+    """Make ``g`` behave as an NCCL group whose heads travel on its gloo side group, on a machine
+    without a GPU: its waits are NCCL's (``_waits.sliced``); its collectives return a work that
+    completes ``late_s`` later and whose wait returns at once (``data``: they run, at issue, so
+    the values stay right; else they are skipped, as mismatched NCCL collectives would leave
+    the host free); its heads arrive ``late_s`` after they are sent (their wait blocks until
+    then); and its values are a GPU's to the sampled replica digest (which reads none: that would
+    make the host wait for the stream). Returns the names of g's collectives issued so far (cleared by the caller) and
+    a function that puts everything back."""
     from fddp._dist import _waits
 
-    late_s = 2.0
-
-    class _Late:
-        def __init__(self) -> None:
-            self.done_at = time.monotonic() + late_s
-
-        def wait(self, timeout: object = None) -> bool:
-            return True
-
-        def is_completed(self) -> bool:
-            return time.monotonic() >= self.done_at
-
-    g = _side_group()
+    control = fddp._dist.control_group(g)
     issued: list = []
     originals = {n: getattr(dist, n) for n in ("all_reduce", "broadcast")}
 
     def late(name):
         def issue(*args, **kwargs):
-            if kwargs.get("group") is not g:
+            group = kwargs.get("group")
+            if group is control:  # a head: real, but it arrives late
+                return _Late(late_s, originals[name](*args, **{**kwargs, "async_op": True}))
+            if group is not g:
                 return originals[name](*args, **kwargs)
-            originals[name](*args, **{**kwargs, "async_op": False})
+            if data:
+                originals[name](*args, **{**kwargs, "async_op": False})
             issued.append(name)
-            return _Late()
+            return _Late(late_s)
 
         return issue
 
-    real_sliced = _waits.sliced
+    real_sliced, real_digest = _waits.sliced, fddp._dist.replica_digest
+    for n in originals:
+        setattr(dist, n, late(n))
+    _waits.sliced = lambda group: group is not g and real_sliced(group)  # noqa: E731
+    fddp._dist.replica_digest = lambda leaves, depth="full": None if depth == "sampled" else real_digest(leaves, depth)
+
+    def restore() -> None:
+        _waits.sliced, fddp._dist.replica_digest = real_sliced, real_digest
+        for n, f in originals.items():
+            setattr(dist, n, f)
+
+    return issued, restore
+
+
+def _late_worker(directory: str) -> dict:
+    """NCCL's asynchrony on gloo (``_nccl_like``): a call that waited for a collective or for
+    its own head to arrive, or polled one, would take ``late_s``. Each call comes ``late_s``
+    after the previous one, whose head has arrived by then (the next call reads it)."""
+    import time
+
+    from fddp import checkpoint as ckpt
+
+    late_s = 1.0
+    g = _side_group()
     r = fddp.rank()
     params = fddp.broadcast({"w": torch.randn(6, 4), "b": torch.zeros(4)}, group=g)
     opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.adamw(1e-2))
@@ -273,34 +314,92 @@ def _late_worker(directory: str) -> dict:
     took: dict = {}
 
     def timed(what: str, fn) -> None:
-        """Run ``fn`` with g's collectives late and its waits NCCL's; note its time and collectives."""
-        for n in originals:
-            setattr(dist, n, late(n))
-        _waits.sliced = lambda group: group is not g and real_sliced(group)  # noqa: E731
+        """Run ``fn`` with g NCCL-like; note its time and collectives; let its head arrive."""
+        issued, restore = _nccl_like(g, late_s)
         try:
-            issued.clear()
             t0 = time.monotonic()
             fn()
             took[what] = (time.monotonic() - t0, len(issued))
         finally:
-            _waits.sliced = real_sliced
-            for n, f in originals.items():
-                setattr(dist, n, f)
+            restore()
+        time.sleep(late_s)
 
     with ckpt.Manager(directory, every=None, signals=(), group=g) as manager:
-        for step in range(4):  # the first calls learn their signatures; the last ones are steady
+        for step in range(3):  # the first calls learn their signatures (and wait); the last ones are steady
             for what, fn in steps.items():
                 timed(what, fn)
             timed("Manager.step", lambda: manager.step(step, {"params": params}))  # noqa: B023 - called at once
-            time.sleep(late_s)  # every late work completed before the next step
+    fddp._dist.settle()
     return took
 
 
-def test_steady_state_calls_return_before_their_collectives_complete(tmp_path):
+def test_steady_state_calls_wait_neither_for_their_collectives_nor_for_their_heads(tmp_path):
     for r, took in enumerate(run(_late_worker, 2, str(tmp_path), timeout=120)):
         for what in ("grad_and_value", "ddp_step", "psum"):
             seconds, issued = took[what]
-            assert issued >= 1 and seconds < 1.0, (r, what, seconds, issued)  # a late collective, not waited for
+            assert issued >= 1 and seconds < 0.5, (r, what, seconds, issued)  # a late collective and head, not waited for
         for what in ("apply_gradients", "clip_by_global_norm", "Manager.step"):
             seconds, issued = took[what]
-            assert issued == 0 and seconds < 1.0, (r, what, seconds, issued)  # replicated: nothing to send
+            assert issued == 0 and seconds < 0.5, (r, what, seconds, issued)  # replicated: nothing to send
+
+
+def _deferred_worker() -> dict:
+    """On an NCCL-like group (``_nccl_like``, its data collectives skipped), a steady-state call
+    does not wait for its head: a difference it shows raises at the next fddp call, on every rank,
+    naming the difference, and the group carries no more calls."""
+    from fddp._dist import _agreement
+
+    r = fddp.rank()
+    out: dict = {}
+    params = _params()
+    opt = fddp.optim.sgd(0.1)
+    state = opt.init(params)
+    # 1. Two known calls that differ (ddp_step here, psum there): both return; apply_gradients raises.
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    try:
+        for _ in range(2):
+            fddp.ddp_step(params, params, group=g)
+            fddp.psum(params, group=g)
+        fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
+        out["returned"] = True
+        try:
+            fddp.optim.apply_gradients(opt, params, state, params)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out["next"] = f"{type(e).__name__}: {e} {getattr(e, '__notes__', '')}"
+        try:
+            fddp.psum(params, group=g)
+        except Exception as e:  # noqa: BLE001
+            out["after"] = type(e).__name__
+    finally:
+        restore()
+    # 2. A rank that fails before sending anything (announced in place of its head): the peer,
+    # which did not wait, raises PeerError at its next call on the group.
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    try:
+        for _ in range(2):
+            fddp.ddp_step(params, params, group=g)
+        try:
+            fddp.ddp_step(params, {"w": torch.zeros(3)} if r == 1 else params, group=g)
+        except Exception as e:  # noqa: BLE001
+            out["announced"] = type(e).__name__
+        try:
+            fddp.psum(params, group=g)
+        except Exception as e:  # noqa: BLE001
+            out["peer"] = f"{type(e).__name__}: {e}"
+    finally:
+        restore()
+    out["unsettled"] = len(_agreement._unsettled)
+    return out
+
+
+def test_a_call_that_did_not_wait_for_its_head_raises_at_the_next_call():
+    for r, out in enumerate(run(_deferred_worker, 2, timeout=120)):
+        assert out["returned"], out
+        assert out["next"].startswith("MismatchError") and "ddp_step" in out["next"] and "psum" in out["next"], out
+        assert "next fddp call" in out["next"] and "carries no more" in out["next"], out
+        assert out["after"] == "PeerError", out
+        assert out.get("announced") == (None if r == 0 else "ValueError"), out
+        assert out["peer"].startswith("PeerError"), out
+        assert out["unsettled"] == 0, out

@@ -62,19 +62,25 @@ def test_control_plane_counts_every_calls_head_by_hand():
     assert bn.control == pytest.approx(8 * (head + 1e-5) + 1e-5) and bn.step == pytest.approx(alone.step + bn.control)
     assert bn.compute == alone.compute  # the heads are communication, not compute
     # A slow control link (NCCL's gloo side group): the head outlasts the 1 ms of backward before
-    # the first bucket, and the backward pass waits for the rest.
+    # the first bucket, but there the buckets do not wait for it; the optimizer step does, and the
+    # head (3 ms) is back long before the last bucket (9.4 ms).
     slow = Link(latency=5e-4, bandwidth=MB / 1e-3)
-    stalled = predict_step(params, timeline, link, 4, control_link=slow, **kw)
-    assert stalled.head == pytest.approx(3e-3 + 1.5 * HEAD_BYTES / (MB / 1e-3))
-    assert stalled.control == pytest.approx(stalled.head - 1e-3) and stalled.buckets[0][0] == pytest.approx(stalled.head)
-    # There a pmean's values cannot ride in its head: each call is a head and then an all-reduce.
+    side = predict_step(params, timeline, link, 4, control_link=slow, **kw)
+    assert side.head == pytest.approx(3e-3 + 1.5 * HEAD_BYTES / (MB / 1e-3))
+    assert side.control == 0.0 and side.buckets == alone.buckets and side.buckets[0][0] == pytest.approx(1e-3)
+    # ... unless the step is shorter than the head: the optimizer waits for the rest (a 12 ms
+    # head against ddp_step's four buckets, 8.4 ms from the start).
+    at_once = Timeline(0.0, (0.0,) * 4, (), (), (), 0.0)
+    slower = predict_step(params, at_once, link, 4, control_link=Link(latency=2e-3, bandwidth=MB / 1e-3), **kw)
+    assert slower.control == pytest.approx(slower.head - 4 * 2.1e-3) and slower.head == pytest.approx(12e-3 + 1.5 * HEAD_BYTES / MB * 1e-3)
+    # There a pmean's values cannot ride in its head: each call is a head and an all-reduce, and
+    # the next call waits for the head (3 ms), the values (0.6 ms) travelling meanwhile.
     nccl = predict_step(params, timeline, link, 4, calls=8, control_link=slow, **kw)
     assert (nccl.collectives, nccl.host_waits) == (2 * 8 + 5, 9)
-    assert nccl.control == pytest.approx(8 * (stalled.head + 6e-4) + stalled.control)
+    assert nccl.control == pytest.approx(8 * side.head)
     # The head is float64 whatever the data: bytes_scale (projecting bf16 buckets) leaves it alone.
     assert predict_step(params, timeline, link, 4, bytes_scale=0.5, **kw).head == alone.head
     # ddp_step: every value is there at once, so the head is all exposed.
-    at_once = Timeline(0.0, (0.0,) * 4, (), (), (), 0.0)
     assert predict_step(params, at_once, link, 4, **kw).control == pytest.approx(head)
     # A plain mean of 100 float32 values rides in its head: one collective, as long as a head.
     small = {"w": torch.zeros(100)}

@@ -33,15 +33,18 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from fddp import _caches
-from fddp._dist import _header
+from fddp._dist import _header, _waits
 from fddp._dist._diagnosis import disagree, name_difference
 from fddp._dist._digest import digest, name_digest, traced_digest
+from fddp._dist._errors import MismatchError, PeerError
 from fddp._dist._failures import fail, raise_announced, raise_if_failed
 from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, control_group, frame, size, state
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
-__all__ = ["agree", "start_agreement", "can_carry", "Agreement", "Agreed", "signature_digest", "request", "take_requested", "agreements"]
+__all__ = [
+    "agree", "start_agreement", "can_carry", "Agreement", "Agreed", "signature_digest", "request", "take_requested", "agreements", "settle",
+]  # fmt: skip
 
 Rows = Callable[[], list[tuple]]
 
@@ -159,6 +162,8 @@ def start_agreement(
         return Agreement(None, None, Agreed(False, False))
     st = state(group)
     raise_if_failed(st, what)
+    if st.pending is not None:
+        _settle(st)
     if _asked:
         _collect()
     if st.held:
@@ -188,6 +193,11 @@ def start_agreement(
         a = Agreement(head, None, None, (group, what, st, signature, call_, build, names, replicas, segment, st.requests), call_)
         if not carry:
             a.work = _header.exchange(head, group)
+            # A known call with nothing to learn from its head, on a group whose data collectives
+            # do not block the host (NCCL; its heads on the gloo side group): the host does not
+            # wait for the head; the next call on the group (or apply_gradients, take_requested,
+            # shutdown) reads it, long arrived by then (see settle).
+            a.deferred = control_group(group) is not group and not (new or printed or ask or segment is not None or _waits.sliced(group))
         return a
     _remember(st, signature, replicas)
     if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
@@ -248,11 +258,12 @@ class Agreement:
         >>> agreement.finish()  # before this call's first bucket
     """
 
-    __slots__ = ("header", "work", "result", "context", "call")
+    __slots__ = ("header", "work", "result", "context", "call", "deferred")
 
     def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = (), call: int | None = None) -> None:
         self.header, self.work, self.result, self.context = header, work, result, context
         self.call = call  # the call's number among the group's agreements (None: a compiled call's)
+        self.deferred = False  # finish() leaves the head to be read at the group's next call (settle)
 
     @property
     def open(self) -> bool:
@@ -277,6 +288,20 @@ class Agreement:
         """
         if self.result is not None:
             return self.result
+        if self.deferred:
+            # What the head would say if it agrees: a known signature (every rank knows it: the
+            # ranks' `seen` evolve alike), nothing asked, compared or learnt. If it does not, the
+            # group's next call raises (settle).
+            st, signature, replicas = self.context[2], self.context[3], self.context[7]
+            _remember(st, signature, replicas)
+            st.pending = self
+            _unsettled.append(self)
+            self.result = Agreed(False, False)
+            return self.result
+        return self._read()
+
+    def _read(self) -> Agreed:
+        """Wait for the head and read it (:meth:`finish`'s work)."""
         group, what, st, signature, call_, rows, names, replicas, segment, flags = self.context
         if self.work is None:
             e = RuntimeError(f"fddp.{what}: internal error: an agreement whose data never went out with its head")
@@ -305,6 +330,44 @@ class Agreement:
                 st.recordings.move_to_end(segment.key)
         self.result = Agreed(v.new, v.asked, drifted, segment)
         return self.result
+
+
+# The deferred agreements not read yet (at most one per group: each group's next agreement
+# reads its own first), oldest first.
+_unsettled: list[Agreement] = []
+_caches.register("fddp._dist._agreement._unsettled", _unsettled.clear)
+
+
+def _settle(st: GroupState) -> None:
+    """Read the head of ``st``'s deferred call. Its collectives went out before the verdict: where
+    it says the ranks differed (or a peer announced a failure in place of the call), they are
+    unmatched, so the group carries no more fddp calls, and every rank raises here alike."""
+    a, st.pending = st.pending, None
+    _unsettled.remove(a)
+    group, what = a.context[0], a.context[1]
+    try:
+        a._read()
+    except (MismatchError, PeerError) as e:
+        e.add_note(
+            f"fddp: found at this rank's next fddp call on the group after fddp.{what} (its call {a.call + 1}): on an NCCL "
+            "group a steady-state call does not wait for its agreement, and that call's collectives went out unchecked, "
+            "so its results may mix values; this group carries no more fddp calls (restart from the last checkpoint)."
+        )
+        fail(group, what, e)
+        raise
+
+
+def settle() -> None:
+    """Read every deferred agreement (raising where one found a difference), so that nothing is
+    computed from a call whose verdict is unread: ``fddp.optim.apply_gradients`` calls it before it
+    updates parameters, and ``fddp.shutdown`` before it ends the group. Free where none is pending
+    (every group but an NCCL one's, and those after their next call).
+
+    Example:
+        >>> settle()  # raises MismatchError on every rank if the last ddp_step's ranks differed
+    """
+    while _unsettled:
+        _settle(_unsettled[0].context[2])
 
 
 # Requests not yet moved into their group's state, as (group, bits). A deque's append and popleft
@@ -363,6 +426,8 @@ def take_requested(group: dist.ProcessGroup | None, mask: int = (1 << _header.FL
     if _asked:
         _collect()
     st = state(group)
+    if st.pending is not None:
+        _settle(st)
     if st.held:
         _read_announced(group, st, "checkpoint.Manager.step")
     if size(group) == 1:

@@ -94,6 +94,7 @@ class GroupState:
         self.requests = 0  # this rank's request bits, sent with its next head (_agreement.request)
         self.requested = 0  # the or of every rank's requests in the heads agreed since the last take_requested
         self.control: Any = None  # the group the heads travel on (control_group), once decided
+        self.pending: Any = None  # a steady-state NCCL call's Agreement whose head is not read yet (_agreement)
 
     def busy(self) -> bool:
         """Whether this rank's peers may be waiting for it on this group: a call is in progress

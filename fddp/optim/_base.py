@@ -24,6 +24,7 @@ import optree
 import torch
 from torch import Tensor
 
+from fddp._dist import settle
 from fddp._layout import SplitTree
 from fddp._tree import FUNCTIONALIZE_FIX, article
 
@@ -243,6 +244,7 @@ def apply_gradients(
     _check_arguments(opt, grads, state, params)
     if isinstance(params, SplitTree):
         params.check_group("optim.apply_gradients")
+    settle()  # an NCCL call's unread agreement: mixed gradients never become parameters
     return _apply(opt, grads, state, params, Apply(bool(donate)))
 
 

@@ -343,7 +343,12 @@ def _settle(st: GroupState) -> None:
     it says the ranks differed (or a peer announced a failure in place of the call), they are
     unmatched, so the group carries no more fddp calls, and every rank raises here alike."""
     a, st.pending = st.pending, None
-    _unsettled.remove(a)
+    if a is None:  # another thread read it meanwhile (apply_gradients runs outside any call's scope)
+        return
+    try:
+        _unsettled.remove(a)
+    except ValueError:  # fddp.clear_caches() forgot it
+        pass
     group, what = a.context[0], a.context[1]
     try:
         a._read()
@@ -366,8 +371,8 @@ def settle() -> None:
     Example:
         >>> settle()  # raises MismatchError on every rank if the last ddp_step's ranks differed
     """
-    while _unsettled:
-        _settle(_unsettled[0].context[2])
+    for a in list(_unsettled):
+        _settle(a.context[2])
 
 
 # Requests not yet moved into their group's state, as (group, bits). A deque's append and popleft

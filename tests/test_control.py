@@ -390,6 +390,18 @@ def _deferred_worker() -> dict:
             out["peer"] = f"{type(e).__name__}: {e}"
     finally:
         restore()
+    # 3. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
+    import time
+
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.5)
+    try:
+        for _ in range(3):
+            t0 = time.monotonic()
+            fddp._dist.agree(g, "checkpoint.save", [("checkpoint", "the barrier after rank 0 wrote x", None)])
+            out["barrier"] = time.monotonic() - t0
+    finally:
+        restore()
     out["unsettled"] = len(_agreement._unsettled)
     return out
 
@@ -402,4 +414,5 @@ def test_a_call_that_did_not_wait_for_its_head_raises_at_the_next_call():
         assert out["after"] == "PeerError", out
         assert out.get("announced") == (None if r == 0 else "ValueError"), out
         assert out["peer"].startswith("PeerError"), out
+        assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
         assert out["unsettled"] == 0, out

@@ -140,6 +140,7 @@ def start_agreement(
     values: int | None = 0,
     sequenced: bool = False,
     carry: bool = False,
+    defer: bool = False,
 ) -> Agreement:
     """Send this call's head and return at once (the arguments are :func:`agree`'s).
 
@@ -148,7 +149,9 @@ def start_agreement(
     of a bucket that :func:`can_carry`), the head is not sent yet: the caller sends it with its
     data (:meth:`Agreement.send_with`) where :attr:`Agreement.open` says a head is due. ``ask``
     may be a function: it is asked only where the signature is new to this rank (the only case
-    its answer counts), so a known tree's call does not pay for it.
+    its answer counts), so a known tree's call does not pay for it. ``defer``: the caller needs
+    nothing of the peers but that their collectives match (no barrier): on an NCCL group a
+    steady-state call may then leave its head to be read later (:func:`settle`).
     """
     build = rows if callable(rows) else (lambda: rows)
     if signature is None:
@@ -196,8 +199,10 @@ def start_agreement(
             # A known call with nothing to learn from its head, on a group whose data collectives
             # do not block the host (NCCL; its heads on the gloo side group): the host does not
             # wait for the head; the next call on the group (or apply_gradients, take_requested,
-            # shutdown) reads it, long arrived by then (see settle).
-            a.deferred = control_group(group) is not group and not (new or printed or ask or segment is not None or _waits.sliced(group))
+            # shutdown) reads it, long arrived by then (see settle). Never agree()'s: a caller
+            # that uses the agreement as a barrier (a checkpoint's) must meet its peers.
+            steady = not (new or printed or ask or segment is not None)
+            a.deferred = defer and steady and control_group(group) is not group and not _waits.sliced(group)
         return a
     _remember(st, signature, replicas)
     if size(group) == 1:  # nobody else to tell: this rank's requests are the group's

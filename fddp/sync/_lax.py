@@ -109,7 +109,7 @@ def _issue(op: _Op, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         x0 = leaves[by_dtype[0][0]] if by_dtype else None
         numel = sum(x.numel() for x in leaves)
         carry = op.kind in ("sum", "mean") and len(by_dtype) == 1 and _dist.can_carry(group, numel, x0.dtype, x0.device)
-        agreement = _dist.start_agreement(group, op.what, rows, signature=signature, carry=carry)
+        agreement = _dist.start_agreement(group, op.what, rows, signature=signature, carry=carry, defer=True)
         comm = Comm(group, op.what, None)  # type: ignore[arg-type] - no bucket plan: not a hook's comm
         if agreement.open:
             comm.carry(agreement)

@@ -315,7 +315,7 @@ class Sync:
         carries a fingerprint of them, and replicas that drifted apart are compared leaf by leaf
         and named) are :meth:`agree`'s.
         """
-        pending = self._start(replicas, drift, self._carries)
+        pending = self._start(replicas, drift, self._carries, defer=True)
         if pending.agreement.open:
             self.comm.carry(pending.agreement)
             self._pending = pending
@@ -324,14 +324,16 @@ class Sync:
         else:
             pending.finish()
 
-    def _start(self, replicas: bool, drift: bool, carry: bool = False) -> PendingAgreement:
+    def _start(self, replicas: bool, drift: bool, carry: bool = False, defer: bool = False) -> PendingAgreement:
         replicas = replicas and _dist.checks().replicas
         leaves = self.leaves
         ask = (lambda: module_aliases(leaves)) if replicas else False  # asked only of a tree new to this rank
         group = self.options.group
         send = replicas and drift and _dist.size(group) > 1  # a one-rank group sends no head: no fingerprint
         values = _dist.replica_digest(self.leaves, "sampled") if send else 0
-        agreement = _dist.start_agreement(group, self.what, self.rows, signature=self.digest, ask=ask, values=values, carry=carry)
+        agreement = _dist.start_agreement(
+            group, self.what, self.rows, signature=self.digest, ask=ask, values=values, carry=carry, defer=defer
+        )  # fmt: skip
         return PendingAgreement(self, agreement)
 
     def close(self, reducer: Reducer) -> tuple[list[torch.Tensor], Any]:

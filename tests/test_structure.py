@@ -186,6 +186,7 @@ CACHES = {
     "fddp.sync._reducer._flat_leaves",
     "fddp.sync._reducer._where",
     "fddp._dist._agreement._digests",
+    "fddp._dist._agreement._unsettled",
     "fddp.sync._setup._options",
     "fddp.sync._setup._records",
     "fddp.zero._layout.layout",

@@ -225,7 +225,8 @@ class _Carried:
         done = self.work.wait() if timeout is None else self.work.wait(timeout)
         # A sliced wait (fddp._dist.wait) may return before the sum is there: copy only once it is.
         if not self.copied and (timeout is None or done or self.work.is_completed()):
-            self.t.copy_(self.data.view_as(self.t))
+            t = self.t
+            t.copy_(self.data if t.dim() == 1 else self.data.view_as(t))  # a bucket's flat: no view to make
             self.copied = True
         return done
 

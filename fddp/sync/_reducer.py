@@ -301,8 +301,8 @@ class Reducer:
         new_state = hook.end(self.working)
         finite = hook.finite(out, comm) if self.check_finite else None
         timeline = None if torch.compiler.is_compiling() else Timeline(
-            self.t_backward, tuple(self.ready), tuple(s.launched for s in slots), tuple(s.done for s in slots),
-            tuple(b.nbytes for b in self.plan.buckets), self.clock() - self.t0,
+            self.t_backward, tuple(self.ready), tuple(map(_launched, slots)), tuple(map(_done, slots)),
+            _nbytes(self.plan), self.clock() - self.t0,
         )  # fmt: skip
         return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state, timeline)
 
@@ -318,6 +318,14 @@ def _fill(s: _Slot, views: Sequence[torch.Tensor], values: list[torch.Tensor]) -
 @_caches.cached(maxsize=256)
 def _flat_leaves(layout: Bucket) -> bool:
     return all(len(shape) == 1 for shape in layout.shapes)
+
+
+_launched, _done = operator.attrgetter("launched"), operator.attrgetter("done")
+
+
+@_caches.cached(maxsize=64)
+def _nbytes(plan: BucketPlan) -> tuple[int, ...]:
+    return tuple(b.nbytes for b in plan.buckets)
 
 
 def _zero() -> float:

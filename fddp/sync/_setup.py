@@ -124,8 +124,8 @@ def make_options(what: str, /, *, weighted: bool = False, **options: Any) -> Syn
     The same options (hashable, as fddp's hooks and plain values are) give the same object from
     a cache, so a training loop checks them once.
     """
-    unknown = sorted(set(options) - set(KEYWORDS))
-    if unknown:
+    if not options.keys() <= KEYWORDS.keys():
+        unknown = sorted(set(options) - set(KEYWORDS))
         raise TypeError(f"fddp.{what}: unexpected keyword {unknown[0]!r}; the options are {', '.join(KEYWORDS)}")
     o = {**KEYWORDS, **options}
     args = (what, o["group"], o["bucket_cap_mb"], o["first_bucket_mb"], o["compression"], o["check_finite"], o["return_info"], weighted)

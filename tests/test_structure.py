@@ -185,6 +185,9 @@ CACHES = {
     "fddp._layout._has_split",
     "fddp.sync._reducer._flat_leaves",
     "fddp.sync._reducer._where",
+    "fddp.sync._reducer._nbytes",
+    "fddp.sync._lax._plans",
+    "fddp.sync._setup._plans",
     "fddp._dist._agreement._digests",
     "fddp._dist._agreement._unsettled",
     "fddp.sync._setup._options",
@@ -225,4 +228,5 @@ def test_every_cache_is_registered_and_clear_caches_empties_it():
     memoised = [fddp._tree.paths, fddp._tree._dict_spec, fddp._layout._plan_cached, fddp.sync._reducer._where, fddp.zero._layout.layout]
     assert all(f.cache_info().currsize == 0 for f in memoised)
     assert not fddp.sync._setup._records and not fddp._layout._laid and not fddp._dist._agreement._digests
+    assert not fddp.sync._setup._plans
     assert not fddp._dist._groups._states and not fddp._pool._host_buffers.free

@@ -280,7 +280,7 @@ class Agreement:
         the slots (the sum, in float64, once the work completes) and the work."""
         n = flat.numel()
         data = self.header[_header.DATA : _header.DATA + n]
-        data.copy_(flat.reshape(-1))
+        data.copy_(flat if flat.dim() == 1 else flat.reshape(-1))
         self.work = _header.exchange(self.header, self.context[0], data=n)
         return data, self.work
 

@@ -113,13 +113,16 @@ def replica_digest(leaves: Sequence[Any], /, depth: Literal["full", "sampled"] =
         if n:
             if not t.is_cpu:
                 return None  # reading device values here is a host sync per call (see docs/design.md)
-            flat = t.detach().reshape(-1)
             if t.is_floating_point():
-                # The first and last elements in one slice and one tolist (the hot path: per call);
+                # The first and last elements in one view and one tolist (the hot path: per call);
                 # a Python float holds every float dtype's value exactly, as float() of an element does.
-                pair = flat[:: n - 1 or 1].tolist()
+                if t.is_contiguous():  # one view op, where detach, reshape and a slice take three
+                    values += t.as_strided((2,), (n - 1,)).tolist()  # n == 1: stride 0, the one element twice
+                    continue
+                pair = t.detach().reshape(-1)[:: n - 1 or 1].tolist()
                 values += pair if n > 1 else pair * 2
                 continue
+            flat = t.detach().reshape(-1)
             for x in (flat[0], flat[n - 1]):
                 values.append(float(x.abs() if x.is_complex() else x))
     if not values:

@@ -134,30 +134,34 @@ class Verdict(NamedTuple):
     asked: bool
     learn: bool
     flags: int
-    key: tuple  # the fields, as a topic every rank shares
+    key: tuple  # the fields (as ints), as a topic every rank shares; () where they agree (only a difference needs one)
 
 
-def _same(v: list[int], sq: list[int], n: int) -> bool:
-    return list(map(n.__mul__, sq)) == list(map(operator.mul, v, v))
+def _same(v: list[float], sq: list[float], n: int) -> bool:
+    return list(map(float(n).__mul__, sq)) == list(map(operator.mul, v, v))
 
 
 def read(head: torch.Tensor, n: int) -> Verdict:
     """Read the summed ``head`` of a group of ``n`` ranks (one copy to the host)."""
-    # Sums of small integers, exact in float64: converting them to int64 (in one call) is exact.
-    h = head[:DATA].to(torch.int64).tolist()
-    fails = h[FAILS]
-    flags = h[FLAGS : FLAGS + FLAG_BITS]
+    # The fields as Python floats in one call (a cast to int64 first costs as much again): sums
+    # of small integers, exact in float64, and so is every product _same takes (below 2**53 for
+    # fewer than 2**18 ranks), so the comparisons are the integers' own.
+    h = head[:DATA].tolist()
+    fails = int(h[FAILS])
+    agrees = fails == 0 and _same(h[ID:ID_SQ], h[ID_SQ:PRINT], n)
+    printed = h[PRINTED]
+    flags = h[FLAGS:DATA]
     return Verdict(
-        fails == 0 and _same(h[ID:ID_SQ], h[ID_SQ:PRINT], n),  # agrees
+        agrees,
         fails,
-        h[FAILED] - 1 if fails == 1 else None,  # failed
-        h[PRINTED] == n,  # compared
-        _same(h[PRINT:PRINT_SQ], h[PRINT_SQ:PRINTED], n),  # equal
+        int(h[FAILED]) - 1 if fails == 1 else None,  # failed
+        printed == n,  # compared
+        printed == 0 or _same(h[PRINT:PRINT_SQ], h[PRINT_SQ:PRINTED], n),  # equal (no rank sent a digest: all zeros, equal)
         h[NEW] > 0,
         h[ASKED] > 0,
         h[LEARN] > 0,
         sum(1 << b for b in range(FLAG_BITS) if flags[b]) if any(flags) else 0,  # flags
-        tuple(h),  # key
+        () if agrees else tuple(map(int, h)),  # key
     )
 
 

@@ -96,7 +96,9 @@ class call:
     def __enter__(self) -> "call":
         if torch.compiler.is_compiling() or not dist.is_initialized():
             return self  # no group yet: the call itself raises the error that says how to start one
-        group = self.group if isinstance(self.group, dist.ProcessGroup) else None  # a bad group= is the call's own error
+        group = self.group
+        if group is not None and not isinstance(group, dist.ProcessGroup):  # None first: ProcessGroup's isinstance runs Python
+            group = None  # a bad group= is the call's own error
         self.group = group
         st = state(group)
         raise_if_failed(st, self.what)

@@ -46,8 +46,14 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str, *, h
         RuntimeError: the group's timeout ran out.
     """
     try:
-        if torch.compiler.is_compiling() or not sliced(control_group(group) if head else group) or not hasattr(work, "is_completed"):
-            work.wait()  # NCCL's, a traced collective's, or a hook's own kind of work: one plain wait
+        if torch.compiler.is_compiling() or not hasattr(work, "is_completed"):
+            work.wait()  # a traced collective's, or a hook's own kind of work: one plain wait
+            return
+        if work.is_completed():  # done already (a carried sum whose head was read): nothing to slice
+            work.wait()  # raises here where the work failed
+            return
+        if not sliced(control_group(group) if head else group):
+            work.wait()  # NCCL's: one plain wait
             return
         if not _slice(work):
             _watch(work, group, what, doing)

@@ -41,7 +41,7 @@ class Comm:
     ) -> None:
         self.group, self.what, self.plan, self.weight = group, what, plan, weight
         self.world_size = size(group)  # the membership epoch's (fault tolerance), else torch.distributed's
-        self.rank = rank(group)
+        self._rank: int | None = None  # asked of the group when a hook first reads it (most never do)
         self.weight_sum: torch.Tensor | None = None
         self.bytes_sent = 0
         self.collectives = 0
@@ -50,6 +50,13 @@ class Comm:
         self.segment: Segment | None = None
         # An agreement whose head the next all-reduce (sum) rides in (fddp._dist's "The data rides in the head").
         self._carry: Any = None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group (the membership epoch's under fault tolerance)."""
+        if self._rank is None:
+            self._rank = rank(self.group)
+        return self._rank
 
     def carry(self, agreement: Any) -> None:
         """Send this call's next all-reduce (sum), its only collective, in ``agreement``'s head."""
@@ -225,7 +232,8 @@ class _Carried:
         done = self.work.wait() if timeout is None else self.work.wait(timeout)
         # A sliced wait (fddp._dist.wait) may return before the sum is there: copy only once it is.
         if not self.copied and (timeout is None or done or self.work.is_completed()):
-            self.t.copy_(self.data.view_as(self.t))
+            t = self.t
+            t.copy_(self.data if t.dim() == 1 else self.data.view_as(t))  # a bucket's flat: no view to make
             self.copied = True
         return done
 

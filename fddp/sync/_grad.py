@@ -384,6 +384,8 @@ def _detached(out: Any) -> Any:
     torch.func detaches ``aux`` through torch's own pytree, where libraries such as transformers
     register their output classes (``ModelOutput``); optree alone would treat those as leaves.
     """
+    if type(out) is torch.Tensor:  # the usual output, a loss: a leaf of any pytree
+        return out.detach()
     return torch_pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
 

@@ -38,16 +38,17 @@ collective per dtype.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import optree
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp import _dist
+from fddp import _caches, _dist
 from fddp._tree import LeafSpec, paths, specs_of, tensor_leaves
 from fddp.runtime import require_initialized
 from fddp.sync._comm import Comm
@@ -97,53 +98,122 @@ class _Op:
 # ------------------------------------------------------------------------------------- the eager core
 
 
-def _issue(op: _Op, leaves: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """One fddp call: agree, then one collective per dtype (and device) for all the leaves."""
+class _Plan:
+    """What an eager call of one collective on one signature (``op`` and its leaves' specs) always
+    computes, made once: the signature's digest, the leaves grouped by dtype and device (one
+    collective each), and each group's sizes and shapes (a steady-state call looks it up)."""
+
+    __slots__ = ("op", "specs", "signature", "rows", "groups", "carriable", "numel", "dtype", "device")
+
+    def __init__(self, op: _Op, specs: tuple) -> None:
+        self.op, self.specs = op, specs
+        self.rows = lambda: op.rows(specs)  # built only for a new signature or a difference
+        self.signature = _dist.signature_digest((op, specs), self.rows)
+        self.groups = [_Group(idx, specs) for idx in _by_dtype(specs)]
+        # A sum of one dtype may ride in the call's head (can_carry decides, per call, on the group).
+        self.carriable = op.kind in ("sum", "mean") and len(self.groups) == 1
+        first = self.groups[0] if self.groups else None
+        self.numel = first.numel if first is not None else 0
+        self.dtype = first.dtype if first is not None else None
+        self.device = first.device if first is not None else None
+
+
+class _Group:
+    """The leaves of one dtype and device in a :class:`_Plan`: their indices, sizes and shapes."""
+
+    __slots__ = ("idx", "numels", "shapes", "flat", "numel", "dtype", "device", "whole")
+
+    def __init__(self, idx: list[int], specs: tuple) -> None:
+        self.idx = idx
+        self.shapes = [specs[i][0] for i in idx]
+        self.numels = [s.numel() if isinstance(s, torch.Size) else torch.Size(s).numel() for s in self.shapes]
+        self.flat = all(len(s) == 1 for s in self.shapes)  # every leaf 1-D: concatenated and split as they are
+        self.numel = sum(self.numels)
+        self.dtype, self.device = specs[idx[0]][1], specs[idx[0]][2]
+        self.whole = idx == list(range(len(specs)))  # the only group, in order: its results are the call's
+
+
+_PLANS = 1024  # signatures whose plans are kept (a training loop needs a handful)
+_plans: "collections.OrderedDict[Hashable, _Plan]" = collections.OrderedDict()
+_caches.register("fddp.sync._lax._plans", _plans.clear)
+
+
+def _plan(op: _Op, specs: tuple, key: Hashable = None) -> _Plan:
+    """The plan of ``op`` on leaves of ``specs`` (kept under ``key``, default ``(op, specs)``)."""
+    if key is None:
+        key = (op, specs)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _Plan(op, specs)
+        if len(_plans) > _PLANS:
+            _plans.popitem(last=False)
+    return plan
+
+
+def _issue(op: _Op, leaves: tuple[torch.Tensor, ...], plan: _Plan | None = None, scoped: bool = False) -> list[torch.Tensor]:
+    """One fddp call: agree, then one collective per dtype (and device) for all the leaves.
+
+    ``scoped``: the caller runs inside this call's own scope already (the public function's
+    :func:`fddp._dist.entry`, on the same group and name), which a second would only repeat.
+    """
+    if plan is None:
+        plan = _plan(op, specs_of(leaves))
+    if scoped:
+        return _issued(op, leaves, plan, True)
+    with _dist.call(op.group, op.what):
+        return _issued(op, leaves, plan, False)
+
+
+def _issued(op: _Op, leaves: tuple[torch.Tensor, ...], plan: _Plan, plain: bool) -> list[torch.Tensor]:
     group = op.group
-    specs = specs_of(leaves)
-    with _dist.call(group, op.what):
-        rows = lambda: op.rows(specs)  # noqa: E731 - built only for a new signature or a difference
-        signature = _dist.signature_digest((op, specs), rows)
-        # A sum of one dtype that fits rides in the call's head: one collective, the check included.
-        by_dtype = _by_dtype(leaves)
-        x0 = leaves[by_dtype[0][0]] if by_dtype else None
-        numel = sum(x.numel() for x in leaves)
-        carry = op.kind in ("sum", "mean") and len(by_dtype) == 1 and _dist.can_carry(group, numel, x0.dtype, x0.device)
-        agreement = _dist.start_agreement(group, op.what, rows, signature=signature, carry=carry, defer=True)
-        comm = Comm(group, op.what, None)  # type: ignore[arg-type] - no bucket plan: not a hook's comm
-        if agreement.open:
-            comm.carry(agreement)
-        else:
-            agreement.finish()
-        out: list[Any] = [None] * len(leaves)
-        pending = [(idx, *_start(op, comm, [leaves[i] for i in idx])) for idx in by_dtype]
-        agreement.finish()  # before any result is returned (done already unless the data rode in the head)
-        for idx, finish, work in pending:
-            comm.wait(work, f"the {_KINDS[op.kind]} of {len(idx)} leaves")
-            for i, t in zip(idx, finish()):
-                out[i] = t
+    # A sum of one dtype that fits rides in the call's head: one collective, the check included.
+    carry = plan.carriable and _dist.can_carry(group, plan.numel, plan.dtype, plan.device)
+    agreement = _dist.start_agreement(group, op.what, plan.rows, signature=plan.signature, carry=carry, defer=True)
+    comm = Comm(group, op.what, None)  # type: ignore[arg-type] - no bucket plan: not a hook's comm
+    if agreement.open:
+        comm.carry(agreement)
+    else:
+        agreement.finish()
+    groups = plan.groups
+    pending = [(g, *_start(op, comm, [leaves[i] for i in g.idx], g, plain)) for g in groups]
+    agreement.finish()  # before any result is returned (done already unless the data rode in the head)
+    if len(groups) == 1 and groups[0].whole:  # one collective for the whole tree: its results, in order
+        g, finish, work = pending[0]
+        comm.wait(work, f"the {_KINDS[op.kind]} of {len(g.idx)} leaves")
+        return finish()
+    out: list[Any] = [None] * len(leaves)
+    for g, finish, work in pending:
+        comm.wait(work, f"the {_KINDS[op.kind]} of {len(g.idx)} leaves")
+        for i, t in zip(g.idx, finish()):
+            out[i] = t
     return out
 
 
-def _by_dtype(leaves: tuple[torch.Tensor, ...]) -> list[list[int]]:
+def _by_dtype(specs: tuple) -> list[list[int]]:
     """The leaves' indices, grouped by (dtype, device) in order of first appearance: one
     collective per group."""
     groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(leaves):
-        groups.setdefault((t.dtype, t.device), []).append(i)
+    for i, (_, dtype, device) in enumerate(specs):
+        groups.setdefault((dtype, device), []).append(i)
     return list(groups.values())
 
 
-def _start(op: _Op, comm: Comm, xs: list[torch.Tensor]) -> tuple[Callable[[], list[torch.Tensor]], Any]:
-    """Issue the collective for leaves of one dtype; return what makes the results, and the work."""
+def _start(op: _Op, comm: Comm, xs: list[torch.Tensor], g: _Group, plain: bool) -> tuple[Callable[[], list[torch.Tensor]], Any]:
+    """Issue the collective for leaves of one dtype (``g``: their sizes and shapes); return what
+    makes the results, and the work. ``plain``: no leaf tracks gradients (the eager path, which
+    ``needed`` let through), so none needs detaching."""
     n = comm.world_size
     if op.kind in ("sum", "mean", "max"):
-        flat = torch.cat([x.detach().reshape(-1) for x in xs])
+        if plain:
+            flat = torch.cat(xs if g.flat else [x.reshape(-1) for x in xs])  # always a new tensor: reduced in place
+        else:
+            flat = torch.cat([x.detach().reshape(-1) for x in xs])
         work = comm.all_reduce(flat, "max" if op.kind == "max" else "sum")
 
         def reduced() -> list[torch.Tensor]:
             res = flat.div_(n) if op.kind == "mean" else flat
-            return [p.view(x.shape) for p, x in zip(res.split([x.numel() for x in xs]), xs)]
+            pieces = res.split(g.numels)
+            return list(pieces) if g.flat else list(map(torch.Tensor.view, pieces, g.shapes))
 
         return reduced, work
     axes = [op.axes[i] for i in range(len(xs))] if len(op.axes) == len(xs) else None
@@ -319,6 +389,40 @@ def _run(kind: str, tree: Any, group: dist.ProcessGroup | None, axis: int | None
     if not leaves:
         return tree
     n = _dist.size(group)
+    plan = key = None
+    # A signature met before (the same op on the same structure, shapes and dtypes) passed every
+    # check below already: its plan is looked up instead. An axis or tiled that is no plain int or
+    # bool is checked (or shown) as given every time: True and 1 are one key.
+    if not torch.compiler.is_compiling() and (axis is None or type(axis) is int) and type(tiled) is bool:
+        key = (kind, group, axis, tiled, spec, specs_of(leaves), n)
+        plan = _plans.get(key)
+    if plan is not None:
+        op = plan.op
+    else:
+        op = _checked_op(what, kind, leaves, spec, group, axis, tiled, n)
+        if key is not None:
+            plan = _plan(op, key[5], key)
+    if torch.compiler.is_compiling():
+        refuse_compiled_rules(what, leaves)
+        _dist.agree(group, what, [], signature=_traced_signature(kind, op.axes, tiled, leaves))  # the compiled header, in the graph
+        # A view of each leaf, because dynamo (torch 2.13) decides whether to trace a Function's
+        # backward from its inputs' requires_grad as it last saw them: a torch.func.grad input
+        # (requires_grad_() inside grad) looks untracked, so the forward would be inlined and the
+        # functional collective met a grad level (a TorchRuntimeError); the view is seen afresh.
+        leaves = [t.view_as(t) for t in leaves]
+        out = _Traced.apply(op, *leaves) if len(leaves) != 2 else _traced_pair(op, leaves)
+    elif needed(leaves):  # a transform, a dual level, a tensor that requires grad: as ddp_step's
+        out = _Collective.apply(op, *leaves)
+    else:
+        out = _issue(op, tuple(leaves), plan, scoped=True)  # inside the public function's own scope
+    return optree.tree_unflatten(spec, list(out))
+
+
+def _checked_op(
+    what: str, kind: str, leaves: list[torch.Tensor], spec: optree.PyTreeSpec, group: dist.ProcessGroup | None, axis: int | None,
+    tiled: bool, n: int,
+) -> _Op:
+    """The call's op, once its axis and its leaves' dtypes are checked (raises naming the leaf)."""
 
     def name(i: int) -> str:  # a leaf's path, for a message only (dynamo traces no optree accessors)
         return str(i) if torch.compiler.is_compiling() else paths(spec)[i]
@@ -329,21 +433,7 @@ def _run(kind: str, tree: Any, group: dist.ProcessGroup | None, axis: int | None
             raise TypeError(f"fddp.{what}: leaf {name(i)!r} is {t.dtype}; collectives here take real floating-point or integer tensors")
         if kind == "mean" and not t.is_floating_point():
             raise TypeError(f"fddp.{what}: leaf {name(i)!r} is {t.dtype}, which has no mean; use fddp.psum, or cast it to a float dtype")
-    op = _Op(kind, group, axes, tiled, spec)
-    if torch.compiler.is_compiling():
-        refuse_compiled_rules(what, leaves)
-        _dist.agree(group, what, [], signature=_traced_signature(kind, axes, tiled, leaves))  # the compiled header, in the graph
-        # A view of each leaf, because dynamo (torch 2.13) decides whether to trace a Function's
-        # backward from its inputs' requires_grad as it last saw them: a torch.func.grad input
-        # (requires_grad_() inside grad) looks untracked, so the forward would be inlined and the
-        # functional collective met a grad level (a TorchRuntimeError); the view is seen afresh.
-        leaves = [t.view_as(t) for t in leaves]
-        out = _Traced.apply(op, *leaves) if len(leaves) != 2 else _traced_pair(op, leaves)
-    elif needed(leaves):  # a transform, a dual level, a tensor that requires grad: as ddp_step's
-        out = _Collective.apply(op, *leaves)
-    else:
-        out = _issue(op, tuple(leaves))
-    return optree.tree_unflatten(spec, list(out))
+    return _Op(kind, group, axes, tiled, spec)
 
 
 def _traced_pair(op: _Op, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -101,6 +101,17 @@ class _Slot:
         self.views = views = _layout.views(flat, self.layout)
         return views
 
+    def concatenate(self, values: list[torch.Tensor]) -> bool:
+        """Make the buffer from every leaf's value in one copy, where every leaf is 1-D (the
+        concatenation is the bucket, ~3x cheaper a leaf than copies into views); return whether
+        it did. Its leaf views are made after the launch (:meth:`Reducer.view_launched`), while
+        the collective is under way, instead of before it."""
+        if not _flat_leaves(self.layout):
+            return False
+        self.flat = flat = _layout.new_flat(self.layout, self.fill)
+        torch.cat(values, out=flat)
+        return True
+
 
 class Reducer:
     """Move one tree's values through a bucket plan and a comm hook.
@@ -158,17 +169,24 @@ class Reducer:
             self.next = len(self.slots)
             return
         for i, s in enumerate(self.slots):
-            views = s.open()
             values = [leaves[k] for k in s.layout.indices]
             if any(map(operator.is_, values, itertools.repeat(None))):
-                for view, v in zip(views, values):
+                for view, v in zip(s.open(), values):
                     view.zero_() if v is None else view.copy_(v)
-            else:
-                _fill(s, views, values)
+            elif not s.concatenate(values):
+                torch._foreach_copy_(s.open(), values)
             if s.scale is not None:
                 s.flat.mul_(s.scale)
             self.launch(i, s.flat)
         self.next = len(self.slots)
+        self.view_launched()
+
+    def view_launched(self) -> None:
+        """Make the leaf views of launched buckets that have none yet (their collectives run
+        meanwhile): :meth:`made_views` hands them out."""
+        for s in self.slots[: self.next]:
+            if s.views is None and s.bucket is not None:
+                s.views = _layout.views(s.bucket.buffer, s.layout)
 
     def arrive(self, leaf: int, g: torch.Tensor) -> None:
         """Take one leaf's value for its bucket; launch every bucket that is now complete, in order.
@@ -221,11 +239,24 @@ class Reducer:
         slots = self.slots
         while self.next < len(slots) and not slots[self.next].missing:
             s = slots[self.next]
-            views = s.views if s.views is not None else s.open()
             held = s.held
+            n = len(s.layout.indices)
+            if held and len(held) == n and s.views is None:  # every leaf of the bucket was small: one copy
+                values: list[Any] = [None] * n
+                for k, g in held:
+                    values[k] = g
+                if not s.concatenate(values):
+                    torch._foreach_copy_(s.open(), values)
+                if s.scale is not None:
+                    s.flat.mul_(s.scale)
+                s.held = []
+                self.launch(self.next, s.flat)
+                self.next += 1
+                continue
+            views = s.views if s.views is not None else s.open()
             if held:
                 if len(held) == len(views):  # every leaf of the bucket was small: one copy
-                    values: list[Any] = [None] * len(views)
+                    values = [None] * len(views)
                     for k, g in held:
                         values[k] = g
                     _fill(s, views, values)
@@ -239,6 +270,7 @@ class Reducer:
                 s.held = []
             self.launch(self.next, s.flat)
             self.next += 1
+        self.view_launched()
 
     def made_views(self, flats: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor] | None]:
         """Per reduced buffer, the leaf views made of it on the way in, where the hook reduced in
@@ -269,8 +301,8 @@ class Reducer:
         new_state = hook.end(self.working)
         finite = hook.finite(out, comm) if self.check_finite else None
         timeline = None if torch.compiler.is_compiling() else Timeline(
-            self.t_backward, tuple(self.ready), tuple(s.launched for s in slots), tuple(s.done for s in slots),
-            tuple(b.nbytes for b in self.plan.buckets), self.clock() - self.t0,
+            self.t_backward, tuple(self.ready), tuple(map(_launched, slots)), tuple(map(_done, slots)),
+            _nbytes(self.plan), self.clock() - self.t0,
         )  # fmt: skip
         return out, SyncInfo(finite, comm.weight_sum, comm.bytes_sent, comm.collectives, new_state, timeline)
 
@@ -286,6 +318,14 @@ def _fill(s: _Slot, views: Sequence[torch.Tensor], values: list[torch.Tensor]) -
 @_caches.cached(maxsize=256)
 def _flat_leaves(layout: Bucket) -> bool:
     return all(len(shape) == 1 for shape in layout.shapes)
+
+
+_launched, _done = operator.attrgetter("launched"), operator.attrgetter("done")
+
+
+@_caches.cached(maxsize=64)
+def _nbytes(plan: BucketPlan) -> tuple[int, ...]:
+    return tuple(b.nbytes for b in plan.buckets)
 
 
 def _zero() -> float:

@@ -124,8 +124,8 @@ def make_options(what: str, /, *, weighted: bool = False, **options: Any) -> Syn
     The same options (hashable, as fddp's hooks and plain values are) give the same object from
     a cache, so a training loop checks them once.
     """
-    unknown = sorted(set(options) - set(KEYWORDS))
-    if unknown:
+    if not options.keys() <= KEYWORDS.keys():
+        unknown = sorted(set(options) - set(KEYWORDS))
         raise TypeError(f"fddp.{what}: unexpected keyword {unknown[0]!r}; the options are {', '.join(KEYWORDS)}")
     o = {**KEYWORDS, **options}
     args = (what, o["group"], o["bucket_cap_mb"], o["first_bucket_mb"], o["compression"], o["check_finite"], o["return_info"], weighted)
@@ -485,8 +485,18 @@ def setup(
 def _plan(specs: tuple, members: tuple[LeafSpec, ...] | None, order: tuple[int, ...] | None, options: SyncOptions) -> BucketPlan:
     base = _layout.plan(specs if members is None else members, options.bucket_cap_mb, options.first_bucket_mb, order)
     if members is not None and members != specs:
-        return _layout.respec(base, tuple(LeafSpec(tuple(s[0]), s[1], s[2]) for s in specs))
-    return base
+        base = _layout.respec(base, tuple(LeafSpec(tuple(s[0]), s[1], s[2]) for s in specs))
+    # One object per plan: the caches keyed by plans (the reducer's, the views') then match it by
+    # identity, where an equal plan of another call (broadcast's, say) would be compared field by
+    # field, every shape, at every lookup.
+    plan = _plans.setdefault(base, base)
+    if len(_plans) > _KEYS:
+        _plans.pop(next(iter(_plans)))
+    return plan
+
+
+_plans: dict[BucketPlan, BucketPlan] = {}
+_caches.register("fddp.sync._setup._plans", _plans.clear)
 
 
 def plan_of(tree: Any, /, bucket_cap_mb: float = BUCKET_CAP_MB, first_bucket_mb: float = FIRST_BUCKET_MB) -> BucketPlan:

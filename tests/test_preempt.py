@@ -428,7 +428,14 @@ def test_a_signal_repeated_within_the_grace_period_is_one_request_and_a_later_on
 
     with ckpt.Manager(tmp_path / "b", grace=0.2) as manager:
         os.kill(me, signal.SIGINT)
-        time.sleep(0.3)
+        # The handler runs in the main thread; where the kernel gave the signal to another thread
+        # it runs only once the main thread checks, which a long sleep would postpone past the
+        # grace period (the second Ctrl-C then looked like a copy of the first: a flaky CI failure).
+        deadline = time.monotonic() + 5
+        while signal.SIGINT not in manager._asked:
+            assert time.monotonic() < deadline, (signal.getsignal(signal.SIGINT), threading.enumerate())  # never handled
+            time.sleep(0.01)
+        time.sleep(max(0.0, manager._asked[signal.SIGINT] + 0.3 - time.monotonic()))
         with pytest.raises(KeyboardInterrupt):  # a deliberate second Ctrl-C, before the save: interrupts as usual
             os.kill(me, signal.SIGINT)
             time.sleep(5)

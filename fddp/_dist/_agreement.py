@@ -376,8 +376,9 @@ def settle() -> None:
     Example:
         >>> settle()  # raises MismatchError on every rank if the last ddp_step's ranks differed
     """
-    for a in list(_unsettled):
-        _settle(a.context[2])
+    if _unsettled:  # apply_gradients asks every step: nothing to copy where none is pending
+        for a in list(_unsettled):
+            _settle(a.context[2])
 
 
 # Requests not yet moved into their group's state, as (group, bits). A deque's append and popleft

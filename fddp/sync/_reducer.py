@@ -240,34 +240,25 @@ class Reducer:
         while self.next < len(slots) and not slots[self.next].missing:
             s = slots[self.next]
             held = s.held
-            n = len(s.layout.indices)
-            if held and len(held) == n and s.views is None:  # every leaf of the bucket was small: one copy
-                values: list[Any] = [None] * n
+            if held and len(held) == len(s.layout.indices):  # every leaf of the bucket was small: one copy
+                values: list[Any] = [None] * len(held)
                 for k, g in held:
                     values[k] = g
-                if not s.concatenate(values):
+                if s.views is not None:
+                    _fill(s, s.views, values)
+                elif not s.concatenate(values):  # no views yet: made after the launch (view_launched)
                     torch._foreach_copy_(s.open(), values)
                 if s.scale is not None:
                     s.flat.mul_(s.scale)
                 s.held = []
-                self.launch(self.next, s.flat)
-                self.next += 1
-                continue
-            views = s.views if s.views is not None else s.open()
-            if held:
-                if len(held) == len(views):  # every leaf of the bucket was small: one copy
-                    values = [None] * len(views)
-                    for k, g in held:
-                        values[k] = g
-                    _fill(s, views, values)
-                    if s.scale is not None:
-                        s.flat.mul_(s.scale)
-                else:
+            else:
+                views = s.views if s.views is not None else s.open()
+                if held:
                     targets = [views[k] for k, _ in held]
                     torch._foreach_copy_(targets, [g for _, g in held])
                     if s.scale is not None:
                         torch._foreach_mul_(targets, s.scale)
-                s.held = []
+                    s.held = []
             self.launch(self.next, s.flat)
             self.next += 1
         self.view_launched()

@@ -128,8 +128,8 @@ class Prediction(NamedTuple):
         buckets: per bucket, ``(start, end)`` of its all-reduce, in seconds from the step's start.
         collectives: collectives per step: every call's head, and the buckets' rounds (none where
             the step's only bucket rides in its head).
-        host_waits: heads per step the host reads before it goes on (one per call; with
-            ``control_link``, NCCL's, each at the next call, when it may be back already).
+        host_waits: heads per step the host waits for before it goes on (one per call; with
+            ``control_link``, NCCL's, none: one head a step, read at the next step).
         head: seconds one head takes on the control link.
         control: seconds the heads add to the step (the step less the same step without heads).
     """
@@ -204,9 +204,9 @@ def predict_step(
     ``HEAD_BYTES`` (4 KiB) all-reduce on ``control_link``) and the host waits for it. The step's own
     call sends its head when the backward pass starts, and its first bucket cannot launch before
     the head is back (the backward pass stalls for whatever of the round trip it did not hide);
-    with ``control_link`` (NCCL, where a steady-state call's head is read at the next call) the
-    buckets do not wait for it, the optimizer step does, and each further call waits for the
-    previous call's head, its own values travelling meanwhile;
+    with ``control_link`` (NCCL, where known calls are checked in a batch) no call sends a head:
+    the step boundary sends one, read at the next boundary, which costs the step nothing unless
+    its round trip outlasts the step;
     where the call's only bucket is a plain mean of at most 470 float32/float64 values on the CPU,
     and the head travels on the data's own link, the bucket rides in the head instead. Each of
     ``calls`` further calls (a global batch norm's ``fddp.pmean`` per layer, a metric's
@@ -232,9 +232,9 @@ def predict_step(
             whose values ride in it (at most 470 float32/float64 values on the CPU; a larger
             call also sends its buckets, which this does not count).
         control_link: the link the heads travel (``None``: ``link``). Under NCCL the head goes
-            on a gloo side group over TCP, so pass that link's model; no data rides in it there:
-            each of ``calls`` also sends its values on ``link`` (one more collective, counted at
-            ``link``'s latency).
+            on a gloo side group over TCP, so pass that link's model; no data rides in it there,
+            and the calls send none: each of ``calls`` is its values' all-reduce on ``link``
+            (counted at ``link``'s latency), and the step boundary sends the step's one head.
         per_call: seconds of the host each head costs beyond its time on the wire (building,
             sending and reading it).
 
@@ -264,10 +264,13 @@ def predict_step(
     # A call's few values ride in its head on the data's own link; on a side link (NCCL's gloo
     # group) they follow it as one more all-reduce on link, as long as its latency.
     values = 0.0 if control_link is None else link.all_reduce_time(0, world)
-    heads = _Heads(head, calls, per_call, carried, values, deferred=control_link is not None)
+    heads = _Heads(head, calls, per_call, carried, values, batched=control_link is not None)
     full = _schedule(plan, rounds, timeline, link, world, after, bytes_scale, per_bucket, heads)
-    collectives = calls * (1 if control_link is None else 2) + (1 if carried else 1 + sum(len(r) for r in rounds))
-    return full._replace(collectives=collectives, host_waits=calls + 1, head=head, control=full.step - bare.step)
+    # Under NCCL (a side link) the known calls send no head: their values only, and one head a
+    # step (the boundary's), read at the next boundary.
+    collectives = calls + (1 if carried else 1 + sum(len(r) for r in rounds))
+    host_waits = 0 if heads.batched else calls + 1
+    return full._replace(collectives=collectives, host_waits=host_waits, head=head, control=full.step - bare.step)
 
 
 HEAD_BYTES = _header.HEAD * 8  # every fddp call's head: 512 float64 slots, 4 KiB
@@ -279,7 +282,7 @@ class _Heads(NamedTuple):
     per_call: float  # the host's own seconds per head
     carried: bool  # the step's only bucket rides in its head
     values: float  # each other call's values, where they cannot ride in its head
-    deferred: bool = False  # NCCL: a call's head is read at the next call, not before its buckets
+    batched: bool = False  # NCCL: the calls send no head; one head a step, read at the next step
 
 
 def _carries(plan: Any, compression: Any) -> bool:
@@ -310,9 +313,8 @@ def _schedule(
     if heads is not None:
         # The other calls' heads come first, one round trip after another; then this call's
         # head leaves as the backward pass starts (its host cost delays the backward pass).
-        # Deferred (NCCL), a call's values go out with its head, and the next call waits for
-        # that head: the round trip and the values overlap.
-        pace = max(heads.seconds, heads.values) if heads.deferred else heads.seconds + heads.values
+        # Batched (NCCL), the calls send no head: each is its values' all-reduce alone.
+        pace = heads.values if heads.batched else heads.seconds + heads.values
         shift = heads.calls * (pace + heads.per_call) + heads.per_call
         ready_at = [t + shift for t in ready_at]
         head_back = timeline.backward + shift + heads.seconds
@@ -321,7 +323,7 @@ def _schedule(
     for k, b in enumerate(plan.buckets):
         # Buckets launch in plan order, each once its last gradient is in and its predecessor has.
         ready = max([prev_ready, *(ready_at[i] + k * per_bucket for i in b.indices)])
-        if k == 0 and heads is not None and not (heads.carried or heads.deferred) and head_back > ready:
+        if k == 0 and heads is not None and not (heads.carried or heads.batched) and head_back > ready:
             # The host waits for the head before the first bucket: the backward pass stalls.
             stall = head_back - ready
             ready_at = [t + stall if t > ready else t for t in ready_at]
@@ -339,9 +341,11 @@ def _schedule(
             wire_free = max(wire_free, backward_end) + link.all_reduce_time(nbytes * bytes_scale, world)
             spans[i] = (spans[i][0], wire_free)
     synced = max(backward_end + len(plan.buckets) * per_bucket, wire_free) + tail
-    if heads is not None and heads.deferred:
-        synced = max(synced, head_back)  # the optimizer step (apply_gradients) reads the step's head first
     step = synced + after
+    if heads is not None and heads.batched:
+        # The step boundary's head, sent as the step ends, is read at the next boundary: it costs
+        # the step nothing unless its round trip outlasts the step.
+        step = max(step, heads.seconds + heads.per_call)
     return Prediction(step, compute, step - compute, compute / step if step > 0 else 1.0, tuple(spans))
 
 

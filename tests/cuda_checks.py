@@ -263,13 +263,13 @@ def no_host_sync_per_step(device: torch.device) -> None:
 
 
 @check
-def steady_state_heads_are_read_one_call_later(device: torch.device) -> None:
-    """On NCCL a steady-state call does not wait for its head (it travels on the gloo side group):
-    ddp_step and psum return with it unread, the next call reads it, and apply_gradients reads
-    every one before it updates (``tests/test_control.py`` runs the same on gloo, made NCCL-like)."""
+def known_calls_are_checked_in_a_batch(device: torch.device) -> None:
+    """On NCCL a known call sends no head: ddp_step and psum join the group's batch, checked by
+    one head that apply_gradients sends (and reads at the next step's), on the gloo side group
+    (``tests/test_control.py`` runs the same on gloo, made NCCL-like)."""
     if device.type == "cpu":
         raise Skip("needs NCCL (tests/test_control.py emulates it on gloo)")
-    from fddp._dist import _agreement
+    from fddp._dist import _groups
 
     apply_fn, params = fddp.functionalize(_model().to(device))
     params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
@@ -277,14 +277,17 @@ def steady_state_heads_are_read_one_call_later(device: torch.device) -> None:
     state = opt.init(params)
     x, y = _batch(device, fddp.rank())
     local = torch.func.grad(_loss_fn(apply_fn))(params, x, y)
-    unread = []
+    st = _groups.state(None)
+    batched = []
     for _ in range(4):  # the first calls learn their signatures (and wait for their heads)
         grads = fddp.ddp_step(params, local)
-        unread.append(len(_agreement._unsettled))
         fddp.psum({"n": torch.ones((), device=device)})
-        unread.append(len(_agreement._unsettled))
-    params, state = fddp.optim.apply_gradients(opt, grads, state, params)
-    assert unread[-4:] == [1, 1, 1, 1] and not _agreement._unsettled, unread
+        batched.append(len(st.unheaded))
+        params, state = fddp.optim.apply_gradients(opt, grads, state, params)
+        batched.append((len(st.unheaded), st.pending is not None))
+    assert batched[-2:] == [2, (0, True)], batched
+    fddp._dist.settle("the check", final=True)
+    assert st.pending is None and not st.unheaded
 
 
 @check

@@ -344,25 +344,52 @@ def test_steady_state_calls_wait_neither_for_their_collectives_nor_for_their_hea
             assert issued == 0 and seconds < 0.5, (r, what, seconds, issued)  # replicated: nothing to send
 
 
-def _deferred_worker() -> dict:
-    """On an NCCL-like group (``_nccl_like``, its data collectives skipped), a steady-state call
-    does not wait for its head: a difference it shows raises at the next fddp call, on every rank,
-    naming the difference, and the group carries no more calls."""
-    from fddp._dist import _agreement
+def _batched_worker() -> dict:
+    """On an NCCL-like group (``_nccl_like``, its data collectives skipped), known calls send no
+    head: they are checked in a batch by the head that the step boundary sends, read at the next
+    boundary, where a difference raises on every rank, naming the first call in which the ranks
+    differ, and the group carries no more calls."""
+    import fddp._dist._header as header
+    from fddp._dist import _agreement, _groups
 
     r = fddp.rank()
     out: dict = {}
     params = _params()
     opt = fddp.optim.sgd(0.1)
     state = opt.init(params)
-    # 1. Two known calls that differ (ddp_step here, psum there): both return; apply_gradients raises.
+
+    def steps(g, n: int, last=None) -> None:
+        for i in range(n):
+            fddp.ddp_step(params, params, group=g)
+            fddp.psum(params, group=g) if last is None or i < n - 1 else last()
+            fddp.optim.apply_gradients(opt, params, state, params)
+
+    # 1. Known calls send only their data; a step boundary sends one head; UNHEADED calls, one.
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    heads, original = _headers_on(g)
+    try:
+        steps(g, 2)  # the first calls learn their signatures (and send heads)
+        heads.clear(), issued.clear()
+        steps(g, 3)
+        out["per_step"] = (len(heads), len(issued))
+        heads.clear()
+        for _ in range(_agreement.UNHEADED):
+            fddp.psum(params, group=g)
+        out["long"] = len(heads)
+        fddp._dist.settle("the test", final=True)
+        out["owing"] = len(_agreement._owing)
+    finally:
+        dist.all_reduce = original
+        restore()
+    # 2. Two known calls that differ (ddp_step here, psum there) in a batch: every call returns,
+    # and so does the boundary that sends its check; the next boundary raises.
     g = _side_group()
     issued, restore = _nccl_like(g, 0.0, data=False)
     try:
-        for _ in range(2):
-            fddp.ddp_step(params, params, group=g)
-            fddp.psum(params, group=g)
+        steps(g, 2)
         fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
+        fddp.optim.apply_gradients(opt, params, state, params)
         out["returned"] = True
         try:
             fddp.optim.apply_gradients(opt, params, state, params)
@@ -374,24 +401,38 @@ def _deferred_worker() -> dict:
             out["after"] = type(e).__name__
     finally:
         restore()
-    # 2. A rank that fails before sending anything (announced in place of its head): the peer,
-    # which did not wait, raises PeerError at its next call on the group.
+    # 3. One rank's psum of another shape (new there, so it sends a head; known here, batched):
+    # the first difference is named row by row.
     g = _side_group()
     issued, restore = _nccl_like(g, 0.0, data=False)
     try:
-        for _ in range(2):
-            fddp.ddp_step(params, params, group=g)
+        steps(g, 2)
+        try:
+            fddp.psum({"w": torch.zeros(7), "b": torch.ones(2)} if r == 1 else params, group=g)
+            fddp.optim.apply_gradients(opt, params, state, params)
+            fddp.optim.apply_gradients(opt, params, state, params)
+        except Exception as e:  # noqa: BLE001
+            out["shape"] = f"{type(e).__name__}: {e}"
+    finally:
+        restore()
+    # 4. A rank that fails before sending anything: fatal (its peers issued the call's collectives
+    # without a head); the peer raises PeerError at its next boundary.
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    try:
+        steps(g, 2)
         try:
             fddp.ddp_step(params, {"w": torch.zeros(3)} if r == 1 else params, group=g)
         except Exception as e:  # noqa: BLE001
             out["announced"] = type(e).__name__
         try:
-            fddp.psum(params, group=g)
+            fddp.optim.apply_gradients(opt, params, state, params)
+            fddp.optim.apply_gradients(opt, params, state, params)
         except Exception as e:  # noqa: BLE001
             out["peer"] = f"{type(e).__name__}: {e}"
     finally:
         restore()
-    # 3. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
+    # 5. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
     import time
 
     g = _side_group()
@@ -403,18 +444,22 @@ def _deferred_worker() -> dict:
             out["barrier"] = time.monotonic() - t0
     finally:
         restore()
-    out["unsettled"] = len(_agreement._unsettled)
+    out["owing_at_end"] = len(_agreement._owing)
+    del header, _groups
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_call_that_did_not_wait_for_its_head_raises_at_the_next_call(world):
-    for r, out in enumerate(run(_deferred_worker, world, timeout=120)):
+def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_boundary(world):
+    for r, out in enumerate(run(_batched_worker, world, timeout=120)):
+        assert out["per_step"] == (3, 6), out  # 3 steps: one head each (their boundary's), and the data's 6 collectives
+        assert out["long"] == 1 and out["owing"] == 0, out  # UNHEADED calls without a boundary: one head
         assert out["returned"], out
-        assert out["next"].startswith("MismatchError") and "ddp_step" in out["next"] and "psum" in out["next"], out
-        assert "next fddp call" in out["next"] and "carries no more" in out["next"], out
+        assert out["next"].startswith("MismatchError") and "rank 0's call 6 was fddp.ddp_step" in out["next"], out
+        assert "rank 1's call 6 was fddp.psum" in out["next"] and "carries no more" in out["next"], out
         assert out["after"] == "PeerError", out
+        assert out["shape"].startswith("MismatchError") and "(fddp.psum) differs" in out["shape"] and "7" in out["shape"], out
         assert out.get("announced") == ("ValueError" if r == 1 else None), out
-        assert out["peer"].startswith("PeerError"), out
+        assert out["peer"].startswith("PeerError") and ("rank 1 failed in fddp.ddp_step" in out["peer"] or r == 1), out
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
-        assert out["unsettled"] == 0, out
+        assert out["owing_at_end"] == 0, out

@@ -62,22 +62,23 @@ def test_control_plane_counts_every_calls_head_by_hand():
     assert bn.control == pytest.approx(8 * (head + 1e-5) + 1e-5) and bn.step == pytest.approx(alone.step + bn.control)
     assert bn.compute == alone.compute  # the heads are communication, not compute
     # A slow control link (NCCL's gloo side group): the head outlasts the 1 ms of backward before
-    # the first bucket, but there the buckets do not wait for it; the optimizer step does, and the
-    # head (3 ms) is back long before the last bucket (9.4 ms).
+    # the first bucket, but there no call sends one: the step boundary sends the step's one head,
+    # read at the next boundary; it (3 ms) is back long before the step ends (9.4 ms).
     slow = Link(latency=5e-4, bandwidth=MB / 1e-3)
     side = predict_step(params, timeline, link, 4, control_link=slow, **kw)
     assert side.head == pytest.approx(3e-3 + 1.5 * HEAD_BYTES / (MB / 1e-3))
     assert side.control == 0.0 and side.buckets == alone.buckets and side.buckets[0][0] == pytest.approx(1e-3)
-    # ... unless the step is shorter than the head: the optimizer waits for the rest (a 12 ms
+    assert (side.collectives, side.host_waits) == (5, 0)
+    # ... unless the step is shorter than the head: the next boundary waits for the rest (a 12 ms
     # head against ddp_step's four buckets, 8.4 ms from the start).
     at_once = Timeline(0.0, (0.0,) * 4, (), (), (), 0.0)
     slower = predict_step(params, at_once, link, 4, control_link=Link(latency=2e-3, bandwidth=MB / 1e-3), **kw)
     assert slower.control == pytest.approx(slower.head - 4 * 2.1e-3) and slower.head == pytest.approx(12e-3 + 1.5 * HEAD_BYTES / MB * 1e-3)
-    # There a pmean's values cannot ride in its head: each call is a head and an all-reduce, and
-    # the next call waits for the head (3 ms), the values (0.6 ms) travelling meanwhile.
+    # There each pmean is its values' all-reduce (0.6 ms on the data's link) and no head: the
+    # 8 calls cost 8 of those, none of the 3 ms heads.
     nccl = predict_step(params, timeline, link, 4, calls=8, control_link=slow, **kw)
-    assert (nccl.collectives, nccl.host_waits) == (2 * 8 + 5, 9)
-    assert nccl.control == pytest.approx(8 * side.head)
+    assert (nccl.collectives, nccl.host_waits) == (8 + 5, 0)
+    assert nccl.control == pytest.approx(8 * 6e-4)
     # The head is float64 whatever the data: bytes_scale (projecting bf16 buckets) leaves it alone.
     assert predict_step(params, timeline, link, 4, bytes_scale=0.5, **kw).head == alone.head
     # ddp_step: every value is there at once, so the head is all exposed.

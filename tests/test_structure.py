@@ -189,7 +189,7 @@ CACHES = {
     "fddp.sync._lax._plans",
     "fddp.sync._setup._plans",
     "fddp._dist._agreement._digests",
-    "fddp._dist._agreement._unsettled",
+    "fddp._dist._agreement._owing",
     "fddp.sync._setup._options",
     "fddp.sync._setup._records",
     "fddp.zero._layout.layout",

@@ -19,6 +19,16 @@ anyway. Any other call sends its head first and waits for it before its first bu
 Nothing is predicted and nothing decided locally reaches a field the ranks compare: whether the
 data rides is a function of the signature, which the identity compares.
 
+**Known calls on NCCL are checked in a batch.** Where the heads travel on a gloo side group and
+the waits do not block the host (``_waits.batched``), a head per call would hold the host at every
+call. There a known call (nothing to learn from its head) sends none: it joins the group's batch
+(``GroupState.unheaded``), whose digest the group's next head carries in its identity. The step
+boundary (:func:`settle`, from ``fddp.optim.apply_gradients``, and :func:`take_requested`) sends
+that head, or the batch's :data:`UNHEADED`-th call does; it is read when the group sends its next
+one (``GroupState.pending``), so no call waits for it. A difference raises there, naming the first
+call in which the ranks' batches differ, and ends the group: those calls' collectives went out
+unchecked.
+
 With the agreement switched off (:func:`fddp.set_checks`), known signatures send no head; a new
 one still does, and so does the first call after the switch, saying so.
 """
@@ -44,6 +54,7 @@ from fddp._dist._waits import wait
 
 __all__ = [
     "agree", "start_agreement", "can_carry", "Agreement", "Agreed", "signature_digest", "request", "take_requested", "agreements", "settle",
+    "UNHEADED",
 ]  # fmt: skip
 
 Rows = Callable[[], list[tuple]]
@@ -150,8 +161,8 @@ def start_agreement(
     data (:meth:`Agreement.send_with`) where :attr:`Agreement.open` says a head is due. ``ask``
     may be a function: it is asked only where the signature is new to this rank (the only case
     its answer counts), so a known tree's call does not pay for it. ``defer``: the caller needs
-    nothing of the peers but that their collectives match (no barrier): on an NCCL group a
-    steady-state call may then leave its head to be read later (:func:`settle`).
+    nothing of the peers but that their collectives match (no barrier): on an NCCL group a known
+    call then sends no head, and is checked with the group's batch (:func:`settle`).
     """
     build = rows if callable(rows) else (lambda: rows)
     if signature is None:
@@ -165,12 +176,8 @@ def start_agreement(
         return Agreement(None, None, Agreed(False, False))
     st = state(group)
     raise_if_failed(st, what)
-    if st.pending is not None:
-        _settle(st)
     if _asked:
         _collect()
-    if st.held:
-        _read_announced(group, st, what)
     new = signature not in st.seen
     if callable(ask):
         ask = new and ask()
@@ -181,34 +188,59 @@ def start_agreement(
     # With the agreement off, known trees send no head; the first call after turning it off
     # still sends one (saying so), so that a rank that turned it off alone is named, not met by
     # its peers' heads with its buckets.
-    if size(group) > 1 and (on or new or st.last_mode is not False):
-        name = name_digest(what)
-        segment = Segment(group, (signature, name), what, call_) if sequenced and on else None
-        f = frame(st)
-        if f is not None:
-            f.sent = True
-        st.last_mode = on
-        printed = (values or 0) if checks().replicas and replicas is not False else 0
-        head = _header.build(
-            digest((signature, call_, name, int(on))), printed=printed, new=int(new), asked=int(ask and new),
-            learn=int(segment is not None and segment.key not in st.recordings), flags=st.requests,
-        )  # fmt: skip
-        a = Agreement(head, None, None, (group, what, st, signature, call_, build, names, replicas, segment, st.requests), call_)
-        if not carry:
-            a.work = _header.exchange(head, group)
-            # A known call with nothing to learn from its head, on a group whose data collectives
-            # do not block the host (NCCL; its heads on the gloo side group): the host does not
-            # wait for the head; the next call on the group (or apply_gradients, take_requested,
-            # shutdown) reads it, long arrived by then (see settle). Never agree()'s: a caller
-            # that uses the agreement as a barrier (a checkpoint's) must meet its peers.
-            steady = not (new or printed or ask or segment is not None)
-            a.deferred = defer and steady and control_group(group) is not group and not _waits.sliced(group)
-        return a
-    _remember(st, signature, replicas)
-    if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
-        st.requested |= st.requests
-        st.requests = 0
-    return Agreement(None, None, Agreed(new, ask and new), (), call_)  # one rank, or a known tree with the agreement off
+    if size(group) <= 1 or not (on or new or st.last_mode is not False):
+        _remember(st, signature, replicas)
+        if size(group) == 1:  # nobody else to tell: this rank's requests are the group's
+            st.requested |= st.requests
+            st.requests = 0
+        return Agreement(None, None, Agreed(new, ask and new), (), call_)  # one rank, or a known tree with the agreement off
+    printed = (values or 0) if checks().replicas and replicas is not False else 0
+    steady = defer and on and not (new or printed or ask or sequenced)
+    if steady and _waits.batched(group):
+        # A known call on an NCCL group (its heads on the gloo side group): checked in a batch.
+        # It sends no head; its identity joins the group's next head (the step boundary's, or
+        # every UNHEADED calls), which no call waits for: the next one reads it (settle).
+        if len(st.unheaded) < UNHEADED - 1:
+            _owe(group, st)
+            st.unheaded.append((call_, what, signature))
+            _remember(st, signature, replicas)
+            return Agreement(None, None, Agreed(False, False), (), call_)
+    else:
+        steady = False
+    if new and _waits.batched(group):
+        st.rows[signature] = build()  # to name this signature if a batch that holds it differs
+    segment = Segment(group, (signature, name_digest(what)), what, call_) if sequenced and on else None
+    a = _send(group, st, what, signature, call_, build, names, replicas, segment, on, printed=printed, new=new, ask=ask)
+    if not carry:
+        a.work = _header.exchange(a.header, group)
+        a.deferred = steady  # the UNHEADED-th call of a batch
+    return a
+
+
+def _send(
+    group: dist.ProcessGroup | None, st: GroupState, what: str, signature: int, call_: int, build: Rows,
+    names: Callable[[Sequence[list[tuple]]], str], replicas: bool | None, segment: Segment | None, on: bool,
+    printed: int = 0, new: bool = False, ask: bool = False,
+) -> Agreement:  # fmt: skip
+    """Build the head of call ``call_`` (its data not sent yet): the earlier head is read first,
+    and the calls batched since then join this one's identity."""
+    if st.pending is not None:
+        _settle(st)
+    if st.held:
+        _read_announced(group, st, what)
+    name = name_digest(what)
+    f = frame(st)
+    if f is not None:
+        f.sent = True
+    st.last_mode = on
+    earlier, st.unheaded = st.unheaded, []
+    batch = digest(tuple(earlier)) if earlier else 0
+    head = _header.build(
+        digest((signature, call_, name, int(on), batch)), printed=printed, new=int(new), asked=int(ask and new),
+        learn=int(segment is not None and segment.key not in st.recordings), flags=st.requests,
+    )  # fmt: skip
+    context = (group, what, st, signature, call_, build, names, replicas, segment, st.requests, earlier)
+    return Agreement(head, None, None, context, call_)
 
 
 _CARRIERS = (torch.float32, torch.float64)  # exact in the head's float64 slots
@@ -246,7 +278,7 @@ def _remember(st: GroupState, signature: int, replicas: bool | None) -> None:
     st.seen[signature] = replicas
     st.seen.move_to_end(signature)
     if len(st.seen) > REMEMBERED:
-        st.seen.popitem(last=False)
+        st.rows.pop(st.seen.popitem(last=False)[0], None)
 
 
 class Agreement:
@@ -296,31 +328,45 @@ class Agreement:
         if self.deferred:
             # What the head would say if it agrees: a known signature (every rank knows it: the
             # ranks' `seen` evolve alike), nothing asked, compared or learnt. If it does not, the
-            # group's next call raises (settle).
-            st, signature, replicas = self.context[2], self.context[3], self.context[7]
+            # group's next head or step boundary raises (settle).
+            group, st, signature, replicas = self.context[0], self.context[2], self.context[3], self.context[7]
             _remember(st, signature, replicas)
+            _owe(group, st)
             st.pending = self
-            _unsettled.append(self)
             self.result = Agreed(False, False)
             return self.result
         return self._read()
 
     def _read(self) -> Agreed:
         """Wait for the head and read it (:meth:`finish`'s work)."""
-        group, what, st, signature, call_, rows, names, replicas, segment, flags = self.context
+        group, what, st, signature, call_, rows, names, replicas, segment, flags, earlier = self.context
         if self.work is None:
             e = RuntimeError(f"fddp.{what}: internal error: an agreement whose data never went out with its head")
             fail(group, what, e)
             raise e
-        wait(self.work, group, what, "the agreement on this call", head=True)
-        v = _header.read(self.header, size(group))
-        # Every rank read the same head: its requests are learnt here, even by a call that raises.
-        st.requested |= v.flags
-        st.requests &= ~flags
-        if v.fails:
-            raise_announced(group, st, what, call_, v.failed)
-        if not v.agrees:
-            disagree(group, what, call_, rows, names, seen=v.key)
+        try:
+            wait(self.work, group, what, "the agreement on this call", head=True)
+            v = _header.read(self.header, size(group))
+            # Every rank read the same head: its requests are learnt here, even by a call that raises.
+            st.requested |= v.flags
+            st.requests &= ~flags
+            if v.fails:
+                raise_announced(group, st, what, call_, v.failed)
+            if not v.agrees:
+                disagree(group, what, call_, rows, names, seen=v.key, earlier=earlier, rows_of=st.rows)
+        except (MismatchError, PeerError) as e:
+            if not (earlier or self.deferred or _waits.batched(group)):
+                raise
+            # Calls whose collectives went out before this verdict: they are unmatched, or mixed values.
+            e.add_note(
+                f"fddp: found by the check of {_checked(earlier, what, call_, self.deferred)}. On an NCCL group known calls "
+                "do not wait for their agreement: they are checked together, at the next step boundary (or every "
+                f"{UNHEADED} calls), and the check is read at the boundary after it. Their collectives went out unchecked, "
+                "so their results (and the parameters of that step) may mix values; this group carries no more fddp calls "
+                "(restart from the last checkpoint)."
+            )
+            fail(group, what, e)
+            raise
         # Fingerprints compare only values that were equal once (replicas, after fddp.broadcast):
         # a tree whose values differ at its first comparison differs by design and is left alone;
         # a rank that sent none (its values live on a GPU) leaves this call uncompared.
@@ -337,48 +383,70 @@ class Agreement:
         return self.result
 
 
-# The deferred agreements not read yet (at most one per group: each group's next agreement
-# reads its own first), oldest first.
-_unsettled: list[Agreement] = []
-_caches.register("fddp._dist._agreement._unsettled", _unsettled.clear)
+def _checked(earlier: list, what: str, call_: int, deferred: bool) -> str:
+    """Words for the calls a head checked: ``fddp.psum's call 12 and the 30 calls before it``."""
+    last = f"fddp.{what}'s call {call_ + 1}" if deferred or not earlier else f"the calls before fddp.{what}'s call {call_ + 1}"
+    if not earlier:
+        return last
+    first_call, first_what, _ = earlier[0]
+    return f"{last} ({len(earlier)} earlier calls, from fddp.{first_what}'s call {first_call + 1})"
+
+
+UNHEADED = 64  # at most this many known calls of an NCCL group share one head
+
+# The groups whose checks are outstanding (calls batched since their last head, or a head not read
+# yet), keyed by their state's id: settle() visits them, and only them.
+_owing: dict[int, tuple[Any, GroupState]] = {}
+_caches.register("fddp._dist._agreement._owing", _owing.clear)
+
+
+def _owe(group: dist.ProcessGroup | None, st: GroupState) -> None:
+    if id(st) not in _owing:
+        _owing[id(st)] = (group, st)
 
 
 def _settle(st: GroupState) -> None:
-    """Read the head of ``st``'s deferred call. Its collectives went out before the verdict: where
-    it says the ranks differed (or a peer announced a failure in place of the call), they are
-    unmatched, so the group carries no more fddp calls, and every rank raises here alike."""
+    """Read the head sent last on ``st``'s group (deferred): where it says the ranks differed, or
+    a peer announced a failure in place of a call, every rank raises here alike (:meth:`Agreement._read`)."""
     a, st.pending = st.pending, None
-    if a is None:  # another thread read it meanwhile (apply_gradients runs outside any call's scope)
-        return
-    try:
-        _unsettled.remove(a)
-    except ValueError:  # fddp.clear_caches() forgot it
-        pass
-    group, what = a.context[0], a.context[1]
-    try:
+    if a is not None:  # else another thread read it meanwhile (apply_gradients runs outside any call's scope)
         a._read()
-    except (MismatchError, PeerError) as e:
-        e.add_note(
-            f"fddp: found at this rank's next fddp call on the group after fddp.{what} (its call {a.call + 1}): on an NCCL "
-            "group a steady-state call does not wait for its agreement, and that call's collectives went out unchecked, "
-            "so its results may mix values; this group carries no more fddp calls (restart from the last checkpoint)."
-        )
-        fail(group, what, e)
-        raise
 
 
-def settle() -> None:
-    """Read every deferred agreement (raising where one found a difference), so that nothing is
-    computed from a call whose verdict is unread: ``fddp.optim.apply_gradients`` calls it before it
-    updates parameters, and ``fddp.shutdown`` before it ends the group. Free where none is pending
-    (every group but an NCCL one's, and those after their next call).
+_BOUNDARY = digest(("fddp: the check of the calls batched since the last one",))
+
+
+def _check(group: dist.ProcessGroup | None, st: GroupState, what: str, final: bool) -> None:
+    """Read ``st``'s deferred head; send a head for the calls batched since, read at the next
+    check (``final``: at once)."""
+    _owing.pop(id(st), None)  # a deferred head puts it back (finish)
+    if not st.unheaded and st.pending is None:
+        return  # read meanwhile, by the group's own next head
+    raise_if_failed(st, what)  # an outstanding check that can no longer be made
+    if st.unheaded:
+        call_ = st.agreed
+        st.agreed += 1
+        a = _send(group, st, what, _BOUNDARY, call_, list, name_difference, None, None, checks().agreement)
+        a.work = _header.exchange(a.header, group)
+        a.deferred = not final
+        a.finish()
+    elif st.pending is not None:
+        _settle(st)
+
+
+def settle(what: str = "optim.apply_gradients", *, final: bool = False) -> None:
+    """The step boundary of every NCCL group with outstanding checks: read each one's last head
+    (raising where it found a difference), and send one head that checks the calls made since,
+    read at the next boundary (``final``: at once). ``fddp.optim.apply_gradients`` calls it,
+    ``checkpoint.Manager.step`` (through :func:`take_requested`) and ``fddp.shutdown`` (final).
+    Free where nothing is outstanding (every group but an NCCL one's).
 
     Example:
-        >>> settle()  # raises MismatchError on every rank if the last ddp_step's ranks differed
+        >>> settle()  # raises MismatchError on every rank if the last step's ranks differed
     """
-    if _unsettled:  # apply_gradients asks every step: nothing to copy where none is pending
-        for a in list(_unsettled):
-            _settle(a.context[2])
+    if _owing:  # apply_gradients asks every step: nothing to copy where none is outstanding
+        for group, st in list(_owing.values()):
+            _check(group, st, what, final)
 
 
 # Requests not yet moved into their group's state, as (group, bits). A deque's append and popleft
@@ -437,8 +505,8 @@ def take_requested(group: dist.ProcessGroup | None, mask: int = (1 << _header.FL
     if _asked:
         _collect()
     st = state(group)
-    if st.pending is not None:
-        _settle(st)
+    if id(st) in _owing:
+        _check(group, st, "checkpoint.Manager.step", final=False)
     if st.held:
         _read_announced(group, st, "checkpoint.Manager.step")
     if size(group) == 1:

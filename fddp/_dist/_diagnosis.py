@@ -55,13 +55,19 @@ def disagree(
     name_difference: Callable[[Sequence[list[tuple]]], str],
     token: tuple | None = None,
     seen: Sequence[int] = (),
+    earlier: Sequence[tuple[int, str, int]] = (),
+    rows_of: dict[int, list[tuple]] | None = None,
 ) -> None:
     """The all-reduced header (``seen``, the same everywhere) says the ranks differ: tell each
     other what each is doing and raise the same error on all of them. ``token``: this rank is at
-    the ``(position, token)`` collective of a call being learnt, not at a header."""
+    the ``(position, token)`` collective of a call being learnt, not at a header. ``earlier``: the
+    calls this head checks besides its own (an NCCL group's batch: call number, function,
+    signature), with the rows of their signatures in ``rows_of``."""
     thread = threading.current_thread().name
     mine = {"what": what, "call": call_, "agreement": checks().agreement, "thread": thread, "rows": rows()}
     mine["token"] = None if token is None else (token[0], describe_token(token[1]))
+    mine["earlier"] = [[c, w, f"{s:x}"] for c, w, s in earlier]
+    mine["earlier_rows"] = {f"{s:x}": rows_of[s] for s in {s for _, _, s in earlier} if rows_of and s in rows_of}
     channel = channel_of(state(group), group)
     n = size(group)
     if channel is not None:
@@ -81,6 +87,8 @@ def disagree(
         fail(group, what, e)  # a rank that is not here cannot be in step
         raise e
     everyone: list[dict] = said  # type: ignore[assignment]
+    if any(e["earlier"] != everyone[0]["earlier"] for e in everyone):
+        raise MismatchError(f"fddp.{what}: ranks differ in calls they made since the group's last check: {_first_call_apart(everyone)}")
     if any(e["token"] is not None for e in everyone):
 
         def doing_of(r: int, e: dict) -> str:
@@ -123,3 +131,29 @@ def disagree(
             "calls pair up in a different order on every rank; give each thread its own group."
         )
     raise MismatchError(f"fddp.{what}: ranks disagree on the tree or the options. {name_difference([e['rows'] for e in everyone])}{hint}")
+
+
+def _first_call_apart(everyone: list[dict]) -> str:
+    """Words for the first call in which the ranks' batches differ: each rank's batched calls
+    (``earlier``), then the call of its head, which a rank that met it as new sent."""
+    seqs = [[*e["earlier"], [e["call"], e["what"], None]] for e in everyone]
+    i = next(i for i in range(max(map(len, seqs))) if len({repr(s[i]) if i < len(s) else "" for s in seqs}) > 1)
+    if any(i >= len(s) for s in seqs):
+        made = ", ".join(f"rank {r} {len(s)}" for r, s in enumerate(seqs))
+        return f"the ranks made different numbers of calls since the last check ({made}); every rank must make the same calls."
+    if len({(s[i][0], s[i][1]) for s in seqs}) > 1:
+        doing = "; ".join(f"rank {r}'s call {s[i][0] + 1} was fddp.{s[i][1]}" for r, s in enumerate(seqs))
+        return f"{doing}. Every rank must make the same fddp calls in the same order."
+    c, w, _ = seqs[0][i]
+    per_rank = [e["rows"] if s[i][2] is None else e["earlier_rows"].get(s[i][2]) for e, s in zip(everyone, seqs)]
+    if any(rows is None for rows in per_rank):
+        how = "Their trees or options differ."
+    elif all(rows == per_rank[0] for rows in per_rank):
+        new = [r for r, s in enumerate(seqs) if s[i][2] is None]
+        how = (
+            f"Rank(s) {new} met it as a new call where the others knew it: were fddp's caches cleared "
+            "(fddp.clear_caches) on some ranks only?"
+        )
+    else:
+        how = name_difference(per_rank)
+    return f"their call {c + 1} (fddp.{w}) differs. {how}"

@@ -94,7 +94,12 @@ class GroupState:
         self.requests = 0  # this rank's request bits, sent with its next head (_agreement.request)
         self.requested = 0  # the or of every rank's requests in the heads agreed since the last take_requested
         self.control: Any = None  # the group the heads travel on (control_group), once decided
-        self.pending: Any = None  # a steady-state NCCL call's Agreement whose head is not read yet (_agreement)
+        # An NCCL group's checks in batches (_agreement): its known calls since its last head, as
+        # (call number, function, signature), checked by the next head; the head sent last and not
+        # read yet (an Agreement); and the rows of its agreed signatures, to name a difference.
+        self.unheaded: list[tuple[int, str, int]] = []
+        self.pending: Any = None
+        self.rows: dict[int, list[tuple]] = {}
 
     def busy(self) -> bool:
         """Whether this rank's peers may be waiting for it on this group: a call is in progress

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from fddp._dist import _header, _watcher
+from fddp._dist import _header, _waits, _watcher
 from fddp._dist._channel import Failure
 from fddp._dist._errors import collective, is_collective
 from fddp._dist._failures import fail, first_line, raise_if_failed
@@ -41,7 +41,10 @@ def _announce(group: dist.ProcessGroup | None, st: GroupState, what: str, e: Bas
     says so in place of the call's, so the peers raise at the same call. A head has one size
     whatever the call, so it pairs with the peers' heads (their data riding in them or not) and
     the group stays in step while every rank raises."""
-    if st.owed > 0:  # a backward of an earlier call still owes its collectives: the peers will wait in them
+    # A backward of an earlier call still owes its collectives (the peers will wait in them), or
+    # the peers send no head for this call (an NCCL group's known calls: they issued its
+    # collectives already): fatal, which needs no head.
+    if st.owed > 0 or _waits.batched(group):
         fail(group, what, e)
         return
     call_ = st.agreed

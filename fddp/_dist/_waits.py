@@ -27,7 +27,7 @@ from fddp._dist._errors import MismatchError, PeerError
 from fddp._dist._failures import fail, peer_error
 from fddp._dist._groups import GroupState, board, call_count, channel_of, control_group, global_ranks, label, rank, size, state
 
-__all__ = ["wait", "sliced"]
+__all__ = ["wait", "sliced", "batched"]
 
 SLICE = datetime.timedelta(milliseconds=100)  # a wait looks at the channel this often
 STUCK_S = 2.0  # a rank waiting this long posts what it waits for (deadlock detection)
@@ -100,6 +100,13 @@ def sliced(group: dist.ProcessGroup | None) -> bool:
         except Exception:  # noqa: BLE001 - a group torch.distributed does not register: wait plainly
             return False
     return st.sliced
+
+
+def batched(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group``'s known calls are checked in batches (``_agreement``): its waits do not
+    block the host (NCCL) and its heads travel on a gloo side group, so a head per call would
+    make the host wait for its peers' hosts at every call, where it should run ahead of the GPU."""
+    return not sliced(group) and control_group(group) is not group
 
 
 def _watch(work: Any, group: dist.ProcessGroup | None, what: str, doing: str) -> None:

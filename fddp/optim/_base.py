@@ -244,7 +244,7 @@ def apply_gradients(
     _check_arguments(opt, grads, state, params)
     if isinstance(params, SplitTree):
         params.check_group("optim.apply_gradients")
-    settle()  # an NCCL call's unread agreement: mixed gradients never become parameters
+    settle()  # the step boundary of NCCL groups: their batched calls checked (read at the next one)
     return _apply(opt, grads, state, params, Apply(bool(donate)))
 
 

@@ -422,6 +422,8 @@ def _check(group: dist.ProcessGroup | None, st: GroupState, what: str, final: bo
     _owing.pop(id(st), None)  # a deferred head puts it back (finish)
     if not st.unheaded and st.pending is None:
         return  # read meanwhile, by the group's own next head
+    if state(group) is not st or (group is not None and group not in dist.distributed_c10d._world.pg_map):
+        return  # a new epoch began on the group (its old calls are no one's now), or the script destroyed it
     raise_if_failed(st, what)  # an outstanding check that can no longer be made
     if st.unheaded:
         call_ = st.agreed

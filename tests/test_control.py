@@ -344,7 +344,7 @@ def test_steady_state_calls_wait_neither_for_their_collectives_nor_for_their_hea
             assert issued == 0 and seconds < 0.5, (r, what, seconds, issued)  # replicated: nothing to send
 
 
-def _batched_worker() -> dict:
+def _batched_worker(directory: str) -> dict:
     """On an NCCL-like group (``_nccl_like``, its data collectives skipped), known calls send no
     head: they are checked in a batch by the head that the step boundary sends, read at the next
     boundary, where a difference raises on every rank, naming the first call in which the ranks
@@ -432,7 +432,28 @@ def _batched_worker() -> dict:
             out["peer"] = f"{type(e).__name__}: {e}"
     finally:
         restore()
-    # 5. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
+    # 5. A checkpoint due after such a step makes and reads the outstanding check before it writes.
+    import os
+
+    from fddp import checkpoint as ckpt
+
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    try:
+        with ckpt.Manager(directory, every=1, signals=(), group=g) as manager:
+            steps(g, 2)
+            fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
+            fddp.optim.apply_gradients(opt, params, state, params)
+            try:
+                manager.step(3, {"params": params})
+            except Exception as e:  # noqa: BLE001
+                out["save"] = type(e).__name__
+    except Exception as e:  # noqa: BLE001 - the Manager's close on a failed group
+        out["close"] = type(e).__name__
+    finally:
+        restore()
+    out["saved"] = sorted(os.listdir(directory))
+    # 6. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
     import time
 
     g = _side_group()
@@ -450,8 +471,8 @@ def _batched_worker() -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_boundary(world):
-    for r, out in enumerate(run(_batched_worker, world, timeout=120)):
+def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_boundary(world, tmp_path):
+    for r, out in enumerate(run(_batched_worker, world, str(tmp_path), timeout=120)):
         assert out["per_step"] == (3, 6), out  # 3 steps: one head each (their boundary's), and the data's 6 collectives
         assert out["long"] == 1 and out["owing"] == 0, out  # UNHEADED calls without a boundary: one head
         assert out["returned"], out
@@ -461,5 +482,6 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
         assert out["shape"].startswith("MismatchError") and "(fddp.psum) differs" in out["shape"] and "7" in out["shape"], out
         assert out.get("announced") == ("ValueError" if r == 1 else None), out
         assert out["peer"].startswith("PeerError") and ("rank 1 failed in fddp.ddp_step" in out["peer"] or r == 1), out
+        assert out["save"] == "MismatchError" and not out["saved"], out  # raised before any write
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
         assert out["owing_at_end"] == 0, out

@@ -308,6 +308,9 @@ class Manager:
             preempt = preempt or bool(bits & PREEMPT)
         if not due:
             return False
+        # An NCCL group's known calls are checked a step late: make and read that check before
+        # the snapshot, so that no checkpoint holds a step whose ranks differed (free elsewhere).
+        _dist.settle(_WHAT, final=True)
         if preempt or not self.async_:
             _steps.save_step(self.directory, step, tree, keep=self.keep, prefix=self.prefix, group=self.group)
         else:

@@ -21,6 +21,7 @@ from typing import Any
 import optree
 import torch.distributed as dist
 
+from fddp import _dist
 from fddp.checkpoint import _dcp, _lock, _ranks, _series, _single, _temp
 from fddp.checkpoint._sharded import PerRank, load_sharded, write_sharded
 from fddp.zero import _layout as _shard
@@ -254,6 +255,10 @@ def save_step(
             "fddp.checkpoint.save_step: barrier=False does not apply to a tree with fddp.zero.Sharded or PerRank "
             "parts: every rank writes its own part and returns once the checkpoint is complete"
         )
+    if barrier:
+        # An NCCL group's known calls are checked a step late: make and read that check first, so
+        # that no checkpoint holds a step whose ranks differed (free elsewhere).
+        _dist.settle("checkpoint.save_step", final=True)
     path = step_path(directory, step, prefix=prefix, sharded=sharded)
     belongs = _step_name(prefix).fullmatch
     directory = os.fspath(directory)

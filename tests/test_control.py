@@ -434,6 +434,7 @@ def _batched_worker(directory: str) -> dict:
         restore()
     # 5. A checkpoint due after such a step makes and reads the outstanding check before it writes.
     import os
+    import time
 
     from fddp import checkpoint as ckpt
 
@@ -453,9 +454,36 @@ def _batched_worker(directory: str) -> dict:
     finally:
         restore()
     out["saved"] = sorted(os.listdir(directory))
-    # 6. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
-    import time
+    # 6. Between calls, with batched calls outstanding (their collectives may still wait on the
+    # stream), a peer's posted failure aborts the group: the watcher reads its channel.
+    from fddp._dist import _watcher
 
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    aborted: list = []
+    try:
+        _watcher.watch(g, abort=lambda: aborted.append(True))
+        steps(g, 2)
+        fddp.ddp_step(params, params, group=g)
+        dist.barrier()  # every rank outside any call, with its batch outstanding
+        if r == 1:
+            fddp._dist.fail(g, "ddp_step", RuntimeError("this rank's stream is gone"))
+        t0 = time.monotonic()
+        while not aborted and r != 1 and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        out["aborted"] = bool(aborted)
+        try:
+            fddp.psum(params, group=g)
+        except Exception as e:  # noqa: BLE001
+            out["aborted_then"] = type(e).__name__
+        try:  # the boundary says so too, once: its outstanding check can no longer be made
+            fddp.optim.apply_gradients(opt, params, state, params)
+        except Exception as e:  # noqa: BLE001
+            out["aborted_then"] += f" {type(e).__name__}"
+        fddp.optim.apply_gradients(opt, params, state, params)
+    finally:
+        restore()
+    # 7. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
     g = _side_group()
     issued, restore = _nccl_like(g, 0.5)
     try:
@@ -483,5 +511,6 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
         assert out.get("announced") == ("ValueError" if r == 1 else None), out
         assert out["peer"].startswith("PeerError") and ("rank 1 failed in fddp.ddp_step" in out["peer"] or r == 1), out
         assert out["save"] == "MismatchError" and not out["saved"], out  # raised before any write
+        assert out["aborted"] == (r != 1) and out["aborted_then"] == "PeerError PeerError", out  # the failing rank aborts nothing
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
         assert out["owing_at_end"] == 0, out

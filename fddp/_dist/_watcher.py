@@ -3,8 +3,9 @@
 A gloo wait blocks the host, so ``_waits`` takes it in slices and reads the channel between them.
 An NCCL collective is queued on a CUDA stream: the host is not waiting when the peer fails, and
 the stream would hang until NCCL's watchdog timeout. So, as torchft does, a daemon thread reads the
-channel of every watched group while a call is in flight on it (every tenth of a second, one store
-read a group) and, when a peer's fatal failure is posted, marks the group failed and aborts its
+channel of every watched group while a call is in flight on it, or calls not yet checked (a batch,
+``_agreement``) may still hold collectives on the stream (every tenth of a second, one store read a
+group) and, when a peer's fatal failure is posted, marks the group failed and aborts its
 communicator: the kernels waiting for the dead peer end with an error, and the next fddp wait
 raises the peer's :class:`PeerError` instead of the backend's words (``_waits``).
 """
@@ -69,8 +70,10 @@ def _run() -> None:
 def _look(pg: Any, abort: Callable[[], None]) -> None:
     group = None if pg is dist.group.WORLD else pg
     st = state(group)
-    if st.failed is not None or not st.busy():
-        return  # already ended, or nothing in flight that a failure could hold
+    if st.failed is not None or not (st.busy() or st.unheaded or st.pending is not None):
+        # Already ended, or nothing in flight that a failure could hold: no call, no backward owed,
+        # and no batched call whose collectives may still wait on the stream (_agreement).
+        return
     channel = channel_of(st, group)
     failure = channel.fatal() if channel is not None else None
     if failure is None:

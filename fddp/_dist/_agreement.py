@@ -210,6 +210,9 @@ def start_agreement(
     if new and _waits.batched(group):
         st.rows[signature] = build()  # to name this signature if a batch that holds it differs
     segment = Segment(group, (signature, name_digest(what)), what, call_) if sequenced and on else None
+    if steady:  # read later: its rows from the group's record, not a closure that holds the call's tree
+        kept = st.rows.get(signature, [])
+        build = lambda: kept  # noqa: E731
     a = _send(group, st, what, signature, call_, build, names, replicas, segment, on, printed=printed, new=new, ask=ask)
     if not carry:
         a.work = _header.exchange(a.header, group)

@@ -493,6 +493,22 @@ def _batched_worker(directory: str) -> dict:
             out["barrier"] = time.monotonic() - t0
     finally:
         restore()
+    # 8. Two groups whose batches the ranks began in opposite orders: a final check sends every
+    # group's head before it waits for any (waiting for A's first, rank 0 would wait for rank 1,
+    # which waits for B's).
+    a, b = _side_group(), _side_group()
+    _, restore_a = _nccl_like(a, 0.0, data=False)
+    _, restore_b = _nccl_like(b, 0.0, data=False)
+    try:
+        for first, second in ((a, b), (a, b)) if r == 0 else ((a, b), (b, a)):
+            fddp.psum(params, group=first)
+            fddp.psum(params, group=second)
+        t0 = time.monotonic()
+        fddp._dist.settle("the test", final=True)
+        out["crossed"] = time.monotonic() - t0
+    finally:
+        restore_b()
+        restore_a()
     out["owing_at_end"] = len(_agreement._owing)
     del header, _groups
     return out
@@ -513,4 +529,4 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
         assert out["save"] == "MismatchError" and not out["saved"], out  # raised before any write
         assert out["aborted"] == (r != 1) and out["aborted_then"] == "PeerError PeerError", out  # the failing rank aborts nothing
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
-        assert out["owing_at_end"] == 0, out
+        assert out["crossed"] < 5.0 and out["owing_at_end"] == 0, out

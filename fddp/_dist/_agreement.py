@@ -419,9 +419,9 @@ def _settle(st: GroupState) -> None:
 _BOUNDARY = digest(("fddp: the check of the calls batched since the last one",))
 
 
-def _check(group: dist.ProcessGroup | None, st: GroupState, what: str, final: bool) -> None:
-    """Read ``st``'s deferred head; send a head for the calls batched since, read at the next
-    check (``final``: at once)."""
+def _check(group: dist.ProcessGroup | None, st: GroupState, what: str) -> None:
+    """Read ``st``'s deferred head (every member sent it at the same point, long ago); send one,
+    deferred, for the calls batched since."""
     _owing.pop(id(st), None)  # a deferred head puts it back (finish)
     if not st.unheaded and st.pending is None:
         return  # read meanwhile, by the group's own next head
@@ -433,9 +433,9 @@ def _check(group: dist.ProcessGroup | None, st: GroupState, what: str, final: bo
         st.agreed += 1
         a = _send(group, st, what, _BOUNDARY, call_, list, name_difference, None, None, checks().agreement)
         a.work = _header.exchange(a.header, group)
-        a.deferred = not final
+        a.deferred = True
         a.finish()
-    elif st.pending is not None:
+    else:
         _settle(st)
 
 
@@ -443,15 +443,21 @@ def settle(what: str = "optim.apply_gradients", *, final: bool = False) -> None:
     """The step boundary of every NCCL group with outstanding checks: read each one's last head
     (raising where it found a difference), and send one head that checks the calls made since,
     read at the next boundary (``final``: at once). ``fddp.optim.apply_gradients`` calls it,
-    ``checkpoint.Manager.step`` (through :func:`take_requested`) and ``fddp.shutdown`` (final).
-    Free where nothing is outstanding (every group but an NCCL one's).
+    ``checkpoint.Manager.step`` (through :func:`take_requested`; final where it saves),
+    ``checkpoint.save_step`` and ``fddp.shutdown`` (final). Free where nothing is outstanding
+    (every group but an NCCL one's).
 
     Example:
         >>> settle()  # raises MismatchError on every rank if the last step's ranks differed
     """
     if _owing:  # apply_gradients asks every step: nothing to copy where none is outstanding
         for group, st in list(_owing.values()):
-            _check(group, st, what, final)
+            _check(group, st, what)
+        if final:
+            # Read the heads just sent, once every group's is out: waiting for one group's before
+            # sending another's could wait for a peer that waits for that other group's first.
+            for group, st in list(_owing.values()):
+                _check(group, st, what)
 
 
 # Requests not yet moved into their group's state, as (group, bits). A deque's append and popleft
@@ -511,7 +517,7 @@ def take_requested(group: dist.ProcessGroup | None, mask: int = (1 << _header.FL
         _collect()
     st = state(group)
     if id(st) in _owing:
-        _check(group, st, "checkpoint.Manager.step", final=False)
+        _check(group, st, "checkpoint.Manager.step")
     if st.held:
         _read_announced(group, st, "checkpoint.Manager.step")
     if size(group) == 1:

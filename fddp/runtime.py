@@ -161,7 +161,7 @@ def shutdown() -> None:
             # its peers' step: every rank raises fddp.MismatchError, naming each one's call, within
             # a round trip, instead of waiting for the group's timeout.
             with _dist.call(None, "shutdown"):
-                _dist.settle("shutdown", final=True)  # an NCCL group's last checks are made and read, not dropped
+                _dist.settle("shutdown", final=True, every_thread=True)  # an NCCL group's last checks are made and read, not dropped
                 _dist.agree(None, "shutdown", _shutdown_rows, signature=_SHUTDOWN, names=_shutdown_difference)
                 dist.barrier()
     finally:
@@ -368,4 +368,8 @@ def clear_caches() -> None:
     Example:
         >>> fddp.clear_caches()
     """
-    _caches.clear_all()
+    try:
+        if dist.is_available() and dist.is_initialized():
+            _dist.settle("clear_caches", final=True, every_thread=True)  # an NCCL group's last checks, not dropped
+    finally:
+        _caches.clear_all()

@@ -309,13 +309,13 @@ def _late_worker(directory: str) -> dict:
         "grad_and_value": lambda: gv(params, x)[0],
         "ddp_step": lambda: fddp.ddp_step(params, params, group=g),
         "psum": lambda: fddp.psum(params, group=g),
-        "apply_gradients": lambda: fddp.optim.apply_gradients(opt, params, state, params),
         "clip_by_global_norm": lambda: fddp.optim.clip_by_global_norm(1.0).update(params, opt.init(params)[0]),
+        "apply_gradients": lambda: fddp.optim.apply_gradients(opt, params, state, params),
     }
     took: dict = {}
 
-    def timed(what: str, fn) -> None:
-        """Run ``fn`` with g NCCL-like; note its time and collectives; let its head arrive."""
+    def timed(what: str, fn, rest: bool = True) -> None:
+        """Run ``fn`` with g NCCL-like; note its time and collectives; let its head arrive (``rest``)."""
         issued, restore = _nccl_like(g, late_s)
         try:
             t0 = time.monotonic()
@@ -323,12 +323,13 @@ def _late_worker(directory: str) -> dict:
             took[what] = (time.monotonic() - t0, len(issued))
         finally:
             restore()
-        time.sleep(late_s)
+        if rest:
+            time.sleep(late_s)
 
     with ckpt.Manager(directory, every=None, signals=(), group=g) as manager:
         for step in range(3):  # the first calls learn their signatures (and wait); the last ones are steady
             for what, fn in steps.items():
-                timed(what, fn)
+                timed(what, fn, rest=what != "apply_gradients")  # Manager.step follows at once: the boundary's head is on its way
             timed("Manager.step", lambda: manager.step(step, {"params": params}))  # noqa: B023 - called at once
     fddp._dist.settle()
     return took
@@ -483,7 +484,28 @@ def _batched_worker(directory: str) -> dict:
         fddp.optim.apply_gradients(opt, params, state, params)
     finally:
         restore()
-    # 7. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
+    # 7. A batch whose ranks differ, and hosts away from fddp after the boundary sent its check
+    # (blocked on a stream that the mismatched collectives hold, say): the watcher reads the
+    # arrived head and aborts; the next boundary names the difference.
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    aborted = []
+    try:
+        _watcher.watch(g, abort=lambda: aborted.append(True))
+        steps(g, 2)
+        fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
+        fddp.optim.apply_gradients(opt, params, state, params)  # sends the batch's check
+        t0 = time.monotonic()
+        while not aborted and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        out["watched"] = bool(aborted)
+        try:
+            fddp.optim.apply_gradients(opt, params, state, params)
+        except Exception as e:  # noqa: BLE001
+            out["watched_then"] = f"{type(e).__name__}: {e}"
+    finally:
+        restore()
+    # 8. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
     g = _side_group()
     issued, restore = _nccl_like(g, 0.5)
     try:
@@ -493,7 +515,7 @@ def _batched_worker(directory: str) -> dict:
             out["barrier"] = time.monotonic() - t0
     finally:
         restore()
-    # 8. Two groups whose batches the ranks began in opposite orders: a final check sends every
+    # 9. Two groups whose batches the ranks began in opposite orders: a final check sends every
     # group's head before it waits for any (waiting for A's first, rank 0 would wait for rank 1,
     # which waits for B's).
     a, b = _side_group(), _side_group()
@@ -528,5 +550,7 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
         assert out["peer"].startswith("PeerError") and ("rank 1 failed in fddp.ddp_step" in out["peer"] or r == 1), out
         assert out["save"] == "MismatchError" and not out["saved"], out  # raised before any write
         assert out["aborted"] == (r != 1) and out["aborted_then"] == "PeerError PeerError", out  # the failing rank aborts nothing
+        assert out["watched"] and out["watched_then"].startswith("MismatchError"), out
+        assert "rank 0's call 6 was fddp.ddp_step" in out["watched_then"], out
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
         assert out["crossed"] < 5.0 and out["owing_at_end"] == 0, out

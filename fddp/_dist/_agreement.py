@@ -36,6 +36,8 @@ one still does, and so does the first call after the switch, saying so.
 from __future__ import annotations
 
 import collections
+import threading
+import weakref
 from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
@@ -356,10 +358,10 @@ class Agreement:
             if v.fails:
                 raise_announced(group, st, what, call_, v.failed)
             if not v.agrees:
-                disagree(group, what, call_, rows, names, seen=v.key, earlier=earlier, rows_of=st.rows)
+                disagree(group, what, call_, rows, names, seen=v.key, earlier=earlier, rows_of=st.rows, deferred=self.deferred)
         except (MismatchError, PeerError) as e:
-            if not (earlier or self.deferred or _waits.batched(group)):
-                raise
+            if not (earlier or self.deferred or getattr(e, "unchecked", False)):
+                raise  # every rank waited for this head before any collective of the call: the group is in step
             # Calls whose collectives went out before this verdict: they are unmatched, or mixed values.
             e.add_note(
                 f"fddp: found by the check of {_checked(earlier, what, call_, self.deferred)}. On an NCCL group known calls "
@@ -398,14 +400,15 @@ def _checked(earlier: list, what: str, call_: int, deferred: bool) -> str:
 UNHEADED = 64  # at most this many known calls of an NCCL group share one head
 
 # The groups whose checks are outstanding (calls batched since their last head, or a head not read
-# yet), keyed by their state's id: settle() visits them, and only them.
-_owing: dict[int, tuple[Any, GroupState]] = {}
+# yet), keyed by their state's id, each with the thread that made them and a weak reference to the
+# group (None: the default one; a group the script drops is not kept alive here): settle() visits them.
+_owing: dict[int, tuple[Any, GroupState, int]] = {}
 _caches.register("fddp._dist._agreement._owing", _owing.clear)
 
 
 def _owe(group: dist.ProcessGroup | None, st: GroupState) -> None:
     if id(st) not in _owing:
-        _owing[id(st)] = (group, st)
+        _owing[id(st)] = (None if group is None else weakref.ref(group), st, threading.get_ident())
 
 
 def _settle(st: GroupState) -> None:
@@ -427,6 +430,8 @@ def _check(group: dist.ProcessGroup | None, st: GroupState, what: str) -> None:
         return  # read meanwhile, by the group's own next head
     if state(group) is not st or (group is not None and group not in dist.distributed_c10d._world.pg_map):
         return  # a new epoch began on the group (its old calls are no one's now), or the script destroyed it
+    if st.pending is not None:
+        _settle(st)  # first: where it shows a difference, its words name it (the watcher may have ended the group on it)
     raise_if_failed(st, what)  # an outstanding check that can no longer be made
     if st.unheaded:
         call_ = st.agreed
@@ -435,29 +440,36 @@ def _check(group: dist.ProcessGroup | None, st: GroupState, what: str) -> None:
         a.work = _header.exchange(a.header, group)
         a.deferred = True
         a.finish()
-    else:
-        _settle(st)
 
 
-def settle(what: str = "optim.apply_gradients", *, final: bool = False) -> None:
+def settle(what: str = "optim.apply_gradients", *, final: bool = False, every_thread: bool = False) -> None:
     """The step boundary of every NCCL group with outstanding checks: read each one's last head
     (raising where it found a difference), and send one head that checks the calls made since,
-    read at the next boundary (``final``: at once). ``fddp.optim.apply_gradients`` calls it,
-    ``checkpoint.Manager.step`` (through :func:`take_requested`; final where it saves),
-    ``checkpoint.save_step`` and ``fddp.shutdown`` (final). Free where nothing is outstanding
-    (every group but an NCCL one's).
+    read at the next boundary (``final``: at once). Only the groups whose batches this thread
+    made (``every_thread``: all, where no other thread calls any more). ``fddp.optim.apply_gradients``
+    calls it, ``checkpoint.Manager.step`` (through :func:`take_requested`; final where it saves),
+    ``checkpoint.save_step``, and ``fddp.shutdown`` and ``fddp.clear_caches`` (final, every
+    thread). Free where nothing is outstanding (every group but an NCCL one's).
 
     Example:
         >>> settle()  # raises MismatchError on every rank if the last step's ranks differed
     """
     if _owing:  # apply_gradients asks every step: nothing to copy where none is outstanding
-        for group, st in list(_owing.values()):
-            _check(group, st, what)
-        if final:
-            # Read the heads just sent, once every group's is out: waiting for one group's before
-            # sending another's could wait for a peer that waits for that other group's first.
-            for group, st in list(_owing.values()):
-                _check(group, st, what)
+        for _ in range(2 if final else 1):
+            # Final: read the heads just sent, once every group's is out (waiting for one group's
+            # before sending another's could wait for a peer that waits for that other group's first).
+            me = threading.get_ident()
+            for ref, st, thread in list(_owing.values()):
+                # Only this thread's groups: a group another thread calls on (its own, as it must
+                # be) may be inside a call, and its batch ends where that thread's steps do.
+                if every_thread and st.failed is not None:
+                    _owing.pop(id(st), None)  # its failure was raised already; nothing is left to check
+                elif thread == me or every_thread:
+                    group = None if ref is None else ref()
+                    if ref is None or group is not None:
+                        _check(group, st, what)
+                    else:
+                        _owing.pop(id(st), None)  # the script dropped the group
 
 
 # Requests not yet moved into their group's state, as (group, bits). A deque's append and popleft
@@ -516,7 +528,7 @@ def take_requested(group: dist.ProcessGroup | None, mask: int = (1 << _header.FL
     if _asked:
         _collect()
     st = state(group)
-    if id(st) in _owing:
+    if st.unheaded:  # a pending head alone is left to the next boundary: it was sent just now, at apply_gradients
         _check(group, st, "checkpoint.Manager.step")
     if st.held:
         _read_announced(group, st, "checkpoint.Manager.step")

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
+from fddp._dist import _waits
 from fddp._dist._digest import digest
 from fddp._dist._errors import MismatchError
 from fddp._dist._failures import fail
@@ -57,25 +58,43 @@ def disagree(
     seen: Sequence[int] = (),
     earlier: Sequence[tuple[int, str, int]] = (),
     rows_of: dict[int, list[tuple]] | None = None,
+    deferred: bool = False,
 ) -> None:
     """The all-reduced header (``seen``, the same everywhere) says the ranks differ: tell each
     other what each is doing and raise the same error on all of them. ``token``: this rank is at
     the ``(position, token)`` collective of a call being learnt, not at a header. ``earlier``: the
     calls this head checks besides its own (an NCCL group's batch: call number, function,
-    signature), with the rows of their signatures in ``rows_of``."""
+    signature), with the rows of their signatures in ``rows_of``; ``deferred``: no call waited for
+    this head. Where some rank had either, collectives went out before this verdict: the error
+    raised is marked ``unchecked`` (its caller ends the group)."""
     thread = threading.current_thread().name
     mine = {"what": what, "call": call_, "agreement": checks().agreement, "thread": thread, "rows": rows()}
     mine["token"] = None if token is None else (token[0], describe_token(token[1]))
     mine["earlier"] = [[c, w, f"{s:x}"] for c, w, s in earlier]
     mine["earlier_rows"] = {f"{s:x}": rows_of[s] for s in {s for _, _, s in earlier} if rows_of and s in rows_of}
+    mine["unchecked"] = bool(earlier) or deferred
     channel = channel_of(state(group), group)
     n = size(group)
     if channel is not None:
-        said = channel.exchange(f"{digest(tuple(seen)):x}", rank(group), n, mine)
+        # A batched group's peers may read the head that differs only at their next step boundary.
+        wait_s = _BATCHED_S if _waits.batched(group) else 5.0
+        said = channel.exchange(f"{digest(tuple(seen)):x}", rank(group), n, mine, timeout=wait_s)
     else:  # a group with no store: the collective way
         said = [None] * n
         with temporarily_clear_interpreter_stack():  # its tensors must be plain, under torch.func.grad too
             dist.all_gather_object(said, mine, group=group)
+    try:
+        _explain(group, what, call_, said, name_difference)
+    except MismatchError as e:
+        e.unchecked = any(x is not None and x.get("unchecked") for x in said)  # type: ignore[attr-defined]
+        raise
+
+
+_BATCHED_S = 30.0  # how long the ranks of a batched check wait for each other's words
+
+
+def _explain(group: dist.ProcessGroup | None, what: str, call_: int, said: list, name_difference: Callable) -> None:
+    """Raise the :class:`MismatchError` that what every rank ``said`` (``None``: a rank silent) shows."""
     silent = [r for r, e in enumerate(said) if e is None]
     if silent:
         e = MismatchError(

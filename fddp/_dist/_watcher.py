@@ -19,7 +19,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from fddp._dist._groups import channel_of, state
+from fddp._dist import _header
+from fddp._dist._channel import Failure
+from fddp._dist._groups import GroupState, channel_of, rank, size, state
 
 __all__ = ["watch", "watch_if_needed", "POLL_S"]
 
@@ -76,9 +78,33 @@ def _look(pg: Any, abort: Callable[[], None]) -> None:
         return
     channel = channel_of(st, group)
     failure = channel.fatal() if channel is not None else None
+    mine = False
     if failure is None:
-        return
-    st.failed, st.mine = failure, False
+        failure = _differed(group, st)
+        if failure is None:
+            return
+        mine = True
+    st.failed, st.mine = failure, mine
     with _lock:
         _watched.pop(pg, None)
     abort()
+
+
+def _differed(group: Any, st: GroupState) -> Failure | None:
+    """Where the group's unread head (a batch's check, ``_agreement``) has arrived and shows that
+    the ranks differ, this rank's failure to say so. Every rank reads the same sum, so each aborts
+    its own communicator: the batch's mismatched collectives would otherwise hold the stream, and
+    a host blocked on it (``loss.item()``) would never reach the boundary that reads the head."""
+    a = st.pending
+    if a is None or a.work is None or not a.work.is_completed():
+        return None
+    v = _header.read(a.header, size(group))
+    if v.agrees:
+        return None
+    return Failure(
+        rank(group), a.context[1], a.call + 1, "MismatchError",
+        "the check of this group's calls since its previous check shows that the ranks differ (read by fddp's watcher "
+        "while this rank was not in an fddp call; the communicator was aborted, as those calls' collectives may not "
+        "match); the next step boundary names the difference",
+        True,
+    )  # fmt: skip

@@ -531,6 +531,47 @@ def _batched_worker(directory: str) -> dict:
     finally:
         restore_b()
         restore_a()
+    # 10. A thread's own group (metrics, say): the main thread's boundary leaves its batch alone,
+    # however far that thread has got (here: two calls on rank 0, one on rank 1, when it comes).
+    import threading
+
+    m = _side_group()
+    g = _side_group()
+    _, restore_m = _nccl_like(m, 0.0, data=False)
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    got: dict = {}
+    halfway, boundary_done = threading.Event(), threading.Event()
+
+    def metrics() -> None:
+        try:
+            fddp.psum(params, group=m)  # learnt: sends a head
+            for i in range(2):
+                fddp.psum(params, group=m)
+                if i == (1 if r == 0 else 0):  # the main thread's boundary comes now
+                    halfway.set()
+                    boundary_done.wait(10)
+            fddp._dist.settle("the metrics thread", final=True)
+            got["metrics"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            got["metrics"] = f"{type(e).__name__}: {e}"
+
+    try:
+        steps(g, 2)
+        t = threading.Thread(target=metrics)
+        t.start()
+        halfway.wait(10)
+        try:
+            fddp.optim.apply_gradients(opt, params, state, params)
+            got["main"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            got["main"] = f"{type(e).__name__}: {e}"
+        boundary_done.set()
+        t.join(30)
+        fddp._dist.settle("the test", final=True)
+        out["threads"] = (got.get("main"), got.get("metrics"))
+    finally:
+        restore()
+        restore_m()
     out["owing_at_end"] = len(_agreement._owing)
     del header, _groups
     return out
@@ -553,4 +594,5 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
         assert out["watched"] and out["watched_then"].startswith("MismatchError"), out
         assert "rank 0's call 6 was fddp.ddp_step" in out["watched_then"], out
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
+        assert out["threads"] == ("ok", "ok"), out
         assert out["crossed"] < 5.0 and out["owing_at_end"] == 0, out

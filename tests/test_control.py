@@ -572,6 +572,19 @@ def _batched_worker(directory: str) -> dict:
     finally:
         restore()
         restore_m()
+    # 11. A difference that a head finds before any collective of the call, with no batched call
+    # before it on any rank (two new trees): raised, and the group is still in step.
+    g = _side_group()
+    issued, restore = _nccl_like(g, 0.0, data=False)
+    try:
+        try:
+            fddp.psum({"w": torch.zeros(7 if r == 1 else 5)}, group=g)
+        except Exception as e:  # noqa: BLE001
+            out["in_step"] = type(e).__name__
+        fddp.psum(params, group=g)
+        out["in_step"] += " then ok"
+    finally:
+        restore()
     out["owing_at_end"] = len(_agreement._owing)
     del header, _groups
     return out
@@ -594,5 +607,5 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
         assert out["watched"] and out["watched_then"].startswith("MismatchError"), out
         assert "rank 0's call 6 was fddp.ddp_step" in out["watched_then"], out
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
-        assert out["threads"] == ("ok", "ok"), out
+        assert out["threads"] == ("ok", "ok") and out["in_step"] == "MismatchError then ok", out
         assert out["crossed"] < 5.0 and out["owing_at_end"] == 0, out

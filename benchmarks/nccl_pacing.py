@@ -4,7 +4,7 @@
     python benchmarks/nccl_pacing.py --late-ms 1 5 20 --calls 50 --rounds 8
 
 No GPU here, so the group is gloo made to act as an NCCL one (``tests/test_control.py``'s
-``_nccl_like``): its waits do not block the host, its heads travel on its gloo side group and
+``_nccl_group``): its waits do not block the host, its heads travel on its gloo side group and
 arrive ``--late-ms`` after they are sent (a side group across many hosts: a multi-hop TCP ring),
 and its data's collectives run as they are issued. One step is ``--calls`` ``fddp.pmean`` calls of
 a small tree back to back (a global batch norm per layer) and ``fddp.optim.apply_gradients``; each
@@ -31,17 +31,15 @@ sys.path.insert(0, str(ROOT / "tests"))  # the harness (tests/dist.py) and the N
 
 def _worker(late_s: float, calls: int, rounds: int) -> float:
     import torch
-    from test_control import _nccl_like, _side_group
+    from test_control import _nccl_group
 
     import fddp
 
-    g = _side_group()
-    _, restore = _nccl_like(g, late_s)
     params = {f"bn{i}": torch.randn(8) for i in range(4)}
     opt = fddp.optim.sgd(0.1)
     state = opt.init(params)
     steps = []
-    try:
+    with _nccl_group(late_s, data=True) as (g, _):
         for _ in range(rounds):
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -49,8 +47,6 @@ def _worker(late_s: float, calls: int, rounds: int) -> float:
             params, state = fddp.optim.apply_gradients(opt, params, state, params)
             steps.append(time.perf_counter() - t0)
         fddp._dist.settle()
-    finally:
-        restore()
     return statistics.median(steps[2:])
 
 

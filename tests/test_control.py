@@ -14,6 +14,8 @@ asynchrony) and checks that the steady-state calls return long before.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -289,6 +291,18 @@ def _nccl_like(g: dist.ProcessGroup, late_s: float, data: bool = True):
     return issued, restore
 
 
+@contextlib.contextmanager
+def _nccl_group(late_s: float = 0.0, data: bool = False):
+    """A fresh side-controlled group (``_side_group``), NCCL-like for the block (``_nccl_like``;
+    by default its heads on time and its data's collectives skipped): yields ``(group, issued)``."""
+    g = _side_group()
+    issued, restore = _nccl_like(g, late_s, data)
+    try:
+        yield g, issued
+    finally:
+        restore()
+
+
 def _late_worker(directory: str) -> dict:
     """NCCL's asynchrony on gloo (``_nccl_like``): a call that waited for a collective or for
     its own head to arrive, or polled one, would take ``late_s``. Each call comes ``late_s``
@@ -350,8 +364,7 @@ def _batched_worker(directory: str) -> dict:
     head: they are checked in a batch by the head that the step boundary sends, read at the next
     boundary, where a difference raises on every rank, naming the first call in which the ranks
     differ, and the group carries no more calls."""
-    import fddp._dist._header as header
-    from fddp._dist import _agreement, _groups
+    from fddp._dist import _agreement
 
     r = fddp.rank()
     out: dict = {}
@@ -366,28 +379,24 @@ def _batched_worker(directory: str) -> dict:
             fddp.optim.apply_gradients(opt, params, state, params)
 
     # 1. Known calls send only their data; a step boundary sends one head; UNHEADED calls, one.
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
-    heads, original = _headers_on(g)
-    try:
-        steps(g, 2)  # the first calls learn their signatures (and send heads)
-        heads.clear(), issued.clear()
-        steps(g, 3)
-        out["per_step"] = (len(heads), len(issued))
-        heads.clear()
-        for _ in range(_agreement.UNHEADED):
-            fddp.psum(params, group=g)
-        out["long"] = len(heads)
-        fddp._dist.settle("the test", final=True)
-        out["owing"] = len(_agreement._owing)
-    finally:
-        dist.all_reduce = original
-        restore()
+    with _nccl_group() as (g, issued):
+        heads, original = _headers_on(g)
+        try:
+            steps(g, 2)  # the first calls learn their signatures (and send heads)
+            heads.clear(), issued.clear()
+            steps(g, 3)
+            out["per_step"] = (len(heads), len(issued))
+            heads.clear()
+            for _ in range(_agreement.UNHEADED):
+                fddp.psum(params, group=g)
+            out["long"] = len(heads)
+            fddp._dist.settle("the test", final=True)
+            out["owing"] = len(_agreement._owing)
+        finally:
+            dist.all_reduce = original
     # 2. Two known calls that differ (ddp_step here, psum there) in a batch: every call returns,
     # and so does the boundary that sends its check; the next boundary raises.
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
-    try:
+    with _nccl_group() as (g, issued):
         steps(g, 2)
         fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
         fddp.optim.apply_gradients(opt, params, state, params)
@@ -400,13 +409,9 @@ def _batched_worker(directory: str) -> dict:
             fddp.psum(params, group=g)
         except Exception as e:  # noqa: BLE001
             out["after"] = type(e).__name__
-    finally:
-        restore()
     # 3. One rank's psum of another shape (new there, so it sends a head; known here, batched):
     # the first difference is named row by row.
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
-    try:
+    with _nccl_group() as (g, issued):
         steps(g, 2)
         try:
             fddp.psum({"w": torch.zeros(7), "b": torch.ones(2)} if r == 1 else params, group=g)
@@ -414,13 +419,9 @@ def _batched_worker(directory: str) -> dict:
             fddp.optim.apply_gradients(opt, params, state, params)
         except Exception as e:  # noqa: BLE001
             out["shape"] = f"{type(e).__name__}: {e}"
-    finally:
-        restore()
     # 4. A rank that fails before sending anything: fatal (its peers issued the call's collectives
     # without a head); the peer raises PeerError at its next boundary.
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
-    try:
+    with _nccl_group() as (g, issued):
         steps(g, 2)
         try:
             fddp.ddp_step(params, {"w": torch.zeros(3)} if r == 1 else params, group=g)
@@ -431,48 +432,45 @@ def _batched_worker(directory: str) -> dict:
             fddp.optim.apply_gradients(opt, params, state, params)
         except Exception as e:  # noqa: BLE001
             out["peer"] = f"{type(e).__name__}: {e}"
-    finally:
-        restore()
     # 5. A checkpoint due after such a step makes and reads the outstanding check before it writes.
     import os
     import time
 
     from fddp import checkpoint as ckpt
 
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
-    try:
-        with ckpt.Manager(directory, every=1, signals=(), group=g) as manager:
-            steps(g, 2)
-            fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
-            fddp.optim.apply_gradients(opt, params, state, params)
-            try:
-                manager.step(3, {"params": params})
-            except Exception as e:  # noqa: BLE001
-                out["save"] = type(e).__name__
-    except Exception as e:  # noqa: BLE001 - the Manager's close on a failed group
-        out["close"] = type(e).__name__
-    finally:
-        restore()
+    with _nccl_group() as (g, issued):
+        try:
+            with ckpt.Manager(directory, every=1, signals=(), group=g) as manager:
+                steps(g, 2)
+                fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
+                fddp.optim.apply_gradients(opt, params, state, params)
+                try:
+                    manager.step(3, {"params": params})
+                except Exception as e:  # noqa: BLE001
+                    out["save"] = type(e).__name__
+        except Exception as e:  # noqa: BLE001 - the Manager's close on a failed group
+            out["close"] = type(e).__name__
     out["saved"] = sorted(os.listdir(directory))
     # 6. Between calls, with batched calls outstanding (their collectives may still wait on the
     # stream), a peer's posted failure aborts the group: the watcher reads its channel.
     from fddp._dist import _watcher
 
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
+    def aborted_within(aborted: list, seconds: float) -> bool:
+        """Whether the watcher called the group's abort (recorded in ``aborted``) within ``seconds``."""
+        t0 = time.monotonic()
+        while not aborted and time.monotonic() - t0 < seconds:
+            time.sleep(0.05)
+        return bool(aborted)
+
     aborted: list = []
-    try:
+    with _nccl_group() as (g, issued):
         _watcher.watch(g, abort=lambda: aborted.append(True))
         steps(g, 2)
         fddp.ddp_step(params, params, group=g)
         dist.barrier()  # every rank outside any call, with its batch outstanding
         if r == 1:
             fddp._dist.fail(g, "ddp_step", RuntimeError("this rank's stream is gone"))
-        t0 = time.monotonic()
-        while not aborted and r != 1 and time.monotonic() - t0 < 5:
-            time.sleep(0.05)
-        out["aborted"] = bool(aborted)
+        out["aborted"] = aborted_within(aborted, 5) if r != 1 else bool(aborted)
         try:
             fddp.psum(params, group=g)
         except Exception as e:  # noqa: BLE001
@@ -482,67 +480,44 @@ def _batched_worker(directory: str) -> dict:
         except Exception as e:  # noqa: BLE001
             out["aborted_then"] += f" {type(e).__name__}"
         fddp.optim.apply_gradients(opt, params, state, params)
-    finally:
-        restore()
     # 7. A batch whose ranks differ, and hosts away from fddp after the boundary sent its check
     # (blocked on a stream that the mismatched collectives hold, say): the watcher reads the
     # arrived head and aborts; the next boundary names the difference.
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
     aborted = []
-    try:
+    with _nccl_group() as (g, issued):
         _watcher.watch(g, abort=lambda: aborted.append(True))
         steps(g, 2)
         fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
         fddp.optim.apply_gradients(opt, params, state, params)  # sends the batch's check
-        t0 = time.monotonic()
-        while not aborted and time.monotonic() - t0 < 5:
-            time.sleep(0.05)
-        out["watched"] = bool(aborted)
+        out["watched"] = aborted_within(aborted, 5)
         try:
             fddp.optim.apply_gradients(opt, params, state, params)
         except Exception as e:  # noqa: BLE001
             out["watched_then"] = f"{type(e).__name__}: {e}"
-    finally:
-        restore()
     # 8. An agreement used as a barrier (a checkpoint's) meets its peers even when known: it waits.
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.5)
-    try:
+    with _nccl_group(0.5) as (g, issued):
         for _ in range(3):
             t0 = time.monotonic()
             fddp._dist.agree(g, "checkpoint.save", [("checkpoint", "the barrier after rank 0 wrote x", None)])
             out["barrier"] = time.monotonic() - t0
-    finally:
-        restore()
     # 9. Two groups whose batches the ranks began in opposite orders: a final check sends every
     # group's head before it waits for any (waiting for A's first, rank 0 would wait for rank 1,
     # which waits for B's).
-    a, b = _side_group(), _side_group()
-    _, restore_a = _nccl_like(a, 0.0, data=False)
-    _, restore_b = _nccl_like(b, 0.0, data=False)
-    try:
+    with _nccl_group() as (a, _), _nccl_group() as (b, _):
         for first, second in ((a, b), (a, b)) if r == 0 else ((a, b), (b, a)):
             fddp.psum(params, group=first)
             fddp.psum(params, group=second)
         t0 = time.monotonic()
         fddp._dist.settle("the test", final=True)
         out["crossed"] = time.monotonic() - t0
-    finally:
-        restore_b()
-        restore_a()
     # 10. A thread's own group (metrics, say): the main thread's boundary leaves its batch alone,
     # however far that thread has got (here: two calls on rank 0, one on rank 1, when it comes).
     import threading
 
-    m = _side_group()
-    g = _side_group()
-    _, restore_m = _nccl_like(m, 0.0, data=False)
-    issued, restore = _nccl_like(g, 0.0, data=False)
     got: dict = {}
     halfway, boundary_done = threading.Event(), threading.Event()
 
-    def metrics() -> None:
+    def metrics(m: dist.ProcessGroup) -> None:
         try:
             fddp.psum(params, group=m)  # learnt: sends a head
             for i in range(2):
@@ -555,9 +530,9 @@ def _batched_worker(directory: str) -> dict:
         except Exception as e:  # noqa: BLE001
             got["metrics"] = f"{type(e).__name__}: {e}"
 
-    try:
+    with _nccl_group() as (m, _), _nccl_group() as (g, issued):
         steps(g, 2)
-        t = threading.Thread(target=metrics)
+        t = threading.Thread(target=metrics, args=(m,))
         t.start()
         halfway.wait(10)
         try:
@@ -569,24 +544,16 @@ def _batched_worker(directory: str) -> dict:
         t.join(30)
         fddp._dist.settle("the test", final=True)
         out["threads"] = (got.get("main"), got.get("metrics"))
-    finally:
-        restore()
-        restore_m()
     # 11. A difference that a head finds before any collective of the call, with no batched call
     # before it on any rank (two new trees): raised, and the group is still in step.
-    g = _side_group()
-    issued, restore = _nccl_like(g, 0.0, data=False)
-    try:
+    with _nccl_group() as (g, issued):
         try:
             fddp.psum({"w": torch.zeros(7 if r == 1 else 5)}, group=g)
         except Exception as e:  # noqa: BLE001
             out["in_step"] = type(e).__name__
         fddp.psum(params, group=g)
         out["in_step"] += " then ok"
-    finally:
-        restore()
     out["owing_at_end"] = len(_agreement._owing)
-    del header, _groups
     return out
 
 

@@ -198,37 +198,34 @@ def start_agreement(
         return Agreement(None, None, Agreed(new, ask and new), (), call_)  # one rank, or a known tree with the agreement off
     printed = (values or 0) if checks().replicas and replicas is not False else 0
     steady = defer and on and not (new or printed or ask or sequenced)
-    if steady and _waits.batched(group):
+    batched = (steady or new) and _waits.batched(group)  # asked only where it decides something
+    steady = steady and batched
+    if steady and len(st.unheaded) < UNHEADED - 1:
         # A known call on an NCCL group (its heads on the gloo side group): checked in a batch.
         # It sends no head; its identity joins the group's next head (the step boundary's, or
         # every UNHEADED calls), which no call waits for: the next one reads it (settle).
-        if len(st.unheaded) < UNHEADED - 1:
-            _owe(group, st)
-            st.unheaded.append((call_, what, signature))
-            _remember(st, signature, replicas)
-            return Agreement(None, None, Agreed(False, False), (), call_)
-    else:
-        steady = False
-    if new and _waits.batched(group):
+        _owe(group, st)
+        st.unheaded.append((call_, what, signature))
+        _remember(st, signature, replicas)
+        return Agreement(None, None, Agreed(False, False), (), call_)
+    if new and batched:
         st.rows[signature] = build()  # to name this signature if a batch that holds it differs
     segment = Segment(group, (signature, name_digest(what)), what, call_) if sequenced and on else None
     if steady:  # read later: its rows from the group's record, not a closure that holds the call's tree
         kept = st.rows.get(signature, [])
         build = lambda: kept  # noqa: E731
-    a = _send(group, st, what, signature, call_, build, names, replicas, segment, on, printed=printed, new=new, ask=ask)
-    if not carry:
-        a.work = _header.exchange(a.header, group)
-        a.deferred = steady  # the UNHEADED-th call of a batch
-    return a
+    # Deferred where steady: the UNHEADED-th call of a batch.
+    return _send(group, st, what, signature, call_, build, names, replicas, segment, on, printed, new, ask, carry, deferred=steady)
 
 
 def _send(
     group: dist.ProcessGroup | None, st: GroupState, what: str, signature: int, call_: int, build: Rows,
     names: Callable[[Sequence[list[tuple]]], str], replicas: bool | None, segment: Segment | None, on: bool,
-    printed: int = 0, new: bool = False, ask: bool = False,
+    printed: int = 0, new: bool = False, ask: bool = False, carry: bool = False, deferred: bool = False,
 ) -> Agreement:  # fmt: skip
-    """Build the head of call ``call_`` (its data not sent yet): the earlier head is read first,
-    and the calls batched since then join this one's identity."""
+    """Build the head of call ``call_`` and send it (``carry``: not yet, the call's data rides in
+    it): the earlier head is read first, and the calls batched since then join this one's
+    identity. ``deferred``: :meth:`Agreement.finish` leaves it to be read later (``pending``)."""
     if st.pending is not None:
         _settle(st)
     if st.held:
@@ -245,7 +242,11 @@ def _send(
         learn=int(segment is not None and segment.key not in st.recordings), flags=st.requests,
     )  # fmt: skip
     context = (group, what, st, signature, call_, build, names, replicas, segment, st.requests, earlier)
-    return Agreement(head, None, None, context, call_)
+    a = Agreement(head, None, None, context, call_)
+    if not carry:
+        a.work = _header.exchange(head, group)
+        a.deferred = deferred
+    return a
 
 
 _CARRIERS = (torch.float32, torch.float64)  # exact in the head's float64 slots
@@ -436,10 +437,7 @@ def _check(group: dist.ProcessGroup | None, st: GroupState, what: str) -> None:
     if st.unheaded:
         call_ = st.agreed
         st.agreed += 1
-        a = _send(group, st, what, _BOUNDARY, call_, list, name_difference, None, None, checks().agreement)
-        a.work = _header.exchange(a.header, group)
-        a.deferred = True
-        a.finish()
+        _send(group, st, what, _BOUNDARY, call_, list, name_difference, None, None, checks().agreement, deferred=True).finish()
 
 
 def settle(what: str = "optim.apply_gradients", *, final: bool = False, every_thread: bool = False) -> None:

@@ -88,6 +88,13 @@ def init_picks_the_backend_and_device(device: torch.device) -> None:
     if device.type == "cuda":
         assert "nccl" in backend, backend
         assert torch.cuda.current_device() == fddp.local_rank(), (torch.cuda.current_device(), fddp.local_rank())
+        # "cpu:gloo,cuda:nccl" is an NCCL group to fddp: its waits must not take a timeout (torch's
+        # NCCL wait with one blocks the host until the GPU is done), and its heads travel apart.
+        from fddp._dist import _waits
+
+        assert not _waits.sliced(None), backend
+        if fddp.world_size() > 1:
+            assert _waits.batched(None), backend
     else:
         assert backend == "gloo", backend
     assert fddp.device().type == device.type, (fddp.device(), device)

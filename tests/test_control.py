@@ -221,6 +221,61 @@ def test_a_head_wait_on_the_side_group_reads_a_peers_posted_failure():
     assert got.startswith("PeerError") and "this rank's stream is gone" in got and took < 3.0, (took, got)
 
 
+def _mixed_worker() -> dict:
+    """A group whose backend reads ``"cpu:gloo,cuda:nccl"`` (``fddp.init``'s default on a GPU
+    machine, and torch's own where no backend is named): fddp must take it for the NCCL group it
+    is to CUDA tensors. Its CUDA collectives are gloo's CPU ones here; only the backend's name is
+    the mixed one, so what is tested is fddp's reading of it (no ``SIDE_CONTROL``, no patched
+    waits): heads on a side group, NCCL's plain waits, known calls batched, a watcher."""
+    from fddp._dist import _groups, _waits, _watcher
+
+    g = dist.new_group(backend="gloo")
+    real, real_digest = dist.get_backend, fddp._dist.replica_digest
+    dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl" if group is g else real(group)  # noqa: E731
+    # The values are a GPU's to the sampled fingerprint, which reads none there (as in _nccl_like).
+    fddp._dist.replica_digest = lambda leaves, depth="full": None if depth == "sampled" else real_digest(leaves, depth)  # noqa: E731
+    try:
+        r = fddp.rank()
+        params = fddp.broadcast(_params(), group=g)
+        grads = {k: v * (r + 1) for k, v in params.items()}
+        for _ in range(2):  # the first calls learn their signatures
+            fddp.ddp_step(params, grads, group=g), fddp.psum(grads, group=g)
+        heads, original = _headers_on(g)
+        try:
+            outs = [(fddp.ddp_step(params, grads, group=g), fddp.psum(grads, group=g)) for _ in range(3)]
+            steady = list(heads)
+            fddp._dist.settle("the test", final=True)  # the batch's check, sent and read
+            settled = list(heads[len(steady) :])
+        finally:
+            dist.all_reduce = original
+        control = _groups.control_group(g)
+        return {
+            "side group": control is not g,
+            "sliced": _waits.sliced(g),
+            "batched": _waits.batched(g),
+            "watched": g in _watcher._watched,
+            "steady heads": len(steady),
+            "settle heads on the side group": [h is control for h in settled],
+            "values": [(o["w"].tolist(), s["b"].tolist()) for o, s in outs],
+        }
+    finally:
+        dist.get_backend, fddp._dist.replica_digest = real, real_digest
+
+
+def test_a_mixed_gloo_nccl_group_is_taken_for_an_nccl_one():
+    # Before: "cpu:gloo,cuda:nccl" != "nccl", so fddp took the default GPU group for gloo: a head
+    # per call, on the host, and waits with a timeout, which torch's NCCL wait turns into a host
+    # wait for the GPU at every bucket.
+    for out in run(_mixed_worker, 2, timeout=90):
+        expected = {k: v * 1.5 for k, v in _params().items()}
+        assert out["values"] == [(expected["w"].tolist(), (expected["b"] * 2).tolist())] * 3, out["values"]
+        del out["values"]
+        assert out == {
+            "side group": True, "sliced": False, "batched": True, "watched": True,
+            "steady heads": 0, "settle heads on the side group": [True],
+        }, out  # fmt: skip
+
+
 class _Late:
     """A collective's work that completes ``after`` seconds after its issue. With ``work`` (a
     head's, on the gloo side group): its ``wait`` blocks until then, and for ``work``; else it

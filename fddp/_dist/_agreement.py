@@ -50,7 +50,7 @@ from fddp._dist._diagnosis import disagree, name_difference
 from fddp._dist._digest import digest, name_digest, traced_digest
 from fddp._dist._errors import MismatchError, PeerError
 from fddp._dist._failures import fail, raise_announced, raise_if_failed
-from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, control_group, frame, size, state
+from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, control_group, frame, size, state, uses_nccl
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
@@ -268,7 +268,10 @@ def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int
     # compiled call that meets an eager one on another rank pairs with its head, never with a
     # bucket: the eager rank raises too, instead of an abort in the backend.
     ident = traced_digest((signature, -1, traced_digest(what), 1))
-    t = _header.build(ident, device=collective_device(group))
+    # On the GPU where the group uses NCCL (a mixed group's CPU head would go to its gloo backend:
+    # a host wait inside the graph at every call).
+    device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else collective_device(group)
+    t = _header.build(ident, device=device)
     out = funcol.wait_tensor(funcol.all_reduce(t, "sum", group if group is not None else dist.group.WORLD))
     torch._assert_async(
         _header.traced_verdict(out, dist.get_world_size(group)),

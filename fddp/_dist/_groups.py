@@ -40,6 +40,8 @@ __all__ = [
     "set_checks",
     "checks",
     "collective_device",
+    "control_group",
+    "uses_nccl",
     "count_call",
     "call_count",
     "REMEMBERED",
@@ -359,6 +361,15 @@ def checks() -> Checks:
     return _checks[0]
 
 
+def uses_nccl(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` reduces CUDA tensors with NCCL: an ``"nccl"`` group, or a mixed one
+    (``"cpu:gloo,cuda:nccl"``: ``fddp.init``'s default on a GPU machine, and torch's where
+    ``init_process_group`` names no backend). Its collectives on CUDA tensors do not block the
+    host, so fddp's control plane must not either: such a group's heads travel on a gloo side
+    group, its waits are NCCL's, and its known calls are checked in batches."""
+    return "nccl" in str(dist.get_backend(group))
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where small tensors for collectives on ``group`` must live (NCCL-only groups cannot reduce
     CPU tensors; gloo and mixed ``"cpu:gloo,cuda:nccl"`` groups can)."""
@@ -374,21 +385,24 @@ _SAME = object()  # control_group: the group carries its own headers
 
 
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group on which ``group``'s headers travel: ``group`` itself where it reduces CPU
-    tensors (gloo, a mixed ``"cpu:gloo,cuda:nccl"`` group, a fault-tolerant group), else a gloo
-    group of the same ranks, made once, at the group's first header.
+    """The group on which ``group``'s headers travel: ``group`` itself on gloo (and a
+    fault-tolerant group), else, where the group uses NCCL (:func:`uses_nccl`: an NCCL group or a
+    mixed ``"cpu:gloo,cuda:nccl"`` one), a gloo group of the same ranks, made once, at the group's
+    first header (the default group's by ``fddp.init``).
 
     Why: the host reads every head before it decides what the call's collectives are. On an
     NCCL group a CUDA head would make the host wait for the GPU stream at every call, which torch
-    DDP never does; a CPU head on gloo costs a wait for the peers' hosts only. The buckets stay on
-    ``group``; heads pair with heads only, since every rank sends one at every agreement (a call
-    whose data rides in its head does so only where the control group is the group itself).
+    DDP never does; a CPU head on gloo costs a wait for the peers' hosts only. A mixed group could
+    carry CPU heads itself, but its known calls send none (``_agreement``'s batches): a head on
+    the group's own gloo backend could then pair with a peer's CPU data there. On a side group
+    heads pair with heads only, whatever the calls' data (a call whose data rides in its head
+    does so only where the control group is the group itself).
     """
     st = state(group)
     control = st.control
     if control is None:
         control = _SAME
-        if st.size is None and (SIDE_CONTROL or dist.get_backend(group) == "nccl"):
+        if st.size is None and (SIDE_CONTROL or uses_nccl(group)):
             pg = group if group is not None else dist.group.WORLD
             ranks = dist.get_process_group_ranks(pg)
             # Only the group's ranks take part (they all reach their first header on it at the

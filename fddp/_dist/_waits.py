@@ -25,7 +25,7 @@ from fddp._dist import _channel
 from fddp._dist._channel import Failure
 from fddp._dist._errors import MismatchError, PeerError
 from fddp._dist._failures import fail, peer_error
-from fddp._dist._groups import GroupState, board, call_count, channel_of, control_group, global_ranks, label, rank, size, state
+from fddp._dist._groups import GroupState, board, call_count, channel_of, control_group, global_ranks, label, rank, size, state, uses_nccl
 
 __all__ = ["wait", "sliced", "batched"]
 
@@ -92,11 +92,17 @@ def _slice(work: Any) -> bool:
 
 def sliced(group: dist.ProcessGroup | None) -> bool:
     """Whether waits on ``group`` block the host (gloo: they can be taken in slices); asked of
-    torch once per group state (a group's backend does not change, and every wait asks)."""
+    torch once per group state (a group's backend does not change, and every wait asks).
+
+    Not on a group that uses NCCL, mixed ones (``"cpu:gloo,cuda:nccl"``) included: torch's NCCL
+    wait with a timeout blocks the host until the GPU has run the collective, where a plain one
+    only orders the streams. A work does not say which backend ran it, so a mixed group's CPU
+    collectives are waited for plainly too (a blocking wait, without slices); the watcher reads
+    such a group's channel (``_watcher``)."""
     st = state(group)
     if st.sliced is None:
         try:
-            st.sliced = dist.get_backend(group) != "nccl"
+            st.sliced = not uses_nccl(group)
         except Exception:  # noqa: BLE001 - a group torch.distributed does not register: wait plainly
             return False
     return st.sliced

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from fddp._dist import _header
 from fddp._dist._channel import Failure
-from fddp._dist._groups import GroupState, channel_of, rank, size, state
+from fddp._dist._groups import GroupState, channel_of, rank, size, state, uses_nccl
 
 __all__ = ["watch", "watch_if_needed", "POLL_S"]
 
@@ -46,9 +46,10 @@ def watch(group: dist.ProcessGroup | None, abort: Callable[[], None] | None = No
 
 
 def watch_if_needed(group: dist.ProcessGroup | None) -> bool:
-    """Watch ``group`` if its waits cannot read the channel themselves (NCCL); return whether it is watched."""
+    """Watch ``group`` if its waits cannot read the channel themselves (it uses NCCL, mixed or
+    not: ``_groups.uses_nccl``); return whether it is watched."""
     try:
-        needed = dist.get_backend(group) == "nccl"
+        needed = uses_nccl(group)
     except Exception:  # noqa: BLE001 - a group torch.distributed does not register (fault tolerance watches its own)
         return False
     if needed:

@@ -300,6 +300,44 @@ def known_calls_are_checked_in_a_batch(device: torch.device) -> None:
 
 
 @check
+def the_host_runs_ahead_of_a_busy_gpu(device: torch.device) -> None:
+    """A steady-state step (grad_and_value, ddp_step, psum, apply_gradients) returns on the host
+    while the GPU is still busy with work queued before it: its collectives are only ordered on
+    the stream, never waited for by the host. Fails where a wait takes a timeout (torch's NCCL
+    wait then blocks the host until the GPU is done: fddp did so on the default group, a mixed
+    "cpu:gloo,cuda:nccl" one, until it read that group as NCCL's), or where a head is read back
+    from the GPU."""
+    if device.type == "cpu":
+        raise Skip("needs CUDA (tests/test_control.py makes gloo's collectives late, NCCL-like)")
+    import time
+
+    apply_fn, params = fddp.functionalize(_model().to(device))
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+    opt = fddp.optim.sgd(1e-2)
+    state = opt.init(params)
+    gv = fddp.grad_and_value(_loss_fn(apply_fn))
+    x, y = _batch(device, fddp.rank())
+
+    def step(params, state):
+        grads, _ = gv(params, x, y)
+        grads = fddp.ddp_step(params, grads)
+        fddp.psum({"n": torch.ones((), device=device)})
+        return fddp.optim.apply_gradients(opt, grads, state, params)
+
+    for _ in range(3):  # the first calls learn their signatures (and wait for their heads)
+        params, state = step(params, state)
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.monotonic()
+    torch.cuda._sleep(int(2e9))  # about a second of GPU cycles, queued ahead of the step
+    params, state = step(params, state)
+    host = time.monotonic() - t0
+    torch.cuda.synchronize()
+    gpu = time.monotonic() - t0
+    assert gpu > 0.3 and host < 0.25 * gpu, f"the host returned after {host:.3f} s; the GPU finished after {gpu:.3f} s"
+
+
+@check
 def compiled_step_matches_eager(device: torch.device) -> None:
     """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
     if device.type == "cpu":

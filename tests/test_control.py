@@ -227,6 +227,8 @@ def _mixed_worker() -> dict:
     is to CUDA tensors. Its CUDA collectives are gloo's CPU ones here; only the backend's name is
     the mixed one, so what is tested is fddp's reading of it (no ``SIDE_CONTROL``, no patched
     waits): heads on a side group, NCCL's plain waits, known calls batched, a watcher."""
+    import time
+
     from fddp._dist import _groups, _waits, _watcher
 
     g = dist.new_group(backend="gloo")
@@ -249,7 +251,7 @@ def _mixed_worker() -> dict:
         finally:
             dist.all_reduce = original
         control = _groups.control_group(g)
-        return {
+        out = {
             "side group": control is not g,
             "sliced": _waits.sliced(g),
             "batched": _waits.batched(g),
@@ -258,6 +260,22 @@ def _mixed_worker() -> dict:
             "settle heads on the side group": [h is control for h in settled],
             "values": [(o["w"].tolist(), s["b"].tolist()) for o, s in outs],
         }
+        # A CPU collective on such a group is gloo's: its wait is still taken in slices that read
+        # the channel (aborting a group does not end a gloo wait). Rank 1 posts a fatal failure
+        # while rank 0 waits in a known psum's all-reduce, and stays alive.
+        if r == 1:
+            time.sleep(0.5)
+            fddp._dist.fail(g, "test", RuntimeError("this rank's stream is gone"))
+            time.sleep(5)  # alive: no lost connection to notice, only the posted failure
+            return out
+        t0 = time.monotonic()
+        try:
+            fddp.psum(grads, group=g)
+            out["failure"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out["failure"] = f"{type(e).__name__}: {e}"
+        out["took"] = time.monotonic() - t0
+        return out
     finally:
         dist.get_backend, fddp._dist.replica_digest = real, real_digest
 
@@ -266,10 +284,12 @@ def test_a_mixed_gloo_nccl_group_is_taken_for_an_nccl_one():
     # Before: "cpu:gloo,cuda:nccl" != "nccl", so fddp took the default GPU group for gloo: a head
     # per call, on the host, and waits with a timeout, which torch's NCCL wait turns into a host
     # wait for the GPU at every bucket.
-    for out in run(_mixed_worker, 2, timeout=90):
+    for r, out in enumerate(run(_mixed_worker, 2, timeout=90)):
         expected = {k: v * 1.5 for k, v in _params().items()}
-        assert out["values"] == [(expected["w"].tolist(), (expected["b"] * 2).tolist())] * 3, out["values"]
-        del out["values"]
+        assert out.pop("values") == [(expected["w"].tolist(), (expected["b"] * 2).tolist())] * 3, out
+        if r == 0:  # before Comm told the wait its tensors were on the CPU: a plain wait, which hung (90 s here)
+            failure, took = out.pop("failure"), out.pop("took")
+            assert failure.startswith("PeerError") and "this rank's stream is gone" in failure and took < 3.0, (took, failure)
         assert out == {
             "side group": True, "sliced": False, "batched": True, "watched": True,
             "steady heads": 0, "settle heads on the side group": [True],

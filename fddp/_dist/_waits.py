@@ -35,10 +35,11 @@ _POSTED_S = 1.0  # after a lost connection, how long a dying peer's own post may
 _LOST = ("connection", "broken pipe", "reset by peer", "closed by peer", "end of file", "eof")
 
 
-def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str, *, head: bool = False) -> None:
+def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str, *, head: bool = False, host: bool = False) -> None:
     """Wait for an async collective, watching for a peer's failure; on failure say which rank,
     which call and what it was doing. ``head``: the work is a head, on ``group``'s control group
-    (an NCCL group's gloo side group: a host wait, taken in slices like gloo's own).
+    (an NCCL group's gloo side group: a host wait, taken in slices like gloo's own). ``host``:
+    the work's tensors are on the CPU (gloo's, on a mixed group too: taken in slices).
 
     Raises:
         PeerError: a peer posted a fatal failure, or died (its connection was lost).
@@ -52,7 +53,7 @@ def wait(work: Any, group: dist.ProcessGroup | None, what: str, doing: str, *, h
         if work.is_completed():  # done already (a carried sum whose head was read): nothing to slice
             work.wait()  # raises here where the work failed
             return
-        if not sliced(control_group(group) if head else group):
+        if not (host or sliced(control_group(group) if head else group)):
             work.wait()  # NCCL's: one plain wait
             return
         if not _slice(work):
@@ -96,9 +97,10 @@ def sliced(group: dist.ProcessGroup | None) -> bool:
 
     Not on a group that uses NCCL, mixed ones (``"cpu:gloo,cuda:nccl"``) included: torch's NCCL
     wait with a timeout blocks the host until the GPU has run the collective, where a plain one
-    only orders the streams. A work does not say which backend ran it, so a mixed group's CPU
-    collectives are waited for plainly too (a blocking wait, without slices); the watcher reads
-    such a group's channel (``_watcher``)."""
+    only orders the streams. A work does not say which backend ran it: a mixed group's CPU
+    collectives are taken in slices where the caller says so (:func:`wait`'s ``host``, which
+    ``fddp.sync``'s ``Comm`` passes), else waited for plainly (a blocking wait that reads no
+    channel: aborting the group does not end a gloo wait)."""
     st = state(group)
     if st.sliced is None:
         try:

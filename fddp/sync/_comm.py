@@ -50,6 +50,9 @@ class Comm:
         self.segment: Segment | None = None
         # An agreement whose head the next all-reduce (sum) rides in (fddp._dist's "The data rides in the head").
         self._carry: Any = None
+        # Some collective's tensors were on the CPU: gloo's, whose waits are taken in slices even on a
+        # mixed "cpu:gloo,cuda:nccl" group, where a CUDA one's must not be (fddp._dist.wait's host).
+        self._host = False
 
     @property
     def rank(self) -> int:
@@ -75,6 +78,8 @@ class Comm:
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_sent += t.numel() * t.element_size()
         self.collectives += 1
+        if t.is_cpu:
+            self._host = True
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", tag: str | None = None) -> Any:
         """Start an all-reduce of ``t`` in place (``op``: ``"sum"`` or ``"max"``); return its work handle.
@@ -184,7 +189,7 @@ class Comm:
 
     def wait(self, work: Any, doing: str) -> None:
         """Wait for ``work``; on failure raise an error naming the call, the rank and ``doing``."""
-        wait(work, self.group, self.what, doing)
+        wait(work, self.group, self.what, doing, host=self._host)
 
 
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor to all_gather_single and

@@ -412,7 +412,11 @@ _caches.register("fddp._dist._agreement._owing", _owing.clear)
 
 def _owe(group: dist.ProcessGroup | None, st: GroupState) -> None:
     if id(st) not in _owing:
-        _owing[id(st)] = (None if group is None else weakref.ref(group), st, threading.get_ident())
+        # The thread whose fddp call holds the group, where one does: on CUDA a backward runs on
+        # autograd's device thread, and the collectives it issues for the caller's call (a
+        # differentiable pmean's cotangents, inside grad_and_value) are that caller's to settle.
+        thread = st.owner if st.owner is not None else threading.get_ident()
+        _owing[id(st)] = (None if group is None else weakref.ref(group), st, thread)
 
 
 def _settle(st: GroupState) -> None:

@@ -290,3 +290,46 @@ def test_loss_not_depending_on_params_gives_zeros():
 def test_errors(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def _device_thread_worker() -> list:
+    """CUDA's backward, emulated on the CPU: autograd runs a CUDA graph's backward on its device
+    thread while the caller waits, unless multithreading is disabled
+    (``torch.autograd.set_multithreading_enabled``). Here every ``torch.autograd.grad`` with
+    multithreading on runs on another thread. A differentiable psum and a SyncBatchNorm inside
+    ``grad_and_value``'s ``fn`` issue their backward's collectives from it: an fddp call from a
+    second thread while the caller's call holds the group."""
+    import concurrent.futures
+
+    real = torch.autograd.grad
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def on_a_device_thread(*args, **kwargs):
+        if torch._C._is_multithreading_enabled():
+            return pool.submit(real, *args, **kwargs).result()
+        return real(*args, **kwargs)
+
+    r = fddp.rank()
+    apply_fn, params = fddp.functionalize(fddp.SyncBatchNorm(3))
+    params = {**fddp.broadcast(params), "w": torch.ones(3)}
+    x = torch.arange(12.0).reshape(4, 3) * (r + 1)
+
+    def fn(p, x):
+        y = apply_fn({k: v for k, v in p.items() if k != "w"}, x * p["w"])
+        return fddp.psum(y * y).sum()
+
+    expected = fddp.grad_and_value(fn)(params, x)  # on this thread: the reference
+    torch.autograd.grad = on_a_device_thread
+    try:
+        got = fddp.grad_and_value(fn)(params, x)
+    finally:
+        torch.autograd.grad = real
+        pool.shutdown()
+    return [torch.equal(got[1], expected[1])] + [torch.equal(got[0][k], expected[0][k]) for k in expected[0]]
+
+
+def test_collectives_in_fns_backward_run_on_the_callers_thread():
+    # Before: "fddp.psum (backward): thread ... started a synchronisation on a process group while
+    # thread 'MainThread' is inside fddp.grad_and_value", and the group ended on every rank.
+    for same in run(_device_thread_worker, 2, timeout=90):
+        assert same == [True] * 4, same

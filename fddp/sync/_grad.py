@@ -269,7 +269,8 @@ class _Transform:
             # the head is read at the end.
             sync.announce(replicas=True, drift=True, gate=reducer)
             if loss.requires_grad:
-                raw = torch.autograd.grad(loss, inputs, allow_unused=True)
+                with _caller_thread():
+                    raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                 if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
                     self.held = raw
         if win is not None:
@@ -295,7 +296,8 @@ class _Transform:
                 f"fddp.{what}: accumulated= cannot be used inside a torch.func transform or torch.compile (its window's "
                 "sums are plain tensors of the eager step); accumulate with torch.func.grad and fddp.accumulate_grads there"
             )
-        grads, value = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)(*args, **kwargs)
+        with _caller_thread():
+            grads, value = torch.func.grad_and_value(self.fn, self.argnums, self.has_aux)(*args, **kwargs)
         if _fully_sharded(flat[1], what):
             return grads, value, SyncInfo(None, None, 0, 0)
         grads, info = _differentiable.ddp_step(tree, grads, options, state, w)
@@ -329,12 +331,21 @@ class _Transform:
         with torch.enable_grad():
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)
-            grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+            with _caller_thread():
+                grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
         # A forward whose backward did not run here (its output unused in this rank's loss) fails
         # the shards' groups as its graph is freed (fddp._dist.dropped): raise it in this call.
         _dist.raise_if_failed_here()
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
         return optree.tree_unflatten(spec, grads), _detached(out), SyncInfo(None, None, 0, 0)
+
+
+def _caller_thread() -> Any:
+    """Run the backward on this thread, inside this call's scope. On CUDA autograd runs a backward
+    on its device thread; the backward of an fddp collective inside ``fn`` (a differentiable psum,
+    SyncBatchNorm's sums) is then an fddp call from a second thread while this one holds the
+    group, which the scope refuses (``fddp._dist.call``). The CPU's backward runs here already."""
+    return torch.autograd.set_multithreading_enabled(False)
 
 
 def _arrive_in_window(reducer: Any, win: Window, i: int, g: torch.Tensor | None) -> None:

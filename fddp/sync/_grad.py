@@ -14,6 +14,7 @@ bucket's flat buffer, as torch DDP's reducer does, and launches every bucket tha
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable
@@ -344,7 +345,10 @@ def _caller_thread() -> Any:
     """Run the backward on this thread, inside this call's scope. On CUDA autograd runs a backward
     on its device thread; the backward of an fddp collective inside ``fn`` (a differentiable psum,
     SyncBatchNorm's sums) is then an fddp call from a second thread while this one holds the
-    group, which the scope refuses (``fddp._dist.call``). The CPU's backward runs here already."""
+    group, which the scope refuses (``fddp._dist.call``). The CPU's backward runs here already,
+    and so does a compiled step's (its backward is in the graph, which dynamo cannot trace this into)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     return torch.autograd.set_multithreading_enabled(False)
 
 

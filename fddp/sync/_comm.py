@@ -50,9 +50,9 @@ class Comm:
         self.segment: Segment | None = None
         # An agreement whose head the next all-reduce (sum) rides in (fddp._dist's "The data rides in the head").
         self._carry: Any = None
-        # Some collective's tensors were on the CPU: gloo's, whose waits are taken in slices even on a
+        # The works of collectives on CPU tensors: gloo's, whose waits are taken in slices even on a
         # mixed "cpu:gloo,cuda:nccl" group, where a CUDA one's must not be (fddp._dist.wait's host).
-        self._host = False
+        self._host: list[Any] = []
 
     @property
     def rank(self) -> int:
@@ -78,8 +78,12 @@ class Comm:
     def _count(self, t: torch.Tensor) -> None:
         self.bytes_sent += t.numel() * t.element_size()
         self.collectives += 1
+
+    def _started(self, t: torch.Tensor, work: Any) -> Any:
+        """``work``, noted as the host's where ``t`` is on the CPU (see :meth:`wait`)."""
         if t.is_cpu:
-            self._host = True
+            self._host.append(work)
+        return work
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", tag: str | None = None) -> Any:
         """Start an all-reduce of ``t`` in place (``op``: ``"sum"`` or ``"max"``); return its work handle.
@@ -98,7 +102,7 @@ class Comm:
         if self._carry is not None and op == "sum":
             agreement, self._carry = self._carry, None
             return _Carried(t, agreement)
-        return dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True)
+        return self._started(t, dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True))
 
     def all_gather(self, t: torch.Tensor, tag: str | None = None) -> tuple[torch.Tensor, Any]:
         """Start gathering every rank's ``t`` (same shape on every rank); return ``(out, work)``,
@@ -112,7 +116,7 @@ class Comm:
         self._issue("all-gather", t, tag)
         flat = torch.empty(self.world_size * t.numel(), dtype=t.dtype, device=t.device)
         work = _all_gather_single(flat, t.contiguous().reshape(-1), group=self.group, async_op=True)
-        return flat.view(self.world_size, *t.shape), work
+        return flat.view(self.world_size, *t.shape), self._started(t, work)
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, tag: str | None = None) -> Any:
         """Start summing ``t`` (``world_size * out.numel()`` elements) over the ranks, this rank
@@ -151,7 +155,7 @@ class Comm:
         self._check_parts(collective, whole, part)
         self._count(t)
         self._issue(collective.split(" ", 1)[1], t, tag)
-        return op(out, t, group=self.group, async_op=True)
+        return self._started(t, op(out, t, group=self.group, async_op=True))
 
     def _check_parts(self, collective: str, whole: torch.Tensor, part: torch.Tensor) -> None:
         if whole.numel() != self.world_size * part.numel():
@@ -176,20 +180,20 @@ class Comm:
         self._issue("exchange", send, tag, numel=send.numel() + got.numel())  # the halves differ, their sum does not
         sizes_in = [send.numel() if r == peer else 0 for r in range(self.world_size)]
         sizes_out = [got.numel() if r == peer else 0 for r in range(self.world_size)]
-        return dist.all_to_all_single(
+        return self._started(send, dist.all_to_all_single(
             got.reshape(-1), send.contiguous().reshape(-1), sizes_out, sizes_in, group=self.group, async_op=True
-        )
+        ))  # fmt: skip
 
     def broadcast(self, t: torch.Tensor, src: int, tag: str | None = None) -> Any:
         """Start a broadcast of ``t`` from ``src`` (a rank of the group), in place; return its work."""
         self._count(t)
         self._issue("broadcast", t, tag)
         global_src = src if self.group is None else dist.get_global_rank(self.group, src)
-        return dist.broadcast(t, src=global_src, group=self.group, async_op=True)
+        return self._started(t, dist.broadcast(t, src=global_src, group=self.group, async_op=True))
 
     def wait(self, work: Any, doing: str) -> None:
         """Wait for ``work``; on failure raise an error naming the call, the rank and ``doing``."""
-        wait(work, self.group, self.what, doing, host=self._host)
+        wait(work, self.group, self.what, doing, host=any(w is work for w in self._host))
 
 
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor to all_gather_single and

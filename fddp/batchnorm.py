@@ -203,7 +203,10 @@ def _agree(x: Tensor, group: dist.ProcessGroup | None, name: str, what: str = _W
             ("option input", f"dtype={x.dtype} device={x.device.type}", None),
         ]
 
-    _dist.agree(group, what, rows, key=key)
+    # Deferred: the layer needs nothing of its peers but that their collectives match, so on an
+    # NCCL group a known layer sends no head (its check joins the step's batch) instead of making
+    # the host wait for its peers at every layer, forward and backward.
+    _dist.start_agreement(group, what, rows, key=key, defer=True).finish()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -226,7 +229,7 @@ class _SyncBatchNorm(torch.autograd.Function):
             var, mean = torch.var_mean(x.to(acc), dim=dims, correction=0)
         else:  # an empty batch on this rank: it still joins the collective, with count 0
             var = mean = torch.zeros(c, dtype=acc, device=x.device)
-        local = torch.cat([mean.to(torch.float64), var.to(torch.float64), torch.tensor([float(n)], dtype=torch.float64, device=x.device)])
+        local = torch.cat([mean.to(torch.float64), var.to(torch.float64), torch.full((1,), float(n), dtype=torch.float64, device=x.device)])
         rows = _all_gather(local, group, name)
         counts = rows[:, 2 * c]
         total = counts.sum()
@@ -302,7 +305,7 @@ class _SumOverRanks(torch.autograd.Function):
             _agree(t.view(1, -1), group, name, what)
             out = t.clone()
             work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            _dist.wait(work, group, what, f"the backward all-reduce of {_label(name)}")
+            _dist.wait(work, group, what, f"the backward all-reduce of {_label(name)}", host=out.is_cpu)
         return out
 
     @staticmethod
@@ -322,10 +325,10 @@ def _all_gather(local: Tensor, group: dist.ProcessGroup | None, name: str) -> Te
     doing = f"the all-gather of the batch statistics of {_label(name)}"
     if moved.device.type == "cuda" and "nccl" in dist.get_backend(group):
         out = torch.empty(n, moved.numel(), dtype=moved.dtype, device=device)
-        _dist.wait(dist.all_gather_into_tensor(out, moved, group=group, async_op=True), group, _WHAT, doing)
+        _dist.wait(dist.all_gather_into_tensor(out, moved, group=group, async_op=True), group, _WHAT, doing, host=moved.is_cpu)
     else:  # gloo: a list of tensors (as torch's SyncBatchNorm does there)
         rows = [torch.empty_like(moved) for _ in range(n)]
-        _dist.wait(dist.all_gather(rows, moved, group=group, async_op=True), group, _WHAT, doing)
+        _dist.wait(dist.all_gather(rows, moved, group=group, async_op=True), group, _WHAT, doing, host=moved.is_cpu)
         out = torch.stack(rows)
     return out.to(local.device)
 

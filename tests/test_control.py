@@ -469,6 +469,25 @@ def _batched_worker(directory: str) -> dict:
             out["owing"] = len(_agreement._owing)
         finally:
             dist.all_reduce = original
+    # 1b. A SyncBatchNorm layer's calls (its forward's, inside fn, and its backward's) are known
+    # calls too: a step sends only its boundary's head, not one per layer and direction.
+    with _nccl_group() as (g, issued):
+        heads, original = _headers_on(g)
+        try:
+            apply_fn, bn = fddp.functionalize(fddp.SyncBatchNorm(3, group=g))
+            bn = fddp.broadcast(bn, group=g)
+            gv = fddp.grad_and_value(lambda p, x: apply_fn(p, x).pow(2).sum(), group=g)
+            x = torch.arange(12.0).reshape(4, 3) + r
+            counted = []
+            for _ in range(4):
+                heads.clear()
+                grads, _ = gv(bn, x)
+                fddp.optim.apply_gradients(opt, grads, opt.init(bn), bn)
+                counted.append(len(heads))
+            out["syncbn_heads"] = counted[2:]  # the first steps learn their signatures
+            fddp._dist.settle("the test", final=True)
+        finally:
+            dist.all_reduce = original
     # 2. Two known calls that differ (ddp_step here, psum there) in a batch: every call returns,
     # and so does the boundary that sends its check; the next boundary raises.
     with _nccl_group() as (g, issued):
@@ -637,6 +656,7 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
     for r, out in enumerate(run(_batched_worker, world, str(tmp_path), timeout=120)):
         assert out["per_step"] == (3, 6), out  # 3 steps: one head each (their boundary's), and the data's 6 collectives
         assert out["long"] == 1 and out["owing"] == 0, out  # UNHEADED calls without a boundary: one head
+        assert out["syncbn_heads"] == [1, 1], out  # the boundary's (before: 2, the layer's own head too)
         assert out["returned"], out
         assert out["next"].startswith("MismatchError") and "rank 0's call 6 was fddp.ddp_step" in out["next"], out
         assert "rank 1's call 6 was fddp.psum" in out["next"] and "carries no more" in out["next"], out

@@ -206,7 +206,7 @@ def _agree(x: Tensor, group: dist.ProcessGroup | None, name: str, what: str = _W
     # Deferred: the layer needs nothing of its peers but that their collectives match, so on an
     # NCCL group a known layer sends no head (its check joins the step's batch) instead of making
     # the host wait for its peers at every layer, forward and backward.
-    _dist.start_agreement(group, what, rows, key=key, defer=True).finish()
+    _dist.agree(group, what, rows, key=key, defer=True)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -338,6 +338,34 @@ def the_host_runs_ahead_of_a_busy_gpu(device: torch.device) -> None:
 
 
 @check
+def sharded_steps_never_sync_the_host(device: torch.device) -> None:
+    """ZeRO-2 on the default group (a mixed "cpu:gloo,cuda:nccl" one from fddp.init): steady-state
+    steps with clip_by_global_norm (a sharded sum of squares), check_finite (every rank's verdict)
+    and Muon's owner exchange make no synchronising call. Before fddp._dist.data_device, those small
+    all-reduces went to the CPU (the group's gloo side): a copy to the host, a sync, every step;
+    SyncBatchNorm's count slot was a synced copy from the host, and its every layer a host-blocking head."""
+    if device.type == "cpu":
+        raise Skip("needs CUDA (sync debug mode)")
+    model = fddp.sync_batchnorm(nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))).to(device)
+    apply_fn, params = fddp.functionalize(model)
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+    shards = fddp.zero.shard(params)
+    opt = fddp.optim.chain(fddp.optim.clip_by_global_norm(1.0), fddp.optim.muon(1e-2))
+    state = opt.init(shards)
+    step = fddp.grad_and_value(_loss_fn(apply_fn), compression=fddp.zero.ReduceScatter(), return_info=True, check_finite=True)
+    x = torch.randn(12, 8, device=device)
+    y = torch.randint(0, 4, (12,), device=device)
+    for i in range(6):
+        if i == 3:  # the first calls learn their signatures
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            grads, _, info = step(fddp.zero.gather(shards).wait(), x, y)
+            shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@check
 def compiled_step_matches_eager(device: torch.device) -> None:
     """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
     if device.type == "cpu":

@@ -50,7 +50,7 @@ from fddp._dist._diagnosis import disagree, name_difference
 from fddp._dist._digest import digest, name_digest, traced_digest
 from fddp._dist._errors import MismatchError, PeerError
 from fddp._dist._failures import fail, raise_announced, raise_if_failed
-from fddp._dist._groups import REMEMBERED, GroupState, checks, collective_device, control_group, frame, size, state, uses_nccl
+from fddp._dist._groups import REMEMBERED, GroupState, checks, control_group, data_device, frame, size, state
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import wait
 
@@ -106,6 +106,7 @@ def agree(
     ask: bool = False,
     values: int | None = 0,
     sequenced: bool = False,
+    defer: bool = False,
 ) -> Agreed:
     """Make every rank agree that it is about to run the same call.
 
@@ -124,6 +125,9 @@ def agree(
         sequenced: the call issues a sequence of collectives that its signature does not fix (a
             fully sharded forward and its backward): the ranks learn it, then check it before
             each collective (:class:`Segment`, in the result).
+        defer: the caller needs nothing of its peers but that their collectives match (no
+            barrier, no answer read): on an NCCL group a known call then sends no head, and is
+            checked with the group's batch (:func:`settle`).
 
     Returns:
         :class:`Agreed`, the same on every rank, so the caller's further collectives match.
@@ -137,7 +141,7 @@ def agree(
         >>> agree(group, "diloco.step", rows)
     """
     return start_agreement(
-        group, what, rows, key=key, signature=signature, names=names, ask=ask, values=values, sequenced=sequenced
+        group, what, rows, key=key, signature=signature, names=names, ask=ask, values=values, sequenced=sequenced, defer=defer
     ).finish()
 
 
@@ -270,8 +274,7 @@ def _traced_agreement(group: dist.ProcessGroup | None, what: str, signature: int
     ident = traced_digest((signature, -1, traced_digest(what), 1))
     # On the GPU where the group uses NCCL (a mixed group's CPU head would go to its gloo backend:
     # a host wait inside the graph at every call).
-    device = torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else collective_device(group)
-    t = _header.build(ident, device=device)
+    t = _header.build(ident, device=data_device(group))
     out = funcol.wait_tensor(funcol.all_reduce(t, "sum", group if group is not None else dist.group.WORLD))
     torch._assert_async(
         _header.traced_verdict(out, dist.get_world_size(group)),

@@ -40,6 +40,7 @@ __all__ = [
     "set_checks",
     "checks",
     "collective_device",
+    "data_device",
     "control_group",
     "uses_nccl",
     "count_call",
@@ -368,6 +369,16 @@ def uses_nccl(group: dist.ProcessGroup | None) -> bool:
     host, so fddp's control plane must not either: such a group's heads travel on a gloo side
     group, its waits are NCCL's, and its known calls are checked in batches."""
     return "nccl" in str(dist.get_backend(group))
+
+
+def data_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor made from the data (a sharded norm, a finite flag, Muon's pieces) goes
+    for a collective on ``group``: the GPU where the group uses NCCL (:func:`uses_nccl`; on a mixed
+    group the CPU would cost a copy to the host, a sync, and a trip over gloo), else the CPU.
+    Decided by the group, not by the tensor, so that a rank that holds no data (an empty shard)
+    joins the same backend as its peers. Values the host made (counts, checksums) go to
+    :func:`collective_device` instead."""
+    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -173,10 +173,11 @@ def step(
         us.append(u)
     dtype = cfg.ns_dtype or next(iter(dtypes), torch.float32)
     device = gs[0].device if gs else torch.device("cpu")
-    wire = _dist.collective_device(group) if world > 1 else device
+    wire = _dist.data_device(group) if world > 1 else device
     if world > 1:
         _dist.count_call(group, "optim.muon")
-        _dist.agree(group, "optim.muon", lambda: _rows(cfg, split, members, names, pl), key=("optim.muon", cfg, split, members))
+        rows = lambda: _rows(cfg, split, members, names, pl)  # noqa: E731 - built only for a new signature
+        _dist.agree(group, "optim.muon", rows, key=("optim.muon", cfg, split, members), defer=True)
     send = _cat([us[k][at : at + n] for k, at, n, _ in pl.send], dtype, wire)
     recv = _exchange(send, pl.recv_splits, pl.send_splits, group, world, "the pieces of the matrices to their owners")
 

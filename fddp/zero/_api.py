@@ -145,7 +145,7 @@ def gather(shards: Sharded, /) -> Gathered:
                 f"{b.device}; got {got}"
             )
     _dist.count_call(lay.group, "zero.gather")
-    _dist.agree(lay.group, "zero.gather", lay.describe, key=("zero.gather", lay))
+    _dist.agree(lay.group, "zero.gather", lay.describe, key=("zero.gather", lay), defer=True)  # NCCL: batched, no host wait
     comm = Comm(lay.group, "zero.gather", lay.plan)
     bufs, works = [], []
     for b, c, t in zip(lay.plan.buckets, lay.cuts, shards.shards):

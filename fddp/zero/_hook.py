@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import optree
 import torch
 
+from fddp import _dist
 from fddp._layout import Bucket
 from fddp._pool import new_buffer
 from fddp.sync._comm import Comm
@@ -198,7 +199,7 @@ class ReduceScatter(CommHook):
         finite = all_finite(results)
         if comm.world_size > 1:
             # Each rank holds its own shards: one small all-reduce makes the verdict everyone's.
-            bad = (~finite).to(device=comm.device, dtype=torch.int32).reshape(1)
+            bad = (~finite).to(device=_dist.data_device(comm.group), dtype=torch.int32).reshape(1)
             comm.wait(comm.all_reduce(bad, "max"), "the all-reduce of the finite checks")
             finite = (bad[0] == 0).to(finite.device)
         return finite

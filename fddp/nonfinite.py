@@ -91,7 +91,8 @@ class DynamicLossScale:
             raise ValueError(f"DynamicLossScale: growth_interval must be an int >= 1, got {self.growth_interval!r}")
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
-        """Return the initial state, on ``device`` (the CPU by default).
+        """Return the initial state, on ``device`` (the CPU by default; :meth:`update` moves it to
+        its verdict's device, once, so that a GPU step never waits for the host's state).
 
         Example:
             >>> fddp.DynamicLossScale().init().scale
@@ -109,7 +110,7 @@ class DynamicLossScale:
             >>> loss_scale.scale_loss(ls, torch.tensor(0.5))
             tensor(32768.)
         """
-        return loss * state.scale.to(loss.device)
+        return loss * _on(state.scale, loss.device)
 
     def unscale_grads(self, state: LossScaleState, grads: Any, /) -> Any:
         """Return ``grads`` divided by the scale, as GradScaler does: times ``float32(1 / scale)``.
@@ -120,7 +121,7 @@ class DynamicLossScale:
             >>> grads = loss_scale.unscale_grads(ls, grads)
         """
         inv_scale = state.scale.double().reciprocal().float()
-        return optree.tree_map(lambda g: g * inv_scale.to(g.device), grads)
+        return optree.tree_map(lambda g: g * _on(inv_scale, g.device), grads)
 
     def update(self, state: LossScaleState, finite: torch.Tensor | bool, /) -> LossScaleState:
         """Return the state after a step whose gradients were finite (``finite`` true) or not.
@@ -133,6 +134,10 @@ class DynamicLossScale:
             >>> ls = loss_scale.update(ls, info.finite)
         """
         scale, tracker = state.scale, state.growth_tracker
+        if isinstance(finite, torch.Tensor) and finite.device != scale.device:
+            # The state follows the verdict to its device (once: it stays there), instead of the
+            # verdict coming to the host's state, a sync at every step on a GPU.
+            scale, tracker = scale.to(finite.device), tracker.to(finite.device)
         finite = torch.as_tensor(finite, device=scale.device).reshape(())
         if finite.dtype != torch.bool:
             raise TypeError(f"DynamicLossScale.update: finite must be a bool tensor (info.finite), got {finite.dtype}")
@@ -144,3 +149,9 @@ class DynamicLossScale:
         new_scale = torch.where(finite, torch.where(grow & torch.isfinite(grown), grown, scale), backed_off)
         new_tracker = torch.where(finite & ~grow, counted, torch.zeros_like(counted))
         return LossScaleState(new_scale, new_tracker)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a 0-dim scale) for an op with tensors on ``device``: a CPU one as it is (an op reads
+    a CPU scalar tensor on the host, where a copy to the GPU would wait for it), else moved."""
+    return t if t.device == device or (t.is_cpu and t.dim() == 0) else t.to(device)

@@ -366,6 +366,35 @@ def sharded_steps_never_sync_the_host(device: torch.device) -> None:
 
 
 @check
+def loss_scaling_and_plain_sgd_never_sync_the_host(device: torch.device) -> None:
+    """DynamicLossScale with its default (CPU) state, and sgd's update + apply_updates, over
+    steady-state steps under sync debug mode: the scale reaches the GPU without a synced copy
+    (update moves the state to the verdict's device once), and sgd's lr is a fill, not a copy."""
+    if device.type == "cpu":
+        raise Skip("needs CUDA (sync debug mode)")
+    apply_fn, params = fddp.functionalize(_model().to(device))
+    params = fddp.broadcast({k: v.detach().clone() for k, v in params.items()})
+    scaler = fddp.DynamicLossScale()
+    ls = scaler.init()
+    opt = fddp.optim.sgd(1e-2, momentum=0.9)
+    state = opt.init(params)
+    gv = fddp.grad_and_value(lambda p, x, y: scaler.scale_loss(ls, _loss_fn(apply_fn)(p, x, y)), return_info=True, check_finite=True)
+    x, y = _batch(device, fddp.rank())
+    for i in range(5):
+        if i == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            grads, _, info = gv(params, x, y)
+            grads = scaler.unscale_grads(ls, grads)
+            updates, new_state = opt.update(grads, state, params)
+            params, state = fddp.apply_if_finite(info.finite, (fddp.optim.apply_updates(params, updates), new_state), (params, state))
+            ls = scaler.update(ls, info.finite)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert ls.scale.device == device, ls.scale.device
+
+
+@check
 def compiled_step_matches_eager(device: torch.device) -> None:
     """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
     if device.type == "cpu":

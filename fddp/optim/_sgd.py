@@ -140,7 +140,7 @@ def _update(cfg: _SGD, grads: Updates, state: SGDState, params: Params | None = 
     count = state.count
     neg_lr = -checks.lr_at(cfg.lr, count)
     if not isinstance(neg_lr, Tensor):
-        neg_lr = torch.tensor(neg_lr, dtype=torch.float64, device=count.device)
+        neg_lr = torch.full((), neg_lr, dtype=torch.float64, device=count.device)  # a fill: torch.tensor(x, device=cuda) is a synced copy
     # torch's first-step buffer is the raw gradient: with a zero buffer, ``0 * m + 1 * g == g``
     # exactly, so we only need per-step factors when dampening would scale the first gradient.
     first = torch.ones((), dtype=torch.bool) if fresh else count == 0

@@ -260,7 +260,7 @@ class WeightSum:
         w = self.comm.weight
         buf = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
         torch.mul(flat, w.to(flat.dtype), out=buf[:-1])
-        buf[-1] = w
+        buf[-1] = float(w)  # a fill: a CPU tensor's copy into a GPU buffer is a synced copy (w is the host's)
         self.buf = buf
         return buf
 

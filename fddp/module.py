@@ -189,7 +189,11 @@ def functionalize_with_buffers(
                 for name, t in given.items()
                 if t._version != versions[name] or (learning and not torch.equal(t, buffers[name]))
             }
-            changed |= {name for name, b, snap in shared if not torch.equal(b, snap)}
+            # The uncopied buffers' values are compared on the CPU only: on a GPU each comparison is
+            # a host sync per buffer and forward (torch.equal), and there the version counter alone
+            # tells a write (batch_norm's statistics, written without a bump, are written by the
+            # first call of a mode already, and copied from then on).
+            changed |= {name for name, b, snap in shared if b.is_cpu and not torch.equal(b, snap)}
             for name, b, snap in shared:
                 if name in changed:
                     # Written although the first call did not write it: keep the written value,

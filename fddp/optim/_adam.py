@@ -257,7 +257,8 @@ def _applied(cfg: _Adam, grads: Updates, state: AdamState, params: Params, reque
         if p_:  # a rank may hold nothing of a sharded group; the kernel refuses empty lists
             cfg.kernel(
                 p_, g_, m_, v_, vmax_[0] if amsgrad else [], [count] * len(p_),
-                lr=lr_t, beta1=cfg.b1, beta2=cfg.b2, weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=amsgrad, maximize=False,
+                lr=_kernels.kernel_lr(lr_t), beta1=cfg.b1, beta2=cfg.b2, weight_decay=cfg.weight_decay, eps=cfg.eps,
+                amsgrad=amsgrad, maximize=False,
             )  # fmt: skip
         after()
     if in_place:

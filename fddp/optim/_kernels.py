@@ -24,6 +24,13 @@ FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _BLOCK = 64  # the fused kernels' vector width divides this (see kernel_pieces)
 
 
+def kernel_lr(lr: Any) -> Any:
+    """A learning rate for torch's fused kernels: a Python float as it is; a tensor (a schedule's,
+    float64 on the count's device) in float32 on a GPU, whose kernels read it as float (a float64
+    one raises there), and as it is on the CPU, whose kernels read it as double."""
+    return lr.float() if isinstance(lr, torch.Tensor) and not lr.is_cpu else lr
+
+
 def kernels_take(step: Step | None, params: Any, treedef: optree.PyTreeSpec) -> bool:
     """Whether torch's fused kernels can run this step: flat groups of a float dtype on the CPU or
     CUDA, and a plain tree or a split tree at the root (split trees deeper down take the pure path,

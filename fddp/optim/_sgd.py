@@ -197,7 +197,7 @@ def _applied(cfg: _SGD, grads: Updates, state: SGDState, params: Params, request
             if lists[0]:  # a rank may hold nothing of a sharded group; the kernel refuses empty lists
                 _FUSED_SGD(
                     lists[0], lists[1], lists[2] if momentum else [],
-                    weight_decay=cfg.weight_decay, momentum=momentum, lr=lr_t, dampening=cfg.dampening,
+                    weight_decay=cfg.weight_decay, momentum=momentum, lr=_kernels.kernel_lr(lr_t), dampening=cfg.dampening,
                     nesterov=cfg.nesterov, maximize=False, is_first_step=False,
                 )  # fmt: skip
             after()

@@ -114,7 +114,9 @@ class _Extrapolating:
     __slots__ = ("mean", "norms")
 
     def __init__(self, mean: InFlight, pseudo: dict, group: Any) -> None:
-        sq = torch.zeros(1, dtype=torch.float64)
+        # On the data's device: a CPU accumulator cannot take a GPU sum in place (and a pure NCCL
+        # group could not reduce it).
+        sq = torch.zeros(1, dtype=torch.float64, device=next((v.device for v in pseudo.values()), None))
         for v in pseudo.values():
             sq += v.detach().double().square().sum()
         self.mean = mean
@@ -131,7 +133,8 @@ def _extrapolated(mean: Any, pending: Any) -> tuple[Any, float]:
     if not isinstance(pending, _Extrapolating):
         return mean, 1.0
     ranks_sq = float(pending.norms.wait()[0]["norm"][0])
-    mean_sq = sum(float(v.detach().double().square().sum()) for v in mean.values())
+    # Read in one copy (a GPU's would sync once per leaf), then summed in order on the host as before.
+    mean_sq = sum(torch.stack([v.detach().double().square().sum() for v in mean.values()]).tolist()) if mean else 0.0
     gain = max(1.0, ranks_sq / (2.0 * mean_sq + 1e-30))
     if not math.isfinite(gain):
         gain = 1.0

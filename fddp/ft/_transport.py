@@ -64,6 +64,11 @@ class GroupTransport(CheckpointTransport[dict]):
         return METADATA
 
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: dict, timeout: datetime.timedelta) -> None:
+        if torch.cuda.is_available():
+            # torchft calls this on its executor thread, inside its recovery stream: the copies of
+            # the live state to the host would not wait for the training stream's kernels that
+            # are still writing it (the host runs ahead). Heals are rare: one device-wide sync.
+            torch.cuda.synchronize()
         packed = _wire.pack(state_dict, step)
         size = torch.tensor([packed.header.numel()], dtype=torch.int64)
         for dst in dst_ranks:

@@ -89,7 +89,7 @@ def init(*, backend: str | None = None, timeout: float | datetime.timedelta | No
     else:
         # An in-memory store: a one-process world needs no rendezvous and no free port.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    if "nccl" in str(dist.get_backend()) and dist.get_world_size() > 1:
+    if _dist.uses_nccl(None) and dist.get_world_size() > 1:
 
         _dist.control_group(None)  # the headers' gloo side group, made while every rank is here (see control_group)
     _release_at_exit()

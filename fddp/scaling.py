@@ -654,7 +654,7 @@ def _agree_on(group: dist.ProcessGroup | None, what: str, **arguments: Any) -> N
 def _reduce(t: torch.Tensor | None, group: dist.ProcessGroup | None, what: str, doing: str, op: Any = dist.ReduceOp.SUM) -> None:
     """All-reduce ``t`` in place (``None``: a barrier), in a wait that watches for a peer's failure."""
     work = dist.barrier(group=group, async_op=True) if t is None else dist.all_reduce(t, op=op, group=group, async_op=True)
-    _dist.wait(work, group, f"scaling.{what}", doing)
+    _dist.wait(work, group, f"scaling.{what}", doing, host=t is None or t.is_cpu)
 
 
 def _stepper(

@@ -222,18 +222,18 @@ def test_a_head_wait_on_the_side_group_reads_a_peers_posted_failure():
 
 
 def _mixed_worker() -> dict:
-    """A group whose backend reads ``"cpu:gloo,cuda:nccl"`` (``fddp.init``'s default on a GPU
-    machine, and torch's own where no backend is named): fddp must take it for the NCCL group it
-    is to CUDA tensors. Its CUDA collectives are gloo's CPU ones here; only the backend's name is
-    the mixed one, so what is tested is fddp's reading of it (no ``SIDE_CONTROL``, no patched
+    """A group whose backends read ``"cpu:gloo,cuda:nccl"`` (``fddp.init``'s default on a GPU
+    machine): fddp must take it for the NCCL group it is to CUDA tensors. Its CUDA collectives are
+    gloo's CPU ones here; only torch's record of its backends is the mixed one, so what is tested
+    is fddp's reading of it (no ``SIDE_CONTROL``, no patched
     waits): heads on a side group, NCCL's plain waits, known calls batched, a watcher."""
     import time
 
     from fddp._dist import _groups, _waits, _watcher
 
     g = dist.new_group(backend="gloo")
-    real, real_digest = dist.get_backend, fddp._dist.replica_digest
-    dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl" if group is g else real(group)  # noqa: E731
+    real, real_digest = dist.get_backend_config, fddp._dist.replica_digest
+    dist.get_backend_config = lambda group=None: "cpu:gloo,cuda:nccl" if group is g else real(group)  # noqa: E731
     # The values are a GPU's to the sampled fingerprint, which reads none there (as in _nccl_like).
     fddp._dist.replica_digest = lambda leaves, depth="full": None if depth == "sampled" else real_digest(leaves, depth)  # noqa: E731
     try:
@@ -277,7 +277,7 @@ def _mixed_worker() -> dict:
         out["took"] = time.monotonic() - t0
         return out
     finally:
-        dist.get_backend, fddp._dist.replica_digest = real, real_digest
+        dist.get_backend_config, fddp._dist.replica_digest = real, real_digest
 
 
 def test_a_mixed_gloo_nccl_group_is_taken_for_an_nccl_one():

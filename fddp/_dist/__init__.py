@@ -51,6 +51,7 @@ from fddp._dist._groups import (
     rank,
     set_checks,
     size,
+    uses_nccl,
 )
 from fddp._dist._header import PREEMPT, UNWRITTEN, WRITTEN
 from fddp._dist._scope import backward_scope, call, entry, owe
@@ -101,5 +102,6 @@ __all__ = [
     "start_agreement",
     "take_requested",
     "traced_digest",
+    "uses_nccl",
     "wait",
 ]

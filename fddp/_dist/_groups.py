@@ -43,6 +43,7 @@ __all__ = [
     "data_device",
     "control_group",
     "uses_nccl",
+    "backends",
     "count_call",
     "call_count",
     "REMEMBERED",
@@ -362,31 +363,49 @@ def checks() -> Checks:
     return _checks[0]
 
 
+def backends(group: dist.ProcessGroup | None) -> str:
+    """``group``'s backends by device, as torch configured them: ``"cpu:gloo,cuda:gloo"`` for
+    gloo, ``"cuda:nccl"`` for NCCL, ``"cpu:gloo,cuda:nccl"`` for a mixed group (``fddp.init``'s
+    default on a GPU machine), the detected device's alone where ``init_process_group`` named no
+    backend (``"cuda:nccl"`` on a GPU machine: no CPU backend). A group torch.distributed does not
+    configure (a fault-tolerant one) answers its backend's name."""
+    try:
+        return str(dist.get_backend_config(group))
+    except Exception:  # noqa: BLE001 - not in torch's tables: its backend's name
+        return str(dist.get_backend(group))
+
+
 def uses_nccl(group: dist.ProcessGroup | None) -> bool:
-    """Whether ``group`` reduces CUDA tensors with NCCL: an ``"nccl"`` group, or a mixed one
-    (``"cpu:gloo,cuda:nccl"``: ``fddp.init``'s default on a GPU machine, and torch's where
-    ``init_process_group`` names no backend). Its collectives on CUDA tensors do not block the
-    host, so fddp's control plane must not either: such a group's heads travel on a gloo side
-    group, its waits are NCCL's, and its known calls are checked in batches."""
-    return "nccl" in str(dist.get_backend(group))
+    """Whether ``group`` reduces CUDA tensors with NCCL (:func:`backends`: an NCCL group, a mixed
+    one, or one made with no backend named on a GPU machine). Its collectives on CUDA tensors do
+    not block the host, so fddp's control plane must not either: such a group's heads travel on a
+    gloo side group, its waits are NCCL's, and its known calls are checked in batches."""
+    return "nccl" in backends(group)
 
 
-def data_device(group: dist.ProcessGroup | None = None) -> torch.device:
+def data_device(group: dist.ProcessGroup | None = None, like: torch.device | None = None) -> torch.device:
     """Where a small tensor made from the data (a sharded norm, a finite flag, Muon's pieces) goes
     for a collective on ``group``: the GPU where the group uses NCCL (:func:`uses_nccl`; on a mixed
     group the CPU would cost a copy to the host, a sync, and a trip over gloo), else the CPU.
     Decided by the group, not by the tensor, so that a rank that holds no data (an empty shard)
-    joins the same backend as its peers. Values the host made (counts, checksums) go to
+    joins the same backend as its peers; which GPU: ``like`` where it is one (the data's: a script
+    may place its data on ``cuda:{local_rank}`` without ``torch.cuda.set_device``), else the
+    group's bound device, else the current one. Values the host made (counts, checksums) go to
     :func:`collective_device` instead."""
-    return torch.device("cuda", torch.cuda.current_device()) if uses_nccl(group) else torch.device("cpu")
+    if not uses_nccl(group):
+        return torch.device("cpu")
+    return like if like is not None and like.type == "cuda" else _gpu(group)
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """Where small tensors for collectives on ``group`` must live (NCCL-only groups cannot reduce
-    CPU tensors; gloo and mixed ``"cpu:gloo,cuda:nccl"`` groups can)."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where small tensors the host made go for collectives on ``group``: the CPU where the group
+    has a CPU backend (gloo, mixed), else (NCCL alone) its GPU."""
+    return torch.device("cpu") if "cpu:" in backends(group) or not uses_nccl(group) else _gpu(group)
+
+
+def _gpu(group: dist.ProcessGroup | None) -> torch.device:
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 # Tests set this to carry the headers of gloo groups on a side group too, the path NCCL groups

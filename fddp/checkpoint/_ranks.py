@@ -119,5 +119,5 @@ def agree(
         return []  # the header was the agreement
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, what, doing)
+    wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, what, doing, host=t.is_cpu)
     return [int(v) for v in t.tolist()]

@@ -91,9 +91,9 @@ def _split_sums(tree: SplitTree, layout: Layout, trees: Sequence[Sequence[Tensor
                     total[j, leaf] += _sumsq(x[at : at + n])
     split = tree.split
     if split.world > 1:
-        moved = total.to(_dist.data_device(split.group))
+        moved = total.to(_dist.data_device(split.group, like=total.device))
         work = dist.all_reduce(moved, group=split.group, async_op=True)
-        _dist.wait(work, split.group, what, "the all-reduce of the shards' per-leaf sums of squares")
+        _dist.wait(work, split.group, what, "the all-reduce of the shards' per-leaf sums of squares", host=moved.is_cpu)
         total = moved.to(device)
     return total
 

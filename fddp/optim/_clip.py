@@ -190,8 +190,8 @@ def _split_norm(tree: SplitTree, gs: list[Tensor]) -> Tensor:
         total = total + torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
     split = tree.split
     if split.world > 1:
-        moved = total.to(_dist.data_device(split.group))
+        moved = total.to(_dist.data_device(split.group, like=total.device))
         work = dist.all_reduce(moved, group=split.group, async_op=True)
-        _dist.wait(work, split.group, what, "the all-reduce of a sharded sum of squares")
+        _dist.wait(work, split.group, what, "the all-reduce of a sharded sum of squares", host=moved.is_cpu)
         total = moved.to(device)
     return total.sqrt().to(gs[0].dtype if gs else torch.float32)

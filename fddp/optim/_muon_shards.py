@@ -173,7 +173,7 @@ def step(
         us.append(u)
     dtype = cfg.ns_dtype or next(iter(dtypes), torch.float32)
     device = gs[0].device if gs else torch.device("cpu")
-    wire = _dist.data_device(group) if world > 1 else device
+    wire = _dist.data_device(group, like=device) if world > 1 else device
     if world > 1:
         _dist.count_call(group, "optim.muon")
         rows = lambda: _rows(cfg, split, members, names, pl)  # noqa: E731 - built only for a new signature
@@ -225,7 +225,7 @@ def _exchange(send: Tensor, recv_splits: tuple[int, ...], send_splits: tuple[int
         return send
     recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
     work = dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=group, async_op=True)
-    _dist.wait(work, group, "optim.muon", what)
+    _dist.wait(work, group, "optim.muon", what, host=send.is_cpu)
     return recv
 
 

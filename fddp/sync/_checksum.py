@@ -47,14 +47,14 @@ def compare_replicas(leaves: list[torch.Tensor], spec: Any, group: dist.ProcessG
         return
     sums = torch.tensor(replica_digest(leaves, "full"), dtype=torch.int64, device=collective_device(group))
     both = torch.cat([sums, -sums])
-    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), group, what, "the checksum all-reduce")
+    wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), group, what, "the checksum all-reduce", host=both.is_cpu)
     high, low = both[: len(leaves)], -both[len(leaves) :]
     differ = (high != low).nonzero().flatten().tolist()
     if not differ:
         return
     n = dist.get_world_size(group)
     gathered = [torch.empty_like(sums) for _ in range(n)]
-    wait(dist.all_gather(gathered, sums, group=group, async_op=True), group, what, "the checksum gather")
+    wait(dist.all_gather(gathered, sums, group=group, async_op=True), group, what, "the checksum gather", host=sums.is_cpu)
     first = differ[0]
     others = [r for r in range(1, n) if gathered[r][first] != gathered[0][first]]
     which = f"rank {others[0]} differs" if len(others) == 1 else f"ranks {others} differ"

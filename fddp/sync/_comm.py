@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp._dist import Segment, collective_device, rank, size, wait
+from fddp._dist import Segment, collective_device, rank, size, uses_nccl, wait
 from fddp._layout import BucketPlan
 
 __all__ = ["Comm"]
@@ -50,9 +50,11 @@ class Comm:
         self.segment: Segment | None = None
         # An agreement whose head the next all-reduce (sum) rides in (fddp._dist's "The data rides in the head").
         self._carry: Any = None
-        # The works of collectives on CPU tensors: gloo's, whose waits are taken in slices even on a
-        # mixed "cpu:gloo,cuda:nccl" group, where a CUDA one's must not be (fddp._dist.wait's host).
+        # On a group that also uses NCCL (a mixed "cpu:gloo,cuda:nccl" one), the works of collectives
+        # on CPU tensors, not waited for yet: gloo's, whose waits are still taken in slices, where a
+        # CUDA one's must not be (fddp._dist.wait's host). A gloo group's waits are all sliced.
         self._host: list[Any] = []
+        self._nccl: bool | None = None
 
     @property
     def rank(self) -> int:
@@ -80,9 +82,12 @@ class Comm:
         self.collectives += 1
 
     def _started(self, t: torch.Tensor, work: Any) -> Any:
-        """``work``, noted as the host's where ``t`` is on the CPU (see :meth:`wait`)."""
-        if t.is_cpu:
-            self._host.append(work)
+        """``work``, noted as the host's where ``t`` is on the CPU of a group that uses NCCL (see :meth:`wait`)."""
+        if t.is_cpu and not torch.compiler.is_compiling():
+            if self._nccl is None:
+                self._nccl = uses_nccl(self.group)
+            if self._nccl:
+                self._host.append(work)
         return work
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", tag: str | None = None) -> Any:
@@ -131,11 +136,11 @@ class Comm:
             >>> work = bucket.comm.reduce_scatter(shard, padded_bucket)  # as fddp.zero.ReduceScatter does
             >>> bucket.comm.wait(work, "the reduce-scatter")
         """
-        if dist.get_backend(self.group) == "gloo":
+        if t.is_cpu:  # gloo's, on a gloo group or a mixed one
             self._check_parts("a reduce-scatter", t, out)
             self._count(t)
             self._issue("reduce-scatter", t, tag)
-            return _SlicedReduce(out, t.clone(), self.rank, self.group)
+            return self._started(t, _SlicedReduce(out, t.clone(), self.rank, self.group))
         return self._sized("a reduce-scatter", _reduce_scatter_single, out, t, whole=t, part=out, tag=tag)
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor, tag: str | None = None) -> Any:
@@ -193,7 +198,13 @@ class Comm:
 
     def wait(self, work: Any, doing: str) -> None:
         """Wait for ``work``; on failure raise an error naming the call, the rank and ``doing``."""
-        wait(work, self.group, self.what, doing, host=any(w is work for w in self._host))
+        host = False
+        for i, w in enumerate(self._host):
+            if w is work:
+                del self._host[i]
+                host = True
+                break
+        wait(work, self.group, self.what, doing, host=host)
 
 
 # torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor to all_gather_single and

@@ -199,7 +199,7 @@ class ReduceScatter(CommHook):
         finite = all_finite(results)
         if comm.world_size > 1:
             # Each rank holds its own shards: one small all-reduce makes the verdict everyone's.
-            bad = (~finite).to(device=_dist.data_device(comm.group), dtype=torch.int32).reshape(1)
+            bad = (~finite).to(device=_dist.data_device(comm.group, like=finite.device), dtype=torch.int32).reshape(1)
             comm.wait(comm.all_reduce(bad, "max"), "the all-reduce of the finite checks")
             finite = (bad[0] == 0).to(finite.device)
         return finite

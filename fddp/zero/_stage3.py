@@ -693,7 +693,7 @@ def _broadcast_replicas(lay: UnitLayout, shards: list[torch.Tensor]) -> None:
     src = dist.get_global_rank(lay.replica_group, 0)
     for base in bases.values():
         work = dist.broadcast(base, src=src, group=lay.replica_group, async_op=True)
-        _dist.wait(work, lay.replica_group, "zero.fully_shard", "the broadcast of the first replica's shards")
+        _dist.wait(work, lay.replica_group, "zero.fully_shard", "the broadcast of the first replica's shards", host=base.is_cpu)
 
 
 _UNSHARD = Counters()

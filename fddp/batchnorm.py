@@ -13,7 +13,8 @@ the gradient synchronisation to average like every other gradient.
 
 Every forward agrees first on what it runs (fddp's per-call header: the layer, its channels and
 dtype, the call number), so a rank out of step raises :class:`fddp.MismatchError` instead of
-hanging in a mismatched collective. It works under ``torch.func.grad`` and ``fddp.grad_and_value``
+hanging in a mismatched collective (on an NCCL group a known layer's check joins the step's
+batch, read at the next step boundary: see ``fddp._dist._agreement``). It works under ``torch.func.grad`` and ``fddp.grad_and_value``
 (the collectives run on plain tensors inside an ``autograd.Function``), with
 :func:`fddp.functionalize` and :func:`fddp.functionalize_with_buffers`, and on the CPU (gloo), where
 torch's own ``SyncBatchNorm`` refuses to run.
@@ -299,7 +300,8 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def forward(t, group, name):
         # A call of its own, agreed like the forward's: a rank whose loss leaves this layer out
-        # (no backward here) meets its peers' header with another call's, and every rank raises.
+        # (no backward here) meets its peers' header with another call's, and every rank raises
+        # (on an NCCL group, at the step boundary that checks the batch).
         what = f"{_WHAT} (backward)"
         with _dist.call(group, what):
             _agree(t.view(1, -1), group, name, what)

@@ -260,7 +260,7 @@ class _Transform:
         arrive = reducer.arrive if win is None else functools.partial(_arrive_in_window, reducer, win)
         _hook_all(inputs, arrive)
         call_args = self.with_inputs(args, optree.tree_unflatten(sync.spec, inputs))
-        with torch.enable_grad():
+        with torch.enable_grad(), _caller_thread():  # fn's own backwards (a gradient penalty) too
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)
             reducer.mark_backward()
@@ -270,8 +270,7 @@ class _Transform:
             # the head is read at the end.
             sync.announce(replicas=True, drift=True, gate=reducer)
             if loss.requires_grad:
-                with _caller_thread():
-                    raw = torch.autograd.grad(loss, inputs, allow_unused=True)
+                raw = torch.autograd.grad(loss, inputs, allow_unused=True)
                 if sync.plan.buckets and sync.plan.buckets[0].device.type == "cpu":
                     self.held = raw
         if win is not None:
@@ -329,11 +328,10 @@ class _Transform:
         inputs = [t.detach().requires_grad_() for t in leaves]
         call_args = self.with_inputs(args, optree.tree_unflatten(spec, inputs))
         scope.without_header()  # from here the collectives are fully_shard's apply_fn's, on its groups
-        with torch.enable_grad():
+        with torch.enable_grad(), _caller_thread():
             out = self.fn(*call_args, **kwargs)
             loss = _loss_of(out, self.has_aux, what)
-            with _caller_thread():
-                grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
+            grads = torch.autograd.grad(loss, inputs, allow_unused=True) if loss.requires_grad else [None] * len(inputs)
         # A forward whose backward did not run here (its output unused in this rank's loss) fails
         # the shards' groups as its graph is freed (fddp._dist.dropped): raise it in this call.
         _dist.raise_if_failed_here()

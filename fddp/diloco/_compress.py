@@ -152,7 +152,7 @@ class _Call:
 
     def __init__(self, hook: Any, state: Any, comm: Any) -> None:
         self.comm, self.hook, self.state = comm, hook, state
-        self.finite = True
+        self.finite: bool | torch.Tensor = True  # every bucket's values finite, on the device
         self.error, self.spec = residual_leaves(hook, state, ResidualState, comm)
         self.new_error: list[Any] = [None] * comm.plan.num_leaves
 
@@ -180,7 +180,7 @@ class _Call:
     def new_state(self) -> Any:
         if self.error is None:
             return None
-        if not self.finite:
+        if not bool(self.finite):
             # A synchronisation that is not finite gets skipped: its residuals must not carry the
             # NaN on, so the state it was given is the state it returns (fddp.Int8's rule).
             return self.state
@@ -290,7 +290,7 @@ class Quantize(_Gathering):
             codes = unpack(all_codes[r], self.bits, blocks * self.block)
             values = decode(codes, all_scales[r], self.bits, self.format)[:n]
             total = values if total is None else total.add_(values)
-        call.finite = call.finite and bool(torch.isfinite(all_scales).all())
+        call.finite = call.finite & torch.isfinite(all_scales).all()  # read once, in new_state (a GPU's: one sync a call, not one a bucket)
         # A new tensor: the bucket's buffer now holds this rank's residual (the state's leaves view it).
         return total.div_(comm.world_size), call
 
@@ -343,6 +343,6 @@ class TopK(_Gathering):
         total = torch.zeros_like(bucket.buffer)
         for r in range(comm.world_size):  # rank order: the same sum on every rank
             total.index_add_(0, all_index[r].long(), all_values[r])
-        call.finite = call.finite and bool(torch.isfinite(all_values).all())
+        call.finite = call.finite & torch.isfinite(all_values).all()
         # A new tensor: the bucket's buffer now holds this rank's residual (the state's leaves view it).
         return total.div_(comm.world_size), call

@@ -368,11 +368,15 @@ def backends(group: dist.ProcessGroup | None) -> str:
     gloo, ``"cuda:nccl"`` for NCCL, ``"cpu:gloo,cuda:nccl"`` for a mixed group (``fddp.init``'s
     default on a GPU machine), the detected device's alone where ``init_process_group`` named no
     backend (``"cuda:nccl"`` on a GPU machine: no CPU backend). A group torch.distributed does not
-    configure (a fault-tolerant one) answers its backend's name."""
+    configure answers its backend's name, and one it does not know at all (a fault-tolerant
+    group's wrapper) ``""``: a host's group to fddp."""
     try:
         return str(dist.get_backend_config(group))
     except Exception:  # noqa: BLE001 - not in torch's tables: its backend's name
-        return str(dist.get_backend(group))
+        try:
+            return str(dist.get_backend(group))
+        except Exception:  # noqa: BLE001 - nor in its map of groups
+            return ""
 
 
 def uses_nccl(group: dist.ProcessGroup | None) -> bool:

@@ -56,7 +56,7 @@ from fddp._dist._groups import (
 from fddp._dist._header import PREEMPT, UNWRITTEN, WRITTEN
 from fddp._dist._scope import backward_scope, call, entry, owe
 from fddp._dist._sequences import Segment
-from fddp._dist._waits import wait
+from fddp._dist._waits import sliced, wait
 
 __all__ = [
     "MASK",
@@ -99,6 +99,7 @@ __all__ = [
     "settle",
     "signature_digest",
     "size",
+    "sliced",
     "start_agreement",
     "take_requested",
     "traced_digest",

@@ -368,15 +368,12 @@ def backends(group: dist.ProcessGroup | None) -> str:
     gloo, ``"cuda:nccl"`` for NCCL, ``"cpu:gloo,cuda:nccl"`` for a mixed group (``fddp.init``'s
     default on a GPU machine), the detected device's alone where ``init_process_group`` named no
     backend (``"cuda:nccl"`` on a GPU machine: no CPU backend). A group torch.distributed does not
-    configure answers its backend's name, and one it does not know at all (a fault-tolerant
-    group's wrapper) ``""``: a host's group to fddp."""
+    configure answers its backend's name; one it does not know at all raises, as
+    ``dist.get_backend`` does (``_waits.sliced`` and the watcher wait for it plainly)."""
     try:
         return str(dist.get_backend_config(group))
     except Exception:  # noqa: BLE001 - not in torch's tables: its backend's name
-        try:
-            return str(dist.get_backend(group))
-        except Exception:  # noqa: BLE001 - nor in its map of groups
-            return ""
+        return str(dist.get_backend(group))
 
 
 def uses_nccl(group: dist.ProcessGroup | None) -> bool:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp._dist import Segment, collective_device, rank, size, uses_nccl, wait
+from fddp._dist import Segment, collective_device, rank, size, sliced, wait
 from fddp._layout import BucketPlan
 
 __all__ = ["Comm"]
@@ -50,11 +50,10 @@ class Comm:
         self.segment: Segment | None = None
         # An agreement whose head the next all-reduce (sum) rides in (fddp._dist's "The data rides in the head").
         self._carry: Any = None
-        # On a group that also uses NCCL (a mixed "cpu:gloo,cuda:nccl" one), the works of collectives
-        # on CPU tensors, not waited for yet: gloo's, whose waits are still taken in slices, where a
-        # CUDA one's must not be (fddp._dist.wait's host). A gloo group's waits are all sliced.
+        # On a group whose waits are not sliced (one that also uses NCCL: a mixed "cpu:gloo,cuda:nccl"
+        # one), the works of collectives on CPU tensors, not waited for yet: gloo's, whose waits are
+        # still taken in slices, where a CUDA one's must not be (fddp._dist.wait's host).
         self._host: list[Any] = []
-        self._nccl: bool | None = None
 
     @property
     def rank(self) -> int:
@@ -82,12 +81,10 @@ class Comm:
         self.collectives += 1
 
     def _started(self, t: torch.Tensor, work: Any) -> Any:
-        """``work``, noted as the host's where ``t`` is on the CPU of a group that uses NCCL (see :meth:`wait`)."""
-        if t.is_cpu and not torch.compiler.is_compiling():
-            if self._nccl is None:
-                self._nccl = uses_nccl(self.group)
-            if self._nccl:
-                self._host.append(work)
+        """``work``, noted as the host's where ``t`` is on the CPU of a group whose waits are not
+        sliced (see :meth:`wait`)."""
+        if t.is_cpu and not torch.compiler.is_compiling() and not sliced(self.group):
+            self._host.append(work)
         return work
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", tag: str | None = None) -> Any:

@@ -325,9 +325,9 @@ def _all_gather(local: Tensor, group: dist.ProcessGroup | None, name: str) -> Te
     device = _dist.collective_device(group) if local.device.type == "cpu" else local.device
     moved = local.to(device)
     doing = f"the all-gather of the batch statistics of {_label(name)}"
-    if moved.device.type == "cuda" and "nccl" in dist.get_backend(group):
+    if moved.device.type == "cuda" and _dist.uses_nccl(group):
         out = torch.empty(n, moved.numel(), dtype=moved.dtype, device=device)
-        _dist.wait(dist.all_gather_into_tensor(out, moved, group=group, async_op=True), group, _WHAT, doing, host=moved.is_cpu)
+        _dist.wait(dist.all_gather_into_tensor(out, moved, group=group, async_op=True), group, _WHAT, doing)
     else:  # gloo: a list of tensors (as torch's SyncBatchNorm does there)
         rows = [torch.empty_like(moved) for _ in range(n)]
         _dist.wait(dist.all_gather(rows, moved, group=group, async_op=True), group, _WHAT, doing, host=moved.is_cpu)

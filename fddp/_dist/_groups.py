@@ -401,7 +401,8 @@ def data_device(group: dist.ProcessGroup | None = None, like: torch.device | Non
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where small tensors the host made go for collectives on ``group``: the CPU where the group
     has a CPU backend (gloo, mixed), else (NCCL alone) its GPU."""
-    return torch.device("cpu") if "cpu:" in backends(group) or not uses_nccl(group) else _gpu(group)
+    b = backends(group)
+    return torch.device("cpu") if "cpu:" in b or "nccl" not in b else _gpu(group)
 
 
 def _gpu(group: dist.ProcessGroup | None) -> torch.device:

@@ -16,13 +16,13 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from fddp import _dist
 from fddp._layout import SplitTree, has_split
 
 from ._checks import paths_of
+from ._clip import summed_over_shards
 from ._groups import _partition  # the one reading of masks and labels, for trees and shards
 
 __all__ = ["Layout", "layout_of", "sums_of_squares", "by_leaf", "leaf_flags"]
@@ -89,13 +89,7 @@ def _split_sums(tree: SplitTree, layout: Layout, trees: Sequence[Sequence[Tensor
             for leaf, at, n in pieces:
                 if n:
                     total[j, leaf] += _sumsq(x[at : at + n])
-    split = tree.split
-    if split.world > 1:
-        moved = total.to(_dist.data_device(split.group, like=total.device))
-        work = dist.all_reduce(moved, group=split.group, async_op=True)
-        _dist.wait(work, split.group, what, "the all-reduce of the shards' per-leaf sums of squares", host=moved.is_cpu)
-        total = moved.to(device)
-    return total
+    return summed_over_shards(total, tree.split, what, "the all-reduce of the shards' per-leaf sums of squares")
 
 
 def by_leaf(layout: Layout, fn: Callable[..., Tensor], *trees: Sequence[Tensor]) -> list[Tensor]:

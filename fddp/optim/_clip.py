@@ -188,10 +188,16 @@ def _split_norm(tree: SplitTree, gs: list[Tensor]) -> Tensor:
     total = torch.zeros((), dtype=torch.float64, device=device)
     for g in gs:
         total = total + torch.linalg.vector_norm(g, dtype=torch.float64).to(device).square()
-    split = tree.split
-    if split.world > 1:
-        moved = total.to(_dist.data_device(split.group, like=total.device))
-        work = dist.all_reduce(moved, group=split.group, async_op=True)
-        _dist.wait(work, split.group, what, "the all-reduce of a sharded sum of squares", host=moved.is_cpu)
-        total = moved.to(device)
+    total = summed_over_shards(total, tree.split, what, "the all-reduce of a sharded sum of squares")
     return total.sqrt().to(gs[0].dtype if gs else torch.float32)
+
+
+def summed_over_shards(total: Tensor, split: Any, what: str, doing: str) -> Tensor:
+    """``total`` (sums of the local shards, float64) summed over ``split``'s ranks, on its device:
+    the one small all-reduce, on ``_dist.data_device`` (the GPU where the group uses NCCL)."""
+    if split.world == 1:
+        return total
+    moved = total.to(_dist.data_device(split.group, like=total.device))
+    work = dist.all_reduce(moved, group=split.group, async_op=True)
+    _dist.wait(work, split.group, what, doing, host=moved.is_cpu)
+    return moved.to(total.device)

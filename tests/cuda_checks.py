@@ -81,6 +81,19 @@ def _ddp_grads(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     return {n: p.grad.clone() for n, p in ddp.module.named_parameters()}
 
 
+def _without_host_syncs(step: Callable, carry: object, steps: int = 6, learn: int = 3) -> object:
+    """``carry = step(carry)``, ``steps`` times; every step from the ``learn``-th on (the first
+    ones learn their signatures) under ``torch.cuda.set_sync_debug_mode("error")``, which raises
+    at any call that makes the host wait for the GPU."""
+    for i in range(steps):
+        torch.cuda.set_sync_debug_mode("error" if i >= learn else 0)
+        try:
+            carry = step(carry)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return carry
+
+
 @check
 def init_picks_the_backend_and_device(device: torch.device) -> None:
     """fddp.init chose NCCL for CUDA tensors (gloo on a CPU machine) and the GPU of LOCAL_RANK."""
@@ -255,16 +268,16 @@ def no_host_sync_per_step(device: torch.device) -> None:
         state = opt.init(params)
         gv = fddp.grad_and_value(_loss_fn(apply_fn), group=group, return_info=True, check_finite=True)
         x, y = _batch(device, fddp.rank())
-        for step in range(6):
-            if step == 3:  # the first calls learn their signatures and compare the replicas
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                grads, _, info = gv(params, x, y)
-                new = fddp.optim.apply_gradients(opt, grads, state, params)
-                params, state = fddp.apply_if_finite(info.finite, new, (params, state))
-                fddp.ddp_step(params, grads, group=group)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+
+        def step(carry, gv=gv, opt=opt, x=x, y=y, group=group):
+            params, state = carry
+            grads, _, info = gv(params, x, y)
+            new = fddp.optim.apply_gradients(opt, grads, state, params)
+            params, state = fddp.apply_if_finite(info.finite, new, (params, state))
+            fddp.ddp_step(params, grads, group=group)
+            return params, state
+
+        _without_host_syncs(step, (params, state))  # the first steps learn their signatures and compare the replicas
         torch.cuda.synchronize()
     dist.destroy_process_group(nccl)
 
@@ -355,14 +368,13 @@ def sharded_steps_never_sync_the_host(device: torch.device) -> None:
     step = fddp.grad_and_value(_loss_fn(apply_fn), compression=fddp.zero.ReduceScatter(), return_info=True, check_finite=True)
     x = torch.randn(12, 8, device=device)
     y = torch.randint(0, 4, (12,), device=device)
-    for i in range(6):
-        if i == 3:  # the first calls learn their signatures
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            grads, _, info = step(fddp.zero.gather(shards).wait(), x, y)
-            shards, state = fddp.optim.apply_gradients(opt, grads, state, shards)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+
+    def one(carry):
+        shards, state = carry
+        grads, _, info = step(fddp.zero.gather(shards).wait(), x, y)
+        return fddp.optim.apply_gradients(opt, grads, state, shards)
+
+    _without_host_syncs(one, (shards, state))
 
 
 @check
@@ -378,19 +390,18 @@ def loss_scaling_and_plain_sgd_never_sync_the_host(device: torch.device) -> None
     ls = scaler.init()
     opt = fddp.optim.sgd(1e-2, momentum=0.9)
     state = opt.init(params)
-    gv = fddp.grad_and_value(lambda p, x, y: scaler.scale_loss(ls, _loss_fn(apply_fn)(p, x, y)), return_info=True, check_finite=True)
+    gv = fddp.grad_and_value(lambda p, x, y, ls: scaler.scale_loss(ls, _loss_fn(apply_fn)(p, x, y)), return_info=True, check_finite=True)
     x, y = _batch(device, fddp.rank())
-    for i in range(5):
-        if i == 2:
-            torch.cuda.set_sync_debug_mode("error")
-        try:
-            grads, _, info = gv(params, x, y)
-            grads = scaler.unscale_grads(ls, grads)
-            updates, new_state = opt.update(grads, state, params)
-            params, state = fddp.apply_if_finite(info.finite, (fddp.optim.apply_updates(params, updates), new_state), (params, state))
-            ls = scaler.update(ls, info.finite)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+
+    def step(carry):
+        params, state, ls = carry
+        grads, _, info = gv(params, x, y, ls)
+        grads = scaler.unscale_grads(ls, grads)
+        updates, new_state = opt.update(grads, state, params)
+        params, state = fddp.apply_if_finite(info.finite, (fddp.optim.apply_updates(params, updates), new_state), (params, state))
+        return params, state, scaler.update(ls, info.finite)
+
+    _, _, ls = _without_host_syncs(step, (params, state, ls), steps=5, learn=2)
     assert ls.scale.device == device, ls.scale.device
 
 

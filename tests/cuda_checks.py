@@ -313,6 +313,35 @@ def known_calls_are_checked_in_a_batch(device: torch.device) -> None:
 
 
 @check
+def a_stamp_is_read_on_the_device(device: torch.device) -> None:
+    """A batched call's stamp (``fddp._dist.stamp``, an NCCL group's known calls) rides in the
+    call's first all-reduce and its verdict stays on the device: the sum is unchanged where every
+    rank sent the same stamp, and no value of it is finite where the stamps' sums fall short of
+    what each rank expects (told here that there is one rank more than there is), with no host
+    sync either way (on a GPU: under sync debug mode "error"). One GPU is enough."""
+    from fddp.sync._comm import Comm
+
+    n, r = fddp.world_size(), fddp.rank()
+    for world, agrees in ((n, True), (n + 1, False)):
+        t = torch.arange(8.0, device=device) * (r + 1)
+        comm = Comm(None, "the check", None)  # type: ignore[arg-type] - no bucket plan, as fddp.psum's
+        comm.world_size = world
+        comm.stamp(0x5A5A5A5A)  # every chunk non-zero, so a missing rank changes every sum
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            comm.wait(comm.all_reduce(t), "the stamped all-reduce")
+            comm.poison([t])
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        if agrees:
+            assert torch.equal(t, torch.arange(8.0, device=device) * (n * (n + 1) // 2)), t
+        else:
+            assert not torch.isfinite(t).any(), t
+
+
+@check
 def the_host_runs_ahead_of_a_busy_gpu(device: torch.device) -> None:
     """A steady-state step (grad_and_value, ddp_step, psum, apply_gradients) returns on the host
     while the GPU is still busy with work queued before it: its collectives are only ordered on

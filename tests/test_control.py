@@ -15,6 +15,7 @@ asynchrony) and checks that the steady-state calls return long before.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -671,3 +672,47 @@ def test_known_calls_are_checked_in_a_batch_and_a_difference_raises_at_the_next_
         assert out["barrier"] >= 0.45, out  # its head, 0.5 s late, waited for
         assert out["threads"] == ("ok", "ok") and out["in_step"] == "MismatchError then ok", out
         assert out["crossed"] < 5.0 and out["owing_at_end"] == 0, out
+
+
+def _stamp_worker() -> dict:
+    """On an NCCL-like group whose collectives run (``_nccl_like``'s ``data``), a known call's
+    identity rides in its first all-reduce (``fddp._dist.stamp``): matched calls give the exact
+    mean or sum, and calls that differ (``ddp_step`` here, ``psum`` there, of the same sizes,
+    so their collectives pair) give no finite value on any rank, before any host learns of the
+    difference (the next boundary raises)."""
+    r = fddp.rank()
+    out: dict = {}
+    x = torch.arange(6.0) + r
+    params = {"w": x.clone(), "b": torch.full((3,), 2.0 * r)}
+    opt = fddp.optim.sgd(0.1)
+    state = opt.init(params)
+    with _nccl_group(data=True) as (g, issued):
+        gv = fddp.grad_and_value(lambda p, x: (p["w"] * x).sum() + p["b"].sum(), group=g)
+        for _ in range(3):  # the first calls learn their signatures (a head each); then steady (stamped)
+            mean = fddp.ddp_step(params, params, group=g)
+            summed = fddp.psum(params, group=g)
+            averaged = fddp.pmean(params, group=g)
+            grads, _ = gv(params, x)
+            fddp.optim.apply_gradients(opt, params, state, params)
+        results = {"ddp_step": mean, "psum": summed, "pmean": averaged, "grad": grads}
+        out["steady"] = {k: {n: v.tolist() for n, v in t.items()} for k, t in results.items()}
+        mixed = fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
+        out["mixed"] = {n: v.tolist() for n, v in mixed.items()}
+        try:
+            fddp.optim.apply_gradients(opt, params, state, params)
+            fddp.optim.apply_gradients(opt, params, state, params)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out["next"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_known_calls_stamp_leaves_no_value_of_a_mixed_sum_finite_on_any_rank(world):
+    half = (world - 1) / 2  # the ranks' mean offset: w and x are arange(6) + rank, b is 2 * rank
+    for out in run(_stamp_worker, world, timeout=120):
+        steady = out["steady"]
+        assert steady["ddp_step"] == steady["pmean"] == {"w": [i + half for i in range(6)], "b": [2 * half] * 3}, out
+        assert steady["psum"] == {"w": [world * i + world * half for i in range(6)], "b": [2 * world * half] * 3}, out
+        assert steady["grad"] == {"w": [i + half for i in range(6)], "b": [1.0] * 3}, out  # d/dw = x, averaged
+        assert not any(math.isfinite(v) for leaf in out["mixed"].values() for v in leaf), out  # every value Inf or NaN
+        assert out["next"].startswith("MismatchError") and "was fddp.ddp_step" in out["next"], out

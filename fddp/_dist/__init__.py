@@ -53,7 +53,7 @@ from fddp._dist._groups import (
     size,
     uses_nccl,
 )
-from fddp._dist._header import PREEMPT, UNWRITTEN, WRITTEN
+from fddp._dist._header import PREEMPT, UNWRITTEN, WRITTEN, stamp
 from fddp._dist._scope import backward_scope, call, entry, owe
 from fddp._dist._sequences import Segment
 from fddp._dist._waits import sliced, wait
@@ -100,6 +100,7 @@ __all__ = [
     "signature_digest",
     "size",
     "sliced",
+    "stamp",
     "start_agreement",
     "take_requested",
     "traced_digest",

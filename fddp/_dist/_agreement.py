@@ -27,7 +27,9 @@ boundary (:func:`settle`, from ``fddp.optim.apply_gradients``, and :func:`take_r
 that head, or the batch's :data:`UNHEADED`-th call does; it is read when the group sends its next
 one (``GroupState.pending``), so no call waits for it. A difference raises there, naming the first
 call in which the ranks' batches differ, and ends the group: those calls' collectives went out
-unchecked.
+unchecked. Meanwhile each batched call carries its identity in its first all-reduce
+(:attr:`Agreement.stamp`, ``_header.stamp``), checked on the device, so that a mixed sum never
+comes out finite.
 
 With the agreement switched off (:func:`fddp.set_checks`), known signatures send no head; a new
 one still does, and so does the first call after the switch, saying so.
@@ -211,7 +213,10 @@ def start_agreement(
         _owe(group, st)
         st.unheaded.append((call_, what, signature))
         _remember(st, signature, replicas)
-        return Agreement(None, None, Agreed(False, False), (), call_)
+        a = Agreement(None, None, Agreed(False, False), (), call_)
+        # Its identity rides in its first all-reduce instead (_header.stamp): a mixed sum comes out NaN.
+        a.stamp = (signature ^ name_digest(what) ^ (call_ * _ODD)) % (1 << _header.STAMP_BITS)
+        return a
     if new and batched:
         st.rows[signature] = build()  # to name this signature if a batch that holds it differs
     segment = Segment(group, (signature, name_digest(what)), what, call_) if sequenced and on else None
@@ -307,12 +312,14 @@ class Agreement:
         >>> agreement.finish()  # before this call's first bucket
     """
 
-    __slots__ = ("header", "work", "result", "context", "call", "deferred")
+    __slots__ = ("header", "work", "result", "context", "call", "deferred", "stamp")
 
     def __init__(self, header: torch.Tensor | None, work: Any, result: Agreed | None, context: tuple = (), call: int | None = None) -> None:
         self.header, self.work, self.result, self.context = header, work, result, context
         self.call = call  # the call's number among the group's agreements (None: a compiled call's)
         self.deferred = False  # finish() leaves the head to be read at the group's next call (settle)
+        # A batched call's identity, for its first all-reduce to carry (``fddp.sync``'s ``Comm.stamp``), else None.
+        self.stamp: int | None = None
 
     @property
     def open(self) -> bool:
@@ -374,7 +381,8 @@ class Agreement:
                 f"fddp: found by the check of {_checked(earlier, what, call_, self.deferred)}. On an NCCL group known calls "
                 "do not wait for their agreement: they are checked together, at the next step boundary (or every "
                 f"{UNHEADED} calls), and the check is read at the boundary after it. Their collectives went out unchecked, "
-                "so their results (and the parameters of that step) may mix values; this group carries no more fddp calls "
+                "so their results (and the parameters of that step) may mix values, where they are not Inf or NaN (a stamped "
+                "all-reduce's); this group carries no more fddp calls "
                 "(restart from the last checkpoint)."
             )
             fail(group, what, e)
@@ -403,6 +411,8 @@ def _checked(earlier: list, what: str, call_: int, deferred: bool) -> str:
     first_call, first_what, _ = earlier[0]
     return f"{last} ({len(earlier)} earlier calls, from fddp.{first_what}'s call {first_call + 1})"
 
+
+_ODD = 0x9E3779B97F4A7C15  # odd: calls whose numbers differ (mod 2**32) never share a stamp's bits
 
 UNHEADED = 64  # at most this many known calls of an NCCL group share one head
 

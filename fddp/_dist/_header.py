@@ -37,7 +37,7 @@ from fddp._dist._groups import control_group
 
 __all__ = [
     "HEAD", "DATA", "FAILS", "FAILED", "TOKEN", "PREEMPT", "WRITTEN", "UNWRITTEN", "FLAG_BITS", "Verdict", "build", "exchange", "read",
-    "traced_verdict",
+    "traced_verdict", "stamp",
 ]
 
 CHUNKS = 8  # 8-bit chunks of a 64-bit identity
@@ -170,3 +170,38 @@ def traced_verdict(head: torch.Tensor, n: int) -> torch.Tensor:
     failure (a compiled call's assertion)."""
     v, sq = head[ID:ID_SQ], head[ID_SQ:PRINT]
     return (sq * n == v * v).all() & (head[FAILS] == 0)
+
+
+# ----------------------------------------------------------------------------------- the stamp
+# A known call on an NCCL group sends no head (``_agreement``: it is checked in the step's batch).
+# Its identity rides instead in trailing slots of its first all-reduce (a sum), as chunks ``c``
+# and ``c * c``. Where every rank sent the same, the sums are ``n * c`` and ``n * c * c``, which
+# each rank knows; where any differ, no rank's are (``sum (c_r - c_0)**2 = S2 - 2 c_0 S1 + n c_0**2``
+# is 0 only if every ``c_r == c_0``). So each rank compares the sums with its own expectation on
+# the device, reaching the same verdict as every other rank without a host read, and the call's
+# results are divided by it (1, or 0: a mixed sum never comes out finite). The batch's head still
+# names the call, a step later.
+
+STAMP_BITS = 32  # of the identity: calls numbered alike but differing elsewhere collide with odds 2**-32
+_SIGNIFICAND = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def stamp(ident: int, n: int, dtype: torch.dtype) -> list[int] | None:
+    """``ident``'s low :data:`STAMP_BITS` bits as the ``2 k`` slots a rank sends in a sum over
+    ``n`` ranks of ``dtype`` (``k`` chunks, then their squares), followed by the ``2 k`` sums that
+    every rank receives where all sent the same (``n`` times each slot); ``None`` where ``dtype``
+    cannot carry them exactly (an integer type, bfloat16 beyond 255 ranks). Chunks are as wide as
+    keeps every sum exact in ``dtype``: ``n * (2**b - 1)**2 < 2**significand``.
+
+    Example:
+        >>> stamp(0xDEADBEEF, 2, torch.float32)[:8]  # four 8-bit chunks and their squares
+        [239, 190, 173, 222, 57121, 36100, 29929, 49284]
+    """
+    p = _SIGNIFICAND.get(dtype, 0)
+    b = next((b for b in range(8, 0, -1) if n * ((1 << b) - 1) ** 2 < 1 << p), 0)
+    if b == 0:
+        return None
+    m = (1 << b) - 1
+    c = [(ident >> (b * i)) & m for i in range(-(-STAMP_BITS // b))]
+    sent = c + [x * x for x in c]
+    return sent + [n * x for x in sent]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from fddp._dist import Segment, collective_device, rank, size, sliced, wait
+from fddp._dist import Segment, collective_device, rank, size, sliced, stamp, wait
 from fddp._layout import BucketPlan
 
 __all__ = ["Comm"]
@@ -54,6 +54,12 @@ class Comm:
         # one), the works of collectives on CPU tensors, not waited for yet: gloo's, whose waits are
         # still taken in slices, where a CUDA one's must not be (fddp._dist.wait's host).
         self._host: list[Any] = []
+        # A batched call's identity (fddp._dist's stamp), for its first all-reduce (sum) of a
+        # floating-point tensor to carry; once that is waited for, ``verdict``: on the device, a
+        # bool, true where every rank's was the same (:meth:`poison` divides the results by it).
+        self._stamp: int | None = None
+        self._stamped: Any = None
+        self.verdict: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -65,6 +71,24 @@ class Comm:
     def carry(self, agreement: Any) -> None:
         """Send this call's next all-reduce (sum), its only collective, in ``agreement``'s head."""
         self._carry = agreement
+
+    def stamp(self, ident: int | None) -> None:
+        """Let this call's first all-reduce (sum) of a floating-point tensor carry ``ident`` (a
+        batched call's stamp, ``fddp._dist.Agreement.stamp``; ``None``: nothing to carry)."""
+        self._stamp = ident
+
+    def poison(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Divide the call's floating-point ``results`` in place by :attr:`verdict`, where its
+        first all-reduce carried a stamp: by 1 (exact) where the ranks ran the same call, by 0
+        where not (every value becomes Inf or NaN: a mixed sum never comes out finite). One
+        launch, and no host read, on a GPU. Returns ``results``."""
+        if self._stamped is not None and not self._stamped.done:  # a hook that never waited for it
+            self.wait(self._stamped, "the all-reduce that carried the call's stamp")
+        if self.verdict is not None:
+            floats = [r for r in results if r.is_floating_point()]
+            if floats:
+                torch._foreach_div_(floats, self.verdict)
+        return results
 
     @property
     def device(self) -> torch.device:
@@ -104,6 +128,12 @@ class Comm:
         if self._carry is not None and op == "sum":
             agreement, self._carry = self._carry, None
             return _Carried(t, agreement)
+        if self._stamp is not None and op == "sum":
+            slots = _stampable(t) and stamp(self._stamp, self.world_size, t.dtype)
+            if slots:
+                self._stamp = None
+                self._stamped = _Stamped(t, slots, self)
+                return self._started(t, self._stamped)
         return self._started(t, dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True))
 
     def all_gather(self, t: torch.Tensor, tag: str | None = None) -> tuple[torch.Tensor, Any]:
@@ -252,6 +282,42 @@ class _Carried:
             t = self.t
             t.copy_(self.data if t.dim() == 1 else self.data.view_as(t))  # a bucket's flat: no view to make
             self.copied = True
+        return done
+
+
+def _stampable(t: torch.Tensor) -> bool:
+    """Whether ``t`` may go out with stamp slots appended: a plain tensor (no transform's wrapper,
+    no autograd history to keep) of a real floating type."""
+    return t.is_floating_point() and not t.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+class _Stamped:
+    """An all-reduce (sum) of ``t`` with the call's stamp (``fddp._dist.stamp``) in trailing slots,
+    through a copy (``t`` has no room for them): ``wait`` copies the sum back into ``t`` and leaves
+    the verdict, on the device, in the Comm's ``verdict``. The first wait that finds the sum there
+    does it (the hook's, or ``poison``'s)."""
+
+    __slots__ = ("t", "buf", "expected", "comm", "work", "done")
+
+    def __init__(self, t: torch.Tensor, slots: list[int], comm: Comm) -> None:
+        k = len(slots) // 2
+        src = torch.tensor(slots, dtype=t.dtype)  # what this rank sends, then what every rank gets where all agree
+        if t.is_cuda:  # pinned, and not waited for: a pageable copy to the device would wait for the stream
+            src = src.pin_memory().to(t.device, non_blocking=True)
+        self.buf = torch.cat([t.reshape(-1), src[:k]])
+        self.t, self.expected, self.comm, self.done = t, src[k:], comm, False
+        self.work = dist.all_reduce(self.buf, group=comm.group, async_op=True)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.done and (timeout is None or done or self.work.is_completed()):  # a sliced wait may return early
+            t, n = self.t, self.t.numel()
+            t.copy_(self.buf[:n].view_as(t))
+            self.comm.verdict = torch.eq(self.buf[n:], self.expected).all()
+            self.done, self.buf = True, None
         return done
 
 

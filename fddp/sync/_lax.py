@@ -170,6 +170,7 @@ def _issued(op: _Op, leaves: tuple[torch.Tensor, ...], plan: _Plan, plain: bool)
     carry = plan.carriable and _dist.can_carry(group, plan.numel, plan.dtype, plan.device)
     agreement = _dist.start_agreement(group, op.what, plan.rows, signature=plan.signature, carry=carry, defer=True)
     comm = Comm(group, op.what, None)  # type: ignore[arg-type] - no bucket plan: not a hook's comm
+    comm.stamp(agreement.stamp)  # a batched call's: its first all-reduce carries it
     if agreement.open:
         comm.carry(agreement)
     else:
@@ -180,13 +181,13 @@ def _issued(op: _Op, leaves: tuple[torch.Tensor, ...], plan: _Plan, plain: bool)
     if len(groups) == 1 and groups[0].whole:  # one collective for the whole tree: its results, in order
         g, finish, work = pending[0]
         comm.wait(work, f"the {_KINDS[op.kind]} of {len(g.idx)} leaves")
-        return finish()
+        return comm.poison(finish())
     out: list[Any] = [None] * len(leaves)
     for g, finish, work in pending:
         comm.wait(work, f"the {_KINDS[op.kind]} of {len(g.idx)} leaves")
         for i, t in zip(g.idx, finish()):
             out[i] = t
-    return out
+    return comm.poison(out)
 
 
 def _by_dtype(specs: tuple) -> list[list[int]]:

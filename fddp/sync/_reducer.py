@@ -290,6 +290,7 @@ class Reducer:
                     again.append(i)
             todo = again
         new_state = hook.end(self.working)
+        comm.poison(out)  # NaN where the call's stamp shows its ranks ran different calls (an NCCL group's batch)
         finite = hook.finite(out, comm) if self.check_finite else None
         timeline = None if torch.compiler.is_compiling() else Timeline(
             self.t_backward, tuple(self.ready), tuple(map(_launched, slots)), tuple(map(_done, slots)),

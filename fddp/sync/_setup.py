@@ -316,6 +316,7 @@ class Sync:
         and named) are :meth:`agree`'s.
         """
         pending = self._start(replicas, drift, self._carries, defer=True)
+        self.comm.stamp(pending.agreement.stamp)  # a batched call's: its first all-reduce carries it
         if pending.agreement.open:
             self.comm.carry(pending.agreement)
             self._pending = pending

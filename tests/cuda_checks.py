@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import traceback
@@ -432,6 +433,63 @@ def loss_scaling_and_plain_sgd_never_sync_the_host(device: torch.device) -> None
 
     _, _, ls = _without_host_syncs(step, (params, state, ls), steps=5, learn=2)
     assert ls.scale.device == device, ls.scale.device
+
+
+@check
+def elementwise_optimizers_never_sync_the_host(device: torch.device) -> None:
+    """rmsprop, adagrad, nadam, radam and adafactor's apply_gradients, with a constant lr and with
+    a schedule's: steady-state steps make no synchronising call (on a GPU their scalars, and
+    adafactor's norms, stay on the device, where the CPU reads the count as torch.optim does),
+    and the parameters agree with torch.optim's (foreach=False, on the same device) to float
+    rounding. On the CPU the check runs that same device path, forced, without sync debug mode
+    (``tests/test_optim_on_device.py`` checks its numbers there to the bit)."""
+    from fddp.optim import _elementwise as ew
+
+    cases = [
+        (fddp.optim.rmsprop, torch.optim.RMSprop, dict(momentum=0.9, centered=True, weight_decay=0.1)),
+        (fddp.optim.adagrad, torch.optim.Adagrad, dict(lr_decay=0.01, weight_decay=0.1)),
+        (fddp.optim.nadam, torch.optim.NAdam, dict(weight_decay=0.1, decoupled_weight_decay=True)),
+        (fddp.optim.radam, torch.optim.RAdam, dict(weight_decay=0.1)),
+        (fddp.optim.adafactor, torch.optim.Adafactor, dict(weight_decay=0.1)),
+    ]
+    schedule = fddp.optim.linear(1e-2, 1e-3, transition_steps=4)
+    steps = 6
+    shapes = {k: v.shape for k, v in _model().named_parameters()}
+    gens = [torch.Generator().manual_seed(i) for i in range(steps)]
+    grads = [collections.OrderedDict((k, torch.randn(s, generator=g).to(device)) for k, s in shapes.items()) for g in gens]
+
+    def step(carry, opt):
+        params, state, i = carry
+        return (*fddp.optim.apply_gradients(opt, grads[i], state, params), i + 1)
+
+    on_host = ew.on_host
+    if device.type == "cpu":
+        ew.on_host = lambda count: False  # the path a GPU takes
+    try:
+        for make, T, kw in cases:
+            for lr in (1e-2, schedule):
+                model = _model().to(device)
+                opt = make(lr, **kw)
+                params = _params(model)
+                carry = (params, opt.init(params), 0)
+                if device.type == "cuda":
+                    carry = _without_host_syncs(functools.partial(step, opt=opt), carry, steps=steps, learn=2)
+                else:
+                    for _ in range(steps):
+                        carry = step(carry, opt)
+                params = carry[0]
+                topt = T(model.parameters(), lr=1e-2, foreach=False, **kw)
+                for i in range(steps):
+                    for g in topt.param_groups:
+                        g["lr"] = float(lr(torch.tensor(i))) if callable(lr) else lr
+                    for k, p in model.named_parameters():
+                        p.grad = grads[i][k].clone()
+                    topt.step()
+                for k, p in model.named_parameters():
+                    what = f"{T.__name__}, lr {lr}, {k}"
+                    torch.testing.assert_close(params[k], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
+    finally:
+        ew.on_host = on_host
 
 
 @check

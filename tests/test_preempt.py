@@ -314,6 +314,31 @@ def _boundaries_worker(directory: str) -> dict:
     finally:
         fddp.set_checks(agreement=True)
     out["off"] = (step, [s for s, _ in ckpt.steps(os.path.join(directory, "off"))])
+    # ... and on an NCCL-like group (headers on a gloo side group, small tensors on a device that is
+    # not the CPU, "meta" here): the boundary's values go on the side group, never a device tensor.
+    from test_control import _side_group
+
+    from fddp.checkpoint import _ranks
+
+    g = _side_group()
+    real_device, real_all_reduce, groups = _ranks.collective_device, dist.all_reduce, []
+    _ranks.collective_device = lambda group: torch.device("meta") if group is g else real_device(group)
+    dist.all_reduce = lambda *a, **k: groups.append(k.get("group")) or real_all_reduce(*a, **k)
+    fddp.set_checks(agreement=False)
+    try:
+        with ckpt.Manager(os.path.join(directory, "side"), every=None, keep=2, group=g) as manager:
+            for step in range(1, 10):
+                if step == 4 and fddp.rank() == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                manager.step(step, {"step": step})
+                if manager.should_stop:
+                    break
+    finally:
+        fddp.set_checks(agreement=True)
+        _ranks.collective_device, dist.all_reduce = real_device, real_all_reduce
+    side = fddp._dist.control_group(g)
+    saved = [s for s, _ in ckpt.steps(os.path.join(directory, "side"))]
+    out["off, side group"] = (step, saved, len(groups) >= 4, all(x is side for x in groups))  # one a boundary at least
 
     # 2. Steps that make fddp calls carry the requests: the manager adds no collective to them.
     params = fddp.broadcast({"w": torch.ones(64)})
@@ -376,6 +401,7 @@ def test_step_boundaries_learn_signals_add_no_collective_and_leak_nothing(tmp_pa
     for r, out in enumerate(run(_boundaries_worker, 2, str(tmp_path), timeout=180)):
         assert out["quiet"] == (3, [3]), (r, out)  # both ranks saved step 3 and stopped there
         assert out["off"] == (4, [4]), (r, out)
+        assert out["off, side group"] == (4, [4], True, True), (r, out)
         assert out["handler restored"], r
         assert out["collectives with a manager"] == out["collectives"] == 20, (r, out)
         assert out["max threads"] <= 1 and out["threads left"] == 0 and out["queued requests"] == 0, (r, out)

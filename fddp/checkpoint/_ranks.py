@@ -7,7 +7,8 @@ or writes, a bad tree on one rank) reaches its peers as :class:`fddp.PeerError` 
 instead of leaving them waiting in the next agreement.
 
 Every collective that ``fddp.checkpoint`` issues itself goes through :func:`agree`: a sum of a few
-ints over the group (an outcome flag, rank 0's name for a temporary directory), after the per-call
+ints over the group (an outcome flag, rank 0's name for a temporary directory; on a pure NCCL group
+over its gloo side group, as its headers, so that the host never reads a GPU tensor), after the per-call
 agreement of every fddp collective (``fddp._dist.agree``), so that a rank still a step behind in
 its loop gets a ``MismatchError`` on every rank rather than an abort in the backend. Its wait is
 bounded by the process group's timeout (``fddp.init(timeout=...)``) and a failure or timeout names
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from fddp import _dist
-from fddp._dist import collective_device, count_call, wait
+from fddp._dist import collective_device, control_group, count_call, wait
 
 __all__ = ["agree", "barrier", "entry", "is_distributed", "is_writer", "rank", "world_size"]
 
@@ -117,7 +118,16 @@ def agree(
     _dist.agree(group, what, described)
     if not values:
         return []  # the header was the agreement
-    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-    wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, what, doing, host=t.is_cpu)
+    device = collective_device(group)
+    # A pure NCCL group's would be a GPU tensor that the host reads back: a wait for the GPU's
+    # stream, at every step of a Manager with the agreement off. These ints are the host's: they go
+    # on the group's gloo side group, where its headers go (a wait for the peers' hosts only).
+    side = control_group(group) if device.type != "cpu" else group
+    if side is not group:
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+        wait(dist.all_reduce(t, op=reduce_op, group=side, async_op=True), group, what, doing, head=True)
+    else:
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+        wait(dist.all_reduce(t, op=reduce_op, group=group, async_op=True), group, what, doing, host=t.is_cpu)
     return [int(v) for v in t.tolist()]

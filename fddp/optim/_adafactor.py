@@ -67,9 +67,11 @@ def adafactor(
     torch's variant (not optax's: see :func:`scale_by_factored_rms` for optax's factored
     moments): relative step sizes ``min(lr, 1/sqrt(t)) * max(eps2, rms(param))``, the update
     clipped at an RMS of ``d``, decoupled weight decay. ``apply_gradients`` equals
-    ``torch.optim.Adafactor(foreach=False)`` to the bit, reading each leaf's two norms on the
-    host as torch does; ``update`` keeps them on the device (vmap- and compile-friendly) and
-    agrees to float rounding.
+    ``torch.optim.Adafactor(foreach=False)`` to the bit on the CPU, reading the count and each
+    leaf's two norms on the host as torch does. On a GPU, where each read would make the host
+    wait for the GPU, it keeps them on the device, and each step rounds once more than torch's
+    (the step size, a tensor, multiplies the update before the add). ``update`` keeps them on the
+    device too (vmap- and compile-friendly) and agrees to float rounding.
 
     Args:
         lr: learning rate (the relative step's cap), a float or a schedule.
@@ -136,15 +138,20 @@ def _step(cfg: _Adafactor, grads, state: AdafactorState, params, apply: bool):
         "adafactor.update", AdafactorState, grads, state, params, ("row_var", "col_var", "variance"), True
     )
     lr = checks.lr_at(cfg.lr, state.count)
-    if apply:  # torch's Python floats: the step and each leaf's norms read on the host
+    # torch's Python floats, the step and each leaf's two norms read on the host, where the count is
+    # on the CPU (free there); elsewhere float64 tensors on its device (no host read: see ew.on_host).
+    host = apply and ew.on_host(state.count)
+    if host:
         lr, step = ew.host(lr), float(state.count.item() + 1)
-        one_minus_beta2 = step**cfg.beta2_decay
-        rho = min(lr, 1 / (step**0.5))
     else:
         step = (state.count + 1).to(torch.float64)
-        one_minus_beta2 = step**cfg.beta2_decay
-        rho = torch.clamp(1 / (step**0.5), max=lr) if not isinstance(lr, Tensor) else torch.minimum(lr.to(torch.float64), 1 / step**0.5)
-    out = [_leaf(cfg, g, r, c, v, p, lr, one_minus_beta2, rho, apply) for g, r, c, v, p in zip(gs, rows, cols, vs, ps)]
+    one_minus_beta2 = ew.power(step, cfg.beta2_decay)
+    rho_max = ew.divide(1, ew.power(step, 0.5))
+    if host:
+        rho = min(lr, rho_max)
+    else:
+        rho = torch.clamp(rho_max, max=lr) if not isinstance(lr, Tensor) else torch.minimum(lr.to(torch.float64), rho_max)
+    out = [_leaf(cfg, g, r, c, v, p, lr, one_minus_beta2, rho, apply, host) for g, r, c, v, p in zip(gs, rows, cols, vs, ps)]
     tree = functools.partial(optree.tree_unflatten, treedef)
     r, c, v, u = ([x[k] for x in out] for k in range(4))
     return tree(u), AdafactorState(state.count + 1, tree(r), tree(c), tree(v))
@@ -158,7 +165,8 @@ def _applied(cfg: _Adafactor, grads: Updates, state: AdafactorState, params: Par
     leaves = optree.tree_leaves(params)
     if not leaves or not _eager(leaves):
         return ew.note(request.why, "adafactor: update + apply_updates (inside a torch.func transform or torch.compile)")
-    ew.note(request.why, "adafactor: torch's single-tensor step, leaf by leaf, the norms read on the host")
+    where = "the norms read on the host" if ew.on_host(state.count) else "the norms kept on the device"
+    ew.note(request.why, f"adafactor: torch's single-tensor step, leaf by leaf, {where}")
     new_params, new_state = _step(cfg, grads, state, params, True)
     return Applied(new_params), new_state
 
@@ -168,20 +176,21 @@ def _eager(leaves) -> bool:
     return multi_tensor_ok(leaves) and not torch.compiler.is_compiling() and not any(t.requires_grad for t in leaves)
 
 
-def _leaf(cfg: _Adafactor, g, row, col, var, p, lr, one_minus_beta2, rho, apply: bool):
+def _leaf(cfg: _Adafactor, g, row, col, var, p, lr, one_minus_beta2, rho, apply: bool, host: bool):
     """torch's ``_single_tensor_adafactor`` on one leaf, out of place: (row, col, variance, new
-    param or update)."""
+    param or update). ``host``: the norms read on the host, the scalars Python floats, as torch's."""
     eps1 = cfg.eps1 if cfg.eps1 is not None else torch.finfo(p.dtype).eps
     n = p.numel()
-    if apply:
+    if host:
         alpha = max(cfg.eps2, p.norm(2).item() / (n**0.5)) * rho
         omb = one_minus_beta2
     else:
         alpha = torch.clamp(p.norm(2).to(torch.float64) / (n**0.5), min=cfg.eps2) * rho
         omb = one_minus_beta2.to(p.dtype)
     q = p
-    if cfg.weight_decay:
-        q = torch.mul(p, 1 - lr * cfg.weight_decay) if apply else p
+    if cfg.weight_decay and apply:
+        decay = 1 - lr * cfg.weight_decay
+        q = torch.mul(p, decay if not isinstance(decay, Tensor) else decay.to(p.dtype))
     if g.dim() > 1:
         # Out of place (vmap has no batching rule for square_, clamp_...): the same arithmetic.
         row_mean = torch.norm(g, dim=-1, keepdim=True).square().div(g.size(-1))
@@ -194,11 +203,16 @@ def _leaf(cfg: _Adafactor, g, row, col, var, p, lr, one_minus_beta2, rho, apply:
         var = torch.lerp(var, g * g, omb)
         est = var
     u = est.clamp(min=eps1 * eps1).rsqrt().mul(g)
-    if apply:
+    if host:
         denom = max(1.0, u.norm(2).item() / ((u.numel() ** 0.5) * cfg.d))
         return row, col, var, q.add(u, alpha=-alpha / denom)
     denom = torch.clamp(u.norm(2).to(torch.float64) / ((u.numel() ** 0.5) * cfg.d), min=1.0)
-    u = u.mul((-alpha / denom).to(u.dtype))
+    step = (-alpha / denom).to(u.dtype)
+    if apply:
+        # The norms on the device: the step size is a tensor, so the update is multiplied, then added,
+        # one rounding more than torch's add(alpha=), a fused multiply-add on the CPU.
+        return row, col, var, torch.addcmul(q, u, step)
+    u = u.mul(step)
     if cfg.weight_decay:
         u = ew.axpy(u, p, -lr * cfg.weight_decay, None)
     return row, col, var, u

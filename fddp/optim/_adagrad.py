@@ -51,7 +51,9 @@ def adagrad(
     """Adagrad, as ``torch.optim.Adagrad`` (its keyword names and defaults).
 
     ``apply_gradients`` equals ``torch.optim.Adagrad(foreach=False)`` (torch's default on the
-    CPU) to the bit; ``update`` + ``apply_updates`` agrees with it to float rounding. (torch's
+    CPU) to the bit, reading the count on the host as torch does, where it is on the CPU; on a GPU
+    it reads nothing on the host (its step size a float64 tensor on the device, the same
+    arithmetic); ``update`` + ``apply_updates`` agrees with it to float rounding. (torch's
     ``foreach=True`` multiplies the gradient by the step size before dividing, one rounding away.)
 
     Args:
@@ -84,11 +86,12 @@ def _step(cfg: _Adagrad, grads, state: AdagradState, params, apply: bool, why=No
     treedef, gs, (sums,), ps = ew.leaves("adagrad.update", AdagradState, grads, state, params, ("sum",), bool(cfg.weight_decay) or apply)
     count = state.count
     lr = checks.lr_at(cfg.lr, count)
-    if apply:
-        # torch: clr = lr / (1 + (step - 1) * lr_decay), in Python floats from the step tensor.
+    # torch: clr = lr / (1 + (step - 1) * lr_decay), in Python floats from the step read on the host
+    # (free on the CPU); elsewhere float64 tensors on the count's device (no host read: see ew.on_host).
+    if apply and ew.on_host(count):
         clr = ew.host(lr) / (1 + float(count.item()) * cfg.lr_decay)
     else:
-        clr = lr / (1 + count.to(torch.float64) * cfg.lr_decay) if cfg.lr_decay else lr
+        clr = ew.divide(lr, 1 + count.to(torch.float64) * cfg.lr_decay) if cfg.lr_decay else lr
     unit = functools.partial(_unit, cfg=cfg, scalars=ew.Scalars(clr=-clr), apply=apply)
     out = ew.run(unit, gs, [sums], ps, treedef, 2, labels=("sum",), apply=apply, why=why)
     if out is None:
@@ -107,5 +110,7 @@ def _unit(g, s, p, new, *, cfg: _Adagrad, scalars: ew.Scalars, apply: bool):
     std = torch.add(torch.sqrt(s, out=o), cfg.eps, out=o)
     if apply and not isinstance(neg_clr, Tensor):
         return s, torch.addcdiv(p, g, std, value=neg_clr, out=new())
+    if apply:  # value * g first, then / std: addcdiv(value=)'s order on the CPU
+        return s, torch.addcdiv(p, torch.mul(g, neg_clr, out=new()), std, out=new())
     d = torch.div(g, std, out=o)
-    return s, ew.axpy(p, d, neg_clr, new()) if apply else ew.scale(d, neg_clr, new())
+    return s, ew.scale(d, neg_clr, new())

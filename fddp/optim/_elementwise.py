@@ -7,11 +7,19 @@ the new state and either the update (``update``) or the new parameter (``apply_g
 - ``update`` takes its step's scalars (learning rate, bias corrections) as float64 tensors derived
   from the count, so it never reads a tensor on the host and works under ``vmap`` and
   ``torch.compile``; the update is added by ``apply_updates``.
-- ``apply_gradients`` (eager, outside torch.func transforms) reads the count once (``int(count)``,
-  as ``torch.optim``'s non-capturable step reads its ``step`` tensor) and runs torch's own
-  single-tensor arithmetic with Python floats, op for op, writing the new parameter itself
-  (``param.addcdiv_(grad, avg, value=-lr)`` becomes ``torch.addcdiv(param, grad, avg, value=-lr)``):
-  equal to ``torch.optim.*(foreach=False)`` to the bit.
+- ``apply_gradients`` (eager, outside torch.func transforms) runs torch's own single-tensor
+  arithmetic, op for op, writing the new parameter itself (``param.addcdiv_(grad, avg, value=-lr)``
+  becomes ``torch.addcdiv(param, grad, avg, value=-lr)``). Where the count is on the CPU it reads
+  it once (``int(count)``, as ``torch.optim``'s non-capturable step reads its CPU ``step``) and
+  computes the scalars in Python floats: equal to ``torch.optim.*(foreach=False)`` to the bit.
+  Elsewhere (a GPU) that read would make the host wait for the GPU at every step, so the scalars
+  stay float64 tensors on the count's device (:func:`on_host` decides), computed by the same
+  operations in the same order (:func:`power`, :func:`divide`), and the units use tensor scalars
+  in the forms that give the same numbers on the CPU (``addcdiv(p, g * c, d)`` for
+  ``addcdiv(p, g, d, value=c)``); see each optimizer for the op, if any, that rounds once more.
+  On CUDA the float64 ``pow`` is CUDA's, not the C library's, and a few of torch's CUDA kernels
+  order a scalar's arithmetic differently (a division by a host scalar is a multiplication by its
+  reciprocal there): a step may differ from torch's by a rounding.
 
 Both run on fddp's flat buffers (``_flat.run``) where the inputs allow, else leaf by leaf.
 """
@@ -29,7 +37,7 @@ from . import _flat as flat
 from ._base import Applied, FusedUpdate
 from ._flat import note
 
-__all__ = ["Scalars", "host", "axpy", "scale", "run", "leaves", "zeros", "note", "fused_update", "check_args"]
+__all__ = ["Scalars", "on_host", "host", "power", "divide", "axpy", "scale", "run", "leaves", "zeros", "note", "fused_update", "check_args"]
 
 
 class Scalars:
@@ -45,11 +53,40 @@ class Scalars:
         return self.cache[dtype]
 
 
+def on_host(count: Tensor) -> bool:
+    """Whether ``apply_gradients`` reads the step count on the host and computes its scalars in
+    Python floats, as ``torch.optim`` does: where the count is on the CPU, a read costs nothing.
+
+    On a GPU a read (``.item()``) waits for every kernel queued before it, each step, and the host
+    stops running ahead; there the scalars stay float64 tensors on the count's device.
+    """
+    return count.device.type == "cpu"
+
+
 def host(x: Any) -> Any:
     """A tensor scalar read on the host as a Python number (the apply path's one read), else ``x``."""
     if isinstance(x, Tensor):
         return x.item()
     return x
+
+
+def power(x: float | Tensor, e: float) -> float | Tensor:
+    """``x ** e`` as Python computes it for a float (C's ``pow``), for a float or a float64 tensor.
+
+    torch's ``tensor ** number`` takes shortcuts for some exponents (``sqrt`` for 0.5, ``rsqrt``,
+    ``reciprocal``) that round differently from ``pow`` (its CPU ``sqrt`` of float64 is not even
+    correctly rounded); a tensor exponent takes none, and on the CPU calls the same ``pow``.
+    """
+    if isinstance(x, Tensor):
+        return torch.pow(x, torch.full_like(x, e))
+    return x**e
+
+
+def divide(a: float | Tensor, b: float | Tensor) -> float | Tensor:
+    """``a / b`` in one rounding, as Python's: torch's ``number / tensor`` is ``reciprocal(b) * a``, two."""
+    if isinstance(b, Tensor) and not isinstance(a, Tensor):
+        return torch.full_like(b, a) / b
+    return a / b
 
 
 def axpy(x: Tensor, y: Tensor, a: float | Tensor, out: Tensor | None) -> Tensor:

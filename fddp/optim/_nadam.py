@@ -58,8 +58,10 @@ def nadam(
 ) -> GradientTransformationExtraArgs:
     """NAdam (Adam with Nesterov momentum), as ``torch.optim.NAdam`` (its keyword names and defaults).
 
-    ``apply_gradients`` equals ``torch.optim.NAdam(foreach=False)`` to the bit;
-    ``update`` + ``apply_updates`` agrees with it to float rounding.
+    ``apply_gradients`` equals ``torch.optim.NAdam(foreach=False)`` to the bit, reading the
+    count on the host as torch does, where it is on the CPU; on a GPU it reads nothing on the
+    host (its scalars float64 tensors on the device, the same arithmetic); ``update`` +
+    ``apply_updates`` agrees with it to float rounding.
 
     Args:
         lr: learning rate, a float or a schedule (a function of the step count).
@@ -99,15 +101,16 @@ def _step(cfg: _NAdam, grads, state: NAdamState, params, apply: bool, why=None):
     treedef, gs, (ms, vs), ps = ew.leaves("nadam.update", NAdamState, grads, state, params, _FIELDS, need)
     b1, b2, md = cfg.b1, cfg.b2, cfg.momentum_decay
     lr = checks.lr_at(cfg.lr, state.count)
-    if apply:  # torch's Python floats, from the step read once on the host
+    host = apply and ew.on_host(state.count)
+    if host:  # torch's Python floats, from the step read once on the host (free on the CPU)
         lr, step = ew.host(lr), float(state.count.item() + 1)
-    else:
+    else:  # float64 tensors on the count's device, by the same operations (no host read: see ew.on_host)
         step = (state.count + 1).to(torch.float64)
     bc2 = 1 - b2**step
     mu = b1 * (1.0 - 0.5 * (0.96 ** (step * md)))
     mu_next = b1 * (1.0 - 0.5 * (0.96 ** ((step + 1) * md)))
-    mu_product = state.mu_product * (mu if apply else mu.to(state.mu_product.dtype))  # torch: mu_product *= mu
-    prod = mu_product.item() if apply else mu_product.to(torch.float64)
+    mu_product = state.mu_product * (mu if host else mu.to(state.mu_product.dtype))  # torch: mu_product *= mu
+    prod = mu_product.item() if host else mu_product.to(torch.float64)
     c_grad = -lr * (1.0 - mu) / (1.0 - prod)
     c_avg = (-lr * mu_next) / (1.0 - prod * mu_next)
     decay = 1 - lr * cfg.weight_decay if cfg.weight_decay and cfg.decoupled else None
@@ -132,14 +135,20 @@ def _unit(g, m, v, p, new, *, cfg: _NAdam, scalars: ew.Scalars, apply: bool):
     v = torch.addcmul(torch.mul(v, b2, out=o), g, g, value=1 - b2, out=o)
     o = new()  # a pooled flat buffer, or None leaf by leaf
     denom = torch.add(torch.sqrt(torch.div(v, s["bc2"], out=o), out=o), cfg.eps, out=o)
-    if apply and not isinstance(s["c_grad"], Tensor):
+    if apply:
         o = new()
         q = torch.mul(p, decay, out=o) if decay is not None else p
-        q = torch.addcdiv(q, g, denom, value=s["c_grad"], out=o)
-        return m, v, torch.addcdiv(q, m, denom, value=s["c_avg"], out=o)
+        if not isinstance(s["c_grad"], Tensor):
+            q = torch.addcdiv(q, g, denom, value=s["c_grad"], out=o)
+            return m, v, torch.addcdiv(q, m, denom, value=s["c_avg"], out=o)
+        # Tensor scalars (a count on the device): torch's capturable form, value * g first, then / denom,
+        # as addcdiv(value=) computes it on the CPU.
+        o2 = new()
+        q = torch.addcdiv(q, torch.mul(g, s["c_grad"], out=o2), denom, out=o)
+        return m, v, torch.addcdiv(q, torch.mul(m, s["c_avg"], out=o2), denom, out=o)
     o, o2 = new(), new()
     u = torch.mul(torch.div(g, denom, out=o), s["c_grad"], out=o)
     u = torch.addcmul(u, torch.div(m, denom, out=o2), s["c_avg"], out=o)
     if decay is not None:
         u = ew.axpy(u, p, decay - 1, o)
-    return m, v, torch.add(p, u, out=o2) if apply else u
+    return m, v, u

@@ -53,8 +53,10 @@ def radam(
 ) -> GradientTransformationExtraArgs:
     """Rectified Adam, as ``torch.optim.RAdam`` (its keyword names and defaults).
 
-    ``apply_gradients`` equals ``torch.optim.RAdam(foreach=False)`` to the bit;
-    ``update`` + ``apply_updates`` agrees with it to float rounding. optax's numbers
+    ``apply_gradients`` equals ``torch.optim.RAdam(foreach=False)`` to the bit, reading the
+    count on the host as torch does, where it is on the CPU; on a GPU it reads nothing on the
+    host (its scalars float64 tensors on the device, the same arithmetic); ``update`` +
+    ``apply_updates`` agrees with it to float rounding. optax's numbers
     (``optax.radam``) are :func:`scale_by_radam`'s.
 
     Args:
@@ -90,21 +92,22 @@ def _step(cfg: _RAdam, grads, state: RAdamState, params, apply: bool, why=None):
     treedef, gs, (ms, vs), ps = ew.leaves("radam.update", RAdamState, grads, state, params, _FIELDS, bool(cfg.weight_decay) or apply)
     b1, b2 = cfg.b1, cfg.b2
     lr = checks.lr_at(cfg.lr, state.count)
-    if apply:  # torch's Python floats, from the step read once on the host
+    host = apply and ew.on_host(state.count)
+    if host:  # torch's Python floats, from the step read once on the host (free on the CPU)
         lr, step = ew.host(lr), float(state.count.item() + 1)
-    else:
+    else:  # float64 tensors on the count's device, by the same operations (no host read: see ew.on_host)
         step = (state.count + 1).to(torch.float64)
     bc1, bc2 = 1 - b1**step, 1 - b2**step
     rho_inf = 2 / (1 - b2) - 1
     rho_t = rho_inf - 2 * step * (b2**step) / bc2
     rectified = rho_t > 5.0
-    if apply:
-        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5 if rectified else None
+    if host:
+        rect = ew.power((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t), 0.5) if rectified else None
     else:  # both branches, chosen per element (vmap's count may differ per member); the other's NaN is dropped
         ratio = (rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)
-        rect = torch.where(rectified, ratio.clamp(min=0) ** 0.5, 0.0)
+        rect = torch.where(rectified, ew.power(ratio.clamp(min=0), 0.5), 0.0)
     decay = 1 - lr * cfg.weight_decay if cfg.weight_decay and cfg.decoupled else None
-    scalars = ew.Scalars(lr=lr, bc1=bc1, bc2_sqrt=bc2**0.5, rect=rect, rectified=rectified, decay=decay)
+    scalars = ew.Scalars(lr=lr, bc1=bc1, bc2_sqrt=ew.power(bc2, 0.5), rect=rect, rectified=rectified, decay=decay)
     unit = functools.partial(_unit, cfg=cfg, scalars=scalars, apply=apply)
     out = ew.run(unit, gs, [ms, vs], ps, treedef, 3, labels=_FIELDS, apply=apply, why=why)
     if out is None:
@@ -124,15 +127,13 @@ def _unit(g, m, v, p, new, *, cfg: _RAdam, scalars: ew.Scalars, apply: bool):
     v = torch.addcmul(torch.mul(v, cfg.b2, out=o), g, g, value=1 - cfg.b2, out=o)
     ox, oa = new(), new()  # pooled flat buffers, or None leaf by leaf
     x = torch.mul(torch.div(m, s["bc1"], out=ox), lr, out=ox)  # bias_corrected_exp_avg * lr
-    if not isinstance(s["rectified"], Tensor):
-        if s["rectified"]:
-            # torch: bc2 ** 0.5 / (sqrt(v) + eps) is Tensor.__rtruediv__: reciprocal, then a multiply.
-            a = torch.mul(torch.reciprocal(torch.add(torch.sqrt(v, out=oa), cfg.eps, out=oa), out=oa), s["bc2_sqrt"], out=oa)
-            x = torch.mul(torch.mul(x, a, out=ox), s["rect"], out=ox)
-    else:
+    rectified = s["rectified"]
+    if rectified is not False:
+        # torch: bc2 ** 0.5 / (sqrt(v) + eps) is Tensor.__rtruediv__: reciprocal, then a multiply.
         a = torch.mul(torch.reciprocal(torch.add(torch.sqrt(v, out=oa), cfg.eps, out=oa), out=oa), s["bc2_sqrt"], out=oa)
-        a = torch.where(s["rectified"], torch.mul(a, s["rect"], out=oa), 1.0)
-        x = torch.mul(x, a, out=ox)
+        xa = torch.mul(torch.mul(x, a, out=oa), s["rect"], out=oa)  # torch's (x * adaptive_lr) * rect
+        # A tensor's choice (a count on the device, or vmap's) is per element; the other branch's NaN is dropped.
+        x = torch.where(rectified, xa, x, out=ox) if isinstance(rectified, Tensor) else xa
     o = new()
     q = torch.mul(p, decay, out=o) if decay is not None else p
     if apply:

@@ -57,9 +57,11 @@ def rmsprop(
     """RMSprop, as ``torch.optim.RMSprop`` (its keyword names and defaults).
 
     ``apply_gradients`` equals ``torch.optim.RMSprop(foreach=False)`` to the bit (torch's
-    single-tensor arithmetic, op for op, reading the count on the host once per step, as torch
-    does); ``update`` + ``apply_updates`` agrees with it to float rounding (the update is a
-    separate tensor, added afterwards).
+    single-tensor arithmetic, op for op, a schedule's lr read on the host as torch's Python float)
+    where the count is on the CPU. On a GPU it reads nothing on the host: a schedule's lr stays a
+    tensor on the device, and with momentum the step then rounds once more than torch's.
+    ``update`` + ``apply_updates`` agrees with it to float rounding (the update is a separate
+    tensor, added afterwards).
 
     Args:
         lr: learning rate, a float or a schedule (a function of the step count).
@@ -102,7 +104,8 @@ def _step(cfg: _RMSprop, grads, state: RMSpropState, params, apply: bool, why=No
     if (ga is not None) != cfg.centered or (buf is not None) != (cfg.momentum > 0):
         raise TypeError("rmsprop.update: the state was made by an rmsprop with other centered/momentum options")
     lr = checks.lr_at(cfg.lr, state.count)
-    scalars = ew.Scalars(lr=-ew.host(lr) if apply else -lr)
+    # A schedule's lr read on the host where the count is on the CPU (free there), else kept on its device.
+    scalars = ew.Scalars(lr=-ew.host(lr) if apply and ew.on_host(state.count) else -lr)
     unit = functools.partial(_unit, cfg=cfg, scalars=scalars, apply=apply)
     out = ew.run(unit, gs, [sq, ga, buf], ps, treedef, 4, labels=_FIELDS, apply=apply, why=why)
     if out is None:
@@ -133,10 +136,13 @@ def _unit(g, sq, ga, buf, p, new, *, cfg: _RMSprop, scalars: ew.Scalars, apply: 
     if cfg.momentum > 0:
         o = new()
         buf = torch.addcdiv(torch.mul(buf, cfg.momentum, out=o), g, avg, out=o)
+        # A tensor lr (a schedule's, on the device) multiplies, then adds: one rounding more than
+        # torch's add(alpha=-lr), a fused multiply-add on the CPU.
         out = ew.axpy(p, buf, neg_lr, new()) if apply else ew.scale(buf, neg_lr, new())
     elif apply and not isinstance(neg_lr, Tensor):
         out = torch.addcdiv(p, g, avg, value=neg_lr, out=new())
+    elif apply:  # value * g first, then / avg: addcdiv(value=)'s order on the CPU
+        out = torch.addcdiv(p, torch.mul(g, neg_lr, out=new()), avg, out=new())
     else:
-        d = torch.div(g, avg, out=a)
-        out = ew.axpy(p, d, neg_lr, new()) if apply else ew.scale(d, neg_lr, new())
+        out = ew.scale(torch.div(g, avg, out=a), neg_lr, new())
     return sq, ga if cfg.centered else None, buf if cfg.momentum > 0 else None, out

@@ -81,13 +81,16 @@ class Comm:
         """Divide the call's floating-point ``results`` in place by :attr:`verdict`, where its
         first all-reduce carried a stamp: by 1 (exact) where the ranks ran the same call, by 0
         where not (every value becomes Inf or NaN: a mixed sum never comes out finite). One
-        launch, and no host read, on a GPU. Returns ``results``."""
+        launch, and no host read, on a GPU; results on another device than the stamped
+        collective's (a CPU leaf in a GPU tree) are left to the batch's head. Returns ``results``."""
         if self._stamped is not None and not self._stamped.done:  # a hook that never waited for it
             self.wait(self._stamped, "the all-reduce that carried the call's stamp")
-        if self.verdict is not None:
-            floats = [r for r in results if r.is_floating_point()]
+        v = self.verdict
+        if v is not None:
+            # Those on the verdict's device: a GPU verdict moved to a CPU result would be a host read.
+            floats = [r for r in results if r.is_floating_point() and r.device == v.device]
             if floats:
-                torch._foreach_div_(floats, self.verdict)
+                torch._foreach_div_(floats, v)
         return results
 
     @property

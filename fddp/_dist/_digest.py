@@ -95,10 +95,13 @@ def replica_digest(leaves: Sequence[Any], /, depth: Literal["full", "sampled"] =
     """
     if depth == "full":
         tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-        sums = torch.stack([checksum(leaves[i]).cpu() for i in tensors]).tolist() if tensors else []
         out = [0] * len(leaves)
-        for i, s in zip(tensors, sums):
-            out[i] = s
+        by_device: dict[torch.device, list[int]] = {}
+        for i in tensors:
+            by_device.setdefault(leaves[i].device, []).append(i)
+        for idx in by_device.values():  # one read per device: a GPU leaf's own .cpu() would wait for the stream once per leaf
+            for i, s in zip(idx, torch.stack([checksum(leaves[i]) for i in idx]).tolist()):
+                out[i] = s
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):
                 out[i] = digest((type(t).__name__, t))

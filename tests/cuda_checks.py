@@ -436,6 +436,60 @@ def loss_scaling_and_plain_sgd_never_sync_the_host(device: torch.device) -> None
 
 
 @check
+def weighted_steps_never_sync_the_host(device: torch.device) -> None:
+    """ddp_step(weight=) with the weight a tensor on the device (a sample count the GPU counted)
+    and a Python number, plain and with compression="bf16": steady-state steps make no
+    synchronising call (the weight went to the host, and the weight sum came back, every call
+    until fddp kept them on the device). The weighted mean equals torch.distributed's all-reduces of
+    ``w_r g_r`` and ``w_r``, divided, to the bit on one or two ranks, a rank with weight 0 and NaN
+    gradients included; ``info.weight`` is the weight sum, on the device. On a GPU a negative
+    weight makes the mean NaN, with no host read (the CPU raises: tests/test_errors.py). On the
+    CPU the same steps run without sync debug mode."""
+    n, r = fddp.world_size(), fddp.rank()
+    params = _params(_model().to(device))
+    steps = 6
+    gens = [torch.Generator().manual_seed(100 * i + r) for i in range(steps)]
+    counts = [float((r + i) % 3) for i in range(steps)]  # 0 on a rank every third step (on one rank: W = 0, the mean 0)
+    grads = [collections.OrderedDict((k, torch.randn(v.shape, generator=g).to(device) if c else torch.full_like(v, float("nan")))
+                                     for k, v in params.items()) for g, c in zip(gens, counts)]  # fmt: skip
+    # Made before sync debug mode: a copy to the GPU syncs.
+    on_device = [torch.tensor(c, device=device) for c in counts]
+    negative = torch.tensor(-1.0 if r == 0 else 1.0, device=device)
+    out: list = []
+
+    def step(i: int) -> int:
+        for weight in (on_device[i], counts[i]):
+            for compression in (None, "bf16"):
+                g, info = fddp.ddp_step(params, grads[i], weight=weight, compression=compression, return_info=True, check_finite=True)
+                out.append((i, compression, g, info))
+        return i + 1
+
+    if device.type == "cuda":
+        _without_host_syncs(step, 0, steps=steps)
+        bad, info = _without_host_syncs(lambda _: fddp.ddp_step(params, grads[1], weight=negative, return_info=True, check_finite=True),
+                                        None, steps=1, learn=0)  # fmt: skip
+        assert not bool(info.finite) and torch.isnan(info.weight) and all(torch.isnan(v).all() for v in bad.values()), info
+    else:
+        for i in range(steps):
+            step(i)
+    for i, compression, g, info in out:
+        w = torch.tensor([counts[i]], dtype=torch.float64, device=device)
+        dist.all_reduce(w)
+        mean = collections.OrderedDict((k, torch.zeros_like(v) if counts[i] == 0 else v * counts[i]) for k, v in grads[i].items())
+        for v in mean.values():
+            dist.all_reduce(v)
+            v.div_(max(float(w), torch.finfo(v.dtype).tiny))
+        what = f"step {i}, compression={compression}"
+        assert info.weight.device.type == device.type and float(info.weight) == float(w), (what, info.weight)
+        assert bool(info.finite), what
+        if compression is None and n <= 2:  # two summands: the same sum in any order
+            _assert_equal(g, mean, what)
+        else:  # bf16 sends w_r / W * g_r, rounded to bf16
+            for k in mean:
+                torch.testing.assert_close(g[k], mean[k], rtol=2e-2, atol=2e-2, msg=lambda m, k=k: f"{what}, {k}: {m}")
+
+
+@check
 def elementwise_optimizers_never_sync_the_host(device: torch.device) -> None:
     """rmsprop, adagrad, nadam, radam and adafactor's apply_gradients, with a constant lr and with
     a schedule's: steady-state steps make no synchronising call (on a GPU their scalars, and

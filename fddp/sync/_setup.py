@@ -202,7 +202,7 @@ def _on_device(w: torch.Tensor) -> torch.Tensor:
     more runs in the process, not even a checkpoint) and strands the peers inside the collective,
     where NaN reaches every rank through the weight sum, as a NaN gradient would.
     """
-    return torch.where(w.isfinite() & (w >= 0), w, math.nan)
+    return w.masked_fill(~(w.isfinite() & (w >= 0)), math.nan)  # a fill: no scalar tensor to copy to the GPU
 
 
 def check_state(options: SyncOptions, state: Any, what: str, compression: Any = None) -> None:

@@ -291,12 +291,12 @@ def normalise_weight(flat: torch.Tensor, sums: WeightSum) -> None:
     """Scale this rank's buffer to ``w_r / W * g_r`` before a half-precision all-reduce.
 
     ``w_r * g_r / n`` overflows fp16 where the mean does not (``w_r`` is a sample count, often in
-    the thousands); ``w_r / W`` is at most 1. One rounding: a CPU scalar is read in the kernel's
+    the thousands); ``w_r / W`` is at most 1. One rounding: the host's scale is read in the kernel's
     float math; a GPU's would be cast to the bucket's half-precision dtype first, so a half-precision
-    bucket on the GPU is multiplied in float32 (the same arithmetic), and rounded once.
+    bucket is then multiplied in float32 (the same arithmetic) and rounded once.
     """
     scale = sums.comm.weight / sums.total(flat.device).clamp_min(_TINY)
-    if scale.is_cpu or flat.dtype not in LOW_PRECISION:
+    if on_host(scale) or flat.dtype not in LOW_PRECISION:
         flat.mul_(scale)
     else:
         flat.copy_(flat.float().mul_(scale))

@@ -585,20 +585,23 @@ def elementwise_optimizers_never_sync_the_host(device: torch.device) -> None:
 
 @check
 def compiled_step_matches_eager(device: torch.device) -> None:
-    """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
+    """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager;
+    also weighted, the weight a tensor on the GPU."""
     if device.type == "cpu":
-        raise Skip("the CPU's compiled step is tests/test_transforms.py's")
+        raise Skip("the CPU's compiled step is tests/test_transforms.py's (weighted: tests/test_grad.py's)")
     apply_fn, params = fddp.functionalize(_model().to(device))
     loss_fn = _loss_fn(apply_fn)
 
-    def sync(p, x, y):
-        return fddp.ddp_step(p, torch.func.grad(loss_fn)(p, x, y))
+    def sync(p, x, y, weight=None):
+        return fddp.ddp_step(p, torch.func.grad(loss_fn)(p, x, y), weight=weight)
 
     x, y = _batch(device, fddp.rank())
-    compiled = torch.compile(sync)(params, x, y)
-    eager = sync(params, x, y)
-    for k in eager:
-        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6)
+    weight = torch.tensor(1.0 + 2 * fddp.rank(), device=device)
+    for args in ((params, x, y), (params, x, y, weight)):
+        compiled = torch.compile(sync)(*args)
+        eager = sync(*args)
+        for k in eager:
+            torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -435,6 +436,96 @@ def loss_scaling_and_plain_sgd_never_sync_the_host(device: torch.device) -> None
     assert ls.scale.device == device, ls.scale.device
 
 
+@contextlib.contextmanager
+def _weights_read_on_the_device():
+    """On the CPU, take the path of a weight (and weight sum) that the host cannot read: a GPU's."""
+    from fddp.sync import _comm, _differentiable, _setup, hooks
+
+    modules = (_comm, _differentiable, _setup, hooks)
+    saved = [m.on_host for m in modules]
+    for m in modules:
+        m.on_host = lambda t: False
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, saved):
+            m.on_host = f
+
+
+@check
+def weighted_steps_never_sync_the_host(device: torch.device) -> None:
+    """ddp_step(weight=) with the weight a tensor on the device (a sample count the GPU counted)
+    and a Python number; float32 buckets, bf16 ones, and compression="bf16": steady-state steps
+    make no synchronising call (the weight went to the host, and the weight sum came back, every
+    call until fddp kept them on the device). The weighted mean equals torch.distributed's
+    all-reduce of ``w_r g_r`` (``w_r / W g_r`` rounded to bf16 where bf16 travels), divided by
+    that of ``w_r``, to the bit on one or two ranks, a rank with weight 0 and NaN gradients
+    included; ``info.weight`` is the weight sum, on the device. A negative weight on the device
+    makes the mean NaN on every rank. On the CPU the same steps run without sync debug mode,
+    once as they run there and once forced down the GPU's path (a CPU weight raises at a negative
+    value: tests/test_errors.py)."""
+    n, r = fddp.world_size(), fddp.rank()
+    trees = {"float32": _params(_model().to(device))}
+    trees["bfloat16"] = collections.OrderedDict((k, v.bfloat16()) for k, v in trees["float32"].items())
+    calls = [("float32", None), ("float32", "bf16"), ("bfloat16", None)]  # the weight rides in bucket 0; travels alone; alone
+    caps = dict(bucket_cap_mb=0.004, first_bucket_mb=0.001)  # a few buckets
+    steps = 6
+    counts = [float((r + i) % 3) for i in range(steps)]  # 0 on a rank every third step (on one rank: W = 0, the mean 0)
+    grads = []
+    for i, c in enumerate(counts):
+        gen = torch.Generator().manual_seed(100 * i + r)
+        g = collections.OrderedDict((k, torch.randn(v.shape, generator=gen)) for k, v in trees["float32"].items())
+        g = {t: collections.OrderedDict((k, (v if c else torch.full_like(v, float("nan"))).to(device, getattr(torch, t)))
+                                        for k, v in g.items()) for t in trees}  # fmt: skip
+        grads.append(g)
+    # Made before sync debug mode: a copy to the GPU syncs.
+    on_device = [torch.tensor(c, device=device) for c in counts]
+    negative = torch.tensor(-1.0 if r == 0 else 1.0, device=device)
+
+    def step(carry: tuple, device_path: bool = True) -> tuple:
+        out, i = carry
+        for weight in (on_device[i], counts[i]):
+            for t, compression in calls:
+                g, info = fddp.ddp_step(trees[t], grads[i][t], weight=weight, compression=compression, return_info=True, check_finite=True,
+                                        **caps)  # fmt: skip
+                out.append((i, compression, g, info, grads[i][t]))
+        if device_path:  # a weight the host reads is refused at once instead
+            g, info = fddp.ddp_step(trees["float32"], grads[i]["float32"], weight=negative, return_info=True, check_finite=True, **caps)
+            out.append((i, "negative", g, info, None))
+        return out, i + 1
+
+    if device.type == "cuda":
+        runs = [_without_host_syncs(step, ([], 0), steps=steps)[0]]
+    else:
+        runs = [functools.reduce(lambda c, _: step(c, device_path=False), range(steps), ([], 0))[0]]
+        with _weights_read_on_the_device():
+            runs.append(functools.reduce(lambda c, _: step(c), range(steps), ([], 0))[0])
+    for out in runs:
+        for i, compression, g, info, local in out:
+            what = f"step {i}, compression={compression}" + (f", {next(iter(local.values())).dtype}" if local else "")
+            if compression == "negative":
+                assert not bool(info.finite) and torch.isnan(info.weight) and all(torch.isnan(v).all() for v in g.values()), what
+                continue
+            w = torch.tensor([counts[i]], dtype=torch.float64, device=device)
+            dist.all_reduce(w)
+            scale = counts[i] / max(float(w), torch.finfo(torch.float64).tiny)
+            mean = collections.OrderedDict()
+            for k, v in local.items():
+                low = compression == "bf16" or v.dtype == torch.bfloat16  # sent as w_r / W * g_r in bf16
+                m = torch.zeros_like(v, dtype=torch.bfloat16 if low else v.dtype) if counts[i] == 0 else (
+                    (v.float() * scale).bfloat16() if low else v * counts[i])  # fmt: skip
+                dist.all_reduce(m)
+                # Divided by a tensor: CUDA's division by a Python number multiplies by its reciprocal.
+                mean[k] = m.to(v.dtype) if low else m.div_(w[0].clamp_min(torch.finfo(v.dtype).tiny).to(v.dtype))
+            assert info.weight.device.type == device.type and float(info.weight) == float(w), (what, info.weight)
+            assert bool(info.finite), what
+            if n <= 2:  # two summands: the same sum in any order
+                _assert_equal(g, mean, what)
+            else:
+                for k in mean:
+                    torch.testing.assert_close(g[k], mean[k], rtol=2e-2, atol=2e-2, msg=lambda m, k=k: f"{what}, {k}: {m}")
+
+
 @check
 def elementwise_optimizers_never_sync_the_host(device: torch.device) -> None:
     """rmsprop, adagrad, nadam, radam and adafactor's apply_gradients, with a constant lr and with
@@ -494,20 +585,23 @@ def elementwise_optimizers_never_sync_the_host(device: torch.device) -> None:
 
 @check
 def compiled_step_matches_eager(device: torch.device) -> None:
-    """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager."""
+    """torch.compile of torch.func.grad + fddp.ddp_step, CUDA kernels (Triton), against eager;
+    also weighted, the weight a tensor on the GPU."""
     if device.type == "cpu":
-        raise Skip("the CPU's compiled step is tests/test_transforms.py's")
+        raise Skip("the CPU's compiled step is tests/test_transforms.py's (weighted: tests/test_grad.py's)")
     apply_fn, params = fddp.functionalize(_model().to(device))
     loss_fn = _loss_fn(apply_fn)
 
-    def sync(p, x, y):
-        return fddp.ddp_step(p, torch.func.grad(loss_fn)(p, x, y))
+    def sync(p, x, y, weight=None):
+        return fddp.ddp_step(p, torch.func.grad(loss_fn)(p, x, y), weight=weight)
 
     x, y = _batch(device, fddp.rank())
-    compiled = torch.compile(sync)(params, x, y)
-    eager = sync(params, x, y)
-    for k in eager:
-        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6)
+    weight = torch.tensor(1.0 + 2 * fddp.rank(), device=device)
+    for args in ((params, x, y), (params, x, y, weight)):
+        compiled = torch.compile(sync)(*args)
+        eager = sync(*args)
+        for k in eager:
+            torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-6)
 
 
 def main() -> None:

@@ -9,8 +9,9 @@ runs them all (``pytest -m cuda``) and says what ran and what was skipped. What 
   per GPU, at most two): a one-rank (or two-rank) NCCL group from ``fddp.init``, CUDA buckets
   against torch DDP, ``fddp.Cast`` against torch's bf16/fp16 compress hooks, PowerSGD on CUDA
   against the CPU, ZeRO's reduce-scatter against the replicated path, broadcast/sync_buffers/
-  verify_replicas, a pure-NCCL group, a compiled step against eager, and rmsprop, adagrad, nadam,
-  radam and adafactor's steady steps (no host sync, torch.optim's numbers to float rounding).
+  verify_replicas, a pure-NCCL group, a compiled step against eager, weighted ddp_steps (no host
+  sync, torch.distributed's weighted sums to the bit), and rmsprop, adagrad, nadam, radam and
+  adafactor's steady steps (no host sync, torch.optim's numbers to float rounding).
 
 ``test_cuda_checks_run_on_cpu`` runs the same checks on two gloo ranks on the CPU in every suite
 run, so the code a GPU machine runs is not run there for the first time.

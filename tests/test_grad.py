@@ -203,6 +203,52 @@ def test_compiled_step_matches_eager():
         assert torch.equal(results[0][1][k], results[1][1][k]), f"compiled replicas differ at {k}"
 
 
+def _compiled_weighted_worker() -> list:
+    """A compiled ddp_step(weight=) and the eager one on the same float64 and float32 inputs: a
+    tensor weight (1 and 3: W = 4, a power of two, so inductor's division agrees to the bit), one
+    whose rank 0 is out of data (weight 0, NaN gradients), a Python number (a symbol to dynamo),
+    grad_and_value(weight=), and a negative weight, which the graph cannot refuse (it cannot read
+    it): the mean is NaN on every rank instead."""
+    r = fddp.rank()
+    params = {"a": torch.zeros(5, dtype=torch.float64), "b": torch.zeros(3)}
+    g = {"a": torch.arange(5.0, dtype=torch.float64) * (r + 1), "b": torch.full((3,), 2.0 - 5 * r)}
+    nan = {k: torch.full_like(v, float("nan")) for k, v in g.items()}
+
+    def step(g, w):  # two buckets: the weight rides in the first, the second is scaled alone
+        return fddp.ddp_step(params, g, weight=w, return_info=True, check_finite=True, bucket_cap_mb=1e-5, first_bucket_mb=1e-5)
+
+    compiled = torch.compile(step, fullgraph=True)
+    traced = torch.compile(step, fullgraph=True, backend="aot_eager")  # a number: dynamo's graph, not inductor's time
+    # Numbers: the first is the trace's constant, a second value makes dynamo trace a symbol.
+    cases = [(compiled, g, torch.tensor(2.0 * r + 1)), (compiled, nan if r == 0 else g, torch.tensor(2.0 * r)),
+             (traced, g, 2 * r + 1.0), (traced, nan if r == 0 else g, 2.0 * r)]  # fmt: skip
+    out = [(fn(gs, w), step(gs, w)) for fn, gs, w in cases]
+    # grad_and_value(weight=): under torch.compile, torch.func's gradients and the traced weighted mean.
+    gv = fddp.grad_and_value(lambda p, x: (p["a"] * x).sum() + p["b"].sum() * x[0], return_info=True, check_finite=True,
+                             bucket_cap_mb=1e-5, first_bucket_mb=1e-5)  # fmt: skip
+    x, w = torch.arange(5.0, dtype=torch.float64) * (r + 1), torch.tensor(2.0 * r + 1)
+    (cg, _, ci), (eg, _, ei) = torch.compile(gv, fullgraph=True, backend="aot_eager")(params, x, weight=w), gv(params, x, weight=w)
+    out.append(((cg, ci), (eg, ei)))
+    out.append(compiled(g, torch.tensor(-1.0 if r == 0 else 1.0)))
+    return out
+
+
+def test_a_compiled_weighted_mean_equals_the_eager_one():
+    for res in run(_compiled_weighted_worker, 2, timeout=300):
+        *same, poisoned = res
+        for i, ((c, ci), (e, ei)) in enumerate(same):
+            assert _equal_trees(c, e) and torch.equal(ci.weight, ei.weight) and bool(ci.finite) and bool(ei.finite), (i, c, e)
+        # sum_r w_r g_r / sum_r w_r, written out: (1 g_0 + 3 g_1) / 4, and g_1 alone where rank 0 has weight 0.
+        expect = {"a": torch.arange(5.0, dtype=torch.float64) * 7 / 4, "b": torch.full((3,), (2.0 - 3 * 3) / 4)}
+        assert _equal_trees(same[0][0][0], expect) and _equal_trees(same[2][0][0], expect), same[0][0][0]
+        rank_1 = {"a": torch.arange(5.0, dtype=torch.float64) * 2, "b": torch.full((3,), -3.0)}
+        assert _equal_trees(same[1][0][0], rank_1) and _equal_trees(same[3][0][0], rank_1), same[1]
+        assert float(same[0][0][1].weight) == 4 and float(same[1][0][1].weight) == 2, same
+        assert _equal_trees(same[4][0][0], {"a": torch.arange(5.0, dtype=torch.float64) * 7 / 4, "b": torch.zeros(3)}), same[4]
+        grads, info = poisoned
+        assert all(torch.isnan(v).all() for v in grads.values()) and not bool(info.finite) and torch.isnan(info.weight), poisoned
+
+
 # -------------------------------------------------------------------------------- single process
 
 

@@ -128,8 +128,17 @@ def leaves_of(params: Any, what: str) -> tuple[list[torch.Tensor], Any]:
 
 
 def as_weight(weight: Any) -> torch.Tensor:
+    """This inner step's weight as a float64 scalar: a number or a CPU tensor checked on the host;
+    a GPU tensor kept there, NaN where negative or not finite (``fddp.ddp_step``'s ``weight=``
+    says why), since reading it would make the host wait for the GPU at every inner step."""
     if isinstance(weight, torch.Tensor) and weight.requires_grad:
         raise ValueError(f"fddp.{_WHAT}: weight must not require grad")
+    if isinstance(weight, torch.Tensor) and not weight.is_cpu:
+        if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
+            raise ValueError(f"fddp.{_WHAT}: weight must be a non-negative scalar (this step's sample count), got shape "
+                             f"{tuple(weight.shape)}, dtype {weight.dtype}")  # fmt: skip
+        w = weight.detach().to(torch.float64).reshape(())
+        return w.masked_fill(~(w.isfinite() & (w >= 0)), float("nan"))
     w = torch.as_tensor(weight, dtype=torch.float64).detach().cpu()
     if w.numel() != 1 or not bool(w >= 0):
         raise ValueError(f"fddp.{_WHAT}: weight must be a non-negative scalar (this step's sample count), got {weight!r}")

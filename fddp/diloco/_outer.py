@@ -318,7 +318,10 @@ class DiLoCo:
             state: the outer state (from :meth:`init`, the previous step or a checkpoint).
             weight: this inner step's weight on this rank, usually its number of samples (0 once
                 out of data). Pass it at every step or at none: a fragment's pseudo-gradients are
-                then averaged with the weights summed since its last launch.
+                then averaged with the weights summed since its last launch. A number or a CPU
+                tensor must be >= 0; a GPU tensor is summed on the GPU (``state.weight`` then
+                lives there) and, negative or not finite, makes the fragment's mean NaN (see
+                :func:`fddp.ddp_step`'s ``weight=``).
             return_info: also return an :class:`OuterInfo`.
 
         Returns:

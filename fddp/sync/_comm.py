@@ -16,9 +16,18 @@ import torch.distributed._functional_collectives as funcol
 from fddp._dist import Segment, collective_device, rank, size, sliced, stamp, wait
 from fddp._layout import BucketPlan
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "on_host"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether reading ``t``'s value on the host is free: a CPU tensor, outside torch.compile.
+
+    A GPU tensor's value reaches the host only by making it wait for the GPU, and dynamo cannot
+    trace a branch on a tensor's value: code paths for either keep the value on the device.
+    """
+    return t.is_cpu and not torch.compiler.is_compiling()
 
 
 class Comm:
@@ -29,9 +38,11 @@ class Comm:
         plan: the synchronisation's bucket plan (every bucket's leaves, shapes and offsets).
         world_size: the number of ranks in ``group``.
         rank: this process's rank in ``group``.
-        weight: this rank's weight for a weighted mean (a float64 CPU scalar tensor), or ``None``.
+        weight: this rank's weight for a weighted mean (a float64 scalar tensor, see
+            ``fddp.sync._setup.as_weight``: on the CPU, or on the buckets' device), or ``None``.
         weight_sum: the sum of the weights over the ranks, once a weighted hook has learned it
-            (``SyncInfo.weight``).
+            (``SyncInfo.weight``): a float64 scalar tensor on the device of the collective that
+            carried it.
         bytes_sent: payload bytes handed to collectives so far.
         collectives: collectives issued so far.
     """
@@ -39,6 +50,11 @@ class Comm:
     def __init__(
         self, group: dist.ProcessGroup | None, what: str, plan: BucketPlan, weight: torch.Tensor | None = None
     ) -> None:
+        if weight is not None and not on_host(weight):
+            # A weight read on the device, where the buckets are not (a CUDA weight, CPU gradients):
+            # one copy here, which the hooks' arithmetic with the buckets would otherwise refuse.
+            there = plan.buckets[0].device if plan is not None and plan.buckets else collective_device(group)
+            weight = weight.to(there)
         self.group, self.what, self.plan, self.weight = group, what, plan, weight
         self.world_size = size(group)  # the membership epoch's (fault tolerance), else torch.distributed's
         self._rank: int | None = None  # asked of the group when a hook first reads it (most never do)

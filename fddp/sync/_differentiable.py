@@ -36,6 +36,7 @@ from torch.autograd import forward_ad
 
 from fddp import _dist, _layout
 from fddp._tree import LeafSpec
+from fddp.sync._comm import on_host
 from fddp.sync._reducer import SyncInfo
 from fddp.sync._setup import SyncOptions, setup
 from fddp.sync.hooks import LOW_PRECISION, Mean, WeightedMean
@@ -331,8 +332,10 @@ class _Mean(torch.autograd.Function):
             # d/dg_r of sum_s w_s g_s / W is w_r / W times the sum of the cotangents, which is
             # n times their mean. W is the forward's weight sum, identical on every rank.
             n = dist.get_world_size(call.options.group)
-            c = (w * n / ctx.weight_sum.to("cpu", torch.float64).clamp_min(_TINY)).item()
-            out = tuple(t * c for t in out)
+            c = w * n / ctx.weight_sum.clamp_min(_TINY)
+            if on_host(c):
+                c = c.item()  # a Python number: read in the kernels' float math, whatever the cotangents' dtype
+            out = tuple(t * c for t in out)  # else on the device: no host read
         return (None, *out)
 
     @staticmethod

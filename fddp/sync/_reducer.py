@@ -58,7 +58,9 @@ class SyncInfo(NamedTuple):
             finite. The reduced buffers are bitwise identical on all ranks, so every rank reaches
             the same verdict without another collective (a sharding hook's ranks each hold their
             own shards, and one small all-reduce shares the verdict). ``None`` otherwise.
-        weight: with ``weight=``, the sum of the weights over the ranks (a float64 tensor).
+        weight: with ``weight=``, the sum of the weights over the ranks: a float64 scalar tensor on
+            the device of the collective that carried it (a GPU's, on NCCL: reading it on the host,
+            ``float(info.weight)``, waits for the GPU). ``None`` otherwise.
         bytes_sent: bytes this rank handed to collectives (the payload, before the backend's own
             ring or tree traffic).
         collectives: the number of collectives issued.

@@ -27,7 +27,7 @@ from fddp._layout import BUCKET_CAP_MB, FIRST_BUCKET_MB, BucketPlan, module_alia
 from fddp._tree import LeafSpec, definition_order, flatten, paths, specs_of, structure_rows, tensor_leaves
 from fddp.runtime import require_initialized
 from fddp.sync._checksum import check_replicas
-from fddp.sync._comm import Comm
+from fddp.sync._comm import Comm, on_host
 from fddp.sync._reducer import Reducer
 from fddp.sync.hooks import Cast, CommHook, Mean, WeightedMean
 
@@ -160,7 +160,15 @@ _options = _caches.cached(maxsize=128, name="fddp.sync._setup._options")(_make)
 
 
 def as_weight(weight: Any, what: str) -> torch.Tensor:
-    """This rank's weight as a float64 CPU scalar tensor, or raise naming what arrived."""
+    """This rank's weight as a float64 scalar tensor, or raise naming what arrived.
+
+    Outside torch.compile a number, or a CPU tensor, is checked on the host (a finite number
+    >= 0) and comes back on the CPU. A tensor on a GPU stays there, and under torch.compile any
+    weight is a tensor of the graph; their type and shape are checked, but not their value:
+    reading it would make the host wait for the GPU (or cannot be traced). A value that is
+    negative or not finite becomes NaN instead (:func:`_on_device`), which makes every rank's mean
+    NaN (``info.finite`` false, ``info.weight`` NaN).
+    """
     if isinstance(weight, torch.Tensor):
         if weight.requires_grad:
             raise ValueError(f"fddp.{what}: weight must not require grad (the weighted mean is differentiated in the gradients only)")
@@ -168,18 +176,33 @@ def as_weight(weight: Any, what: str) -> torch.Tensor:
             raise ValueError(f"fddp.{what}: weight must be a scalar (this rank's sample count), got shape {tuple(weight.shape)}")
         if weight.is_complex() or weight.dtype == torch.bool:
             raise TypeError(f"fddp.{what}: weight must be a real number (this rank's sample count), got a {weight.dtype} tensor")
+        if not on_host(weight):
+            return _on_device(weight.detach().to(torch.float64).reshape(()))
         w = weight.detach().to("cpu", torch.float64).reshape(())
+        value = float(w)
     elif isinstance(weight, (int, float)) and not isinstance(weight, bool):
+        if torch.compiler.is_compiling():  # dynamo traces a number as a symbol, whose value it cannot test
+            return _on_device(torch.scalar_tensor(weight, dtype=torch.float64))
         w = torch.tensor(float(weight), dtype=torch.float64)
+        value = float(w)
     else:
         raise TypeError(
             f"fddp.{what}: weight must be a number or a one-element tensor (this rank's sample count), got "
             f"{type(weight).__name__} {weight!r}"
         )
-    value = float(w)
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"fddp.{what}: weight must be a finite number >= 0 (this rank's sample count), got {value!r}")
     return w
+
+
+def _on_device(w: torch.Tensor) -> torch.Tensor:
+    """``w``, or NaN where it is negative or not finite: the check of a weight the host cannot read.
+
+    Not ``torch._assert_async``: a failed device assert leaves the CUDA context unusable (nothing
+    more runs in the process, not even a checkpoint) and strands the peers inside the collective,
+    where NaN reaches every rank through the weight sum, as a NaN gradient would.
+    """
+    return w.masked_fill(~(w.isfinite() & (w >= 0)), math.nan)  # a fill: no scalar tensor to copy to the GPU
 
 
 def check_state(options: SyncOptions, state: Any, what: str, compression: Any = None) -> None:
@@ -255,7 +278,7 @@ class Sync:
         plan: the bucket plan.
         options: the synchronisation's options.
         what: the public function's name, for messages.
-        weight: this rank's weight (a float64 CPU scalar), or ``None``.
+        weight: this rank's weight (a float64 scalar tensor, from :func:`as_weight`), or ``None``.
         digest: the digest of the call's signature (what the ranks agree on).
         rows: builds the signature's rows (to name a difference between ranks).
         new: once agreed, whether some rank met this signature for the first time (the same

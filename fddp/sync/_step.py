@@ -105,6 +105,13 @@ def ddp_step(
             ``w_r / W * g_r``, which cannot overflow fp16). ``info.weight`` is that sum, the same
             on every rank: 0 when no rank had data (see :class:`fddp.Join`), and the gradients are
             then zeros, in every dtype and compression: the mean over no samples is taken as zero.
+            A number or a CPU tensor must be finite and >= 0, or the call raises ``ValueError``.
+            A GPU tensor, and any weight under ``torch.compile``, is not read on the host (that
+            would make it wait for the GPU each step, or break the graph): a negative or
+            non-finite one makes the mean NaN instead, on every rank (``info.finite`` false and
+            ``info.weight`` NaN, so that the ranks skip the step together, as for NaN gradients).
+            A device assert would end the process (CUDA cannot go on after one), its peers left
+            inside the collective.
         compression: ``"bf16"`` or ``"fp16"`` (or :class:`fddp.Cast`) to send buckets in half
             precision (halving the bytes; divided before the sum, as torch's ``fp16_compress_hook``);
             a :class:`fddp.PowerSGD` to send low-rank approximations; any

@@ -60,7 +60,7 @@ import torch
 
 from fddp import _layout
 from fddp._layout import Bucket, new_flat
-from fddp.sync._comm import Comm
+from fddp.sync._comm import Comm, on_host
 
 __all__ = ["CommHook", "GradBucket", "Mean", "WeightedMean", "Cast", "Broadcast", "describe"]
 
@@ -260,7 +260,9 @@ class WeightSum:
         w = self.comm.weight
         buf = torch.empty(flat.numel() + 1, dtype=flat.dtype, device=flat.device)
         torch.mul(flat, w.to(flat.dtype), out=buf[:-1])
-        buf[-1] = float(w)  # a fill: a CPU tensor's copy into a GPU buffer is a synced copy (w is the host's)
+        # A CPU weight is the host's: a fill, since a CPU tensor's copy into a GPU buffer is a
+        # synced copy. Any other (a GPU's, or one traced by torch.compile) is copied on its device.
+        buf[-1] = float(w) if on_host(w) else w
         self.buf = buf
         return buf
 
@@ -268,15 +270,20 @@ class WeightSum:
         self.work = work
 
     def total(self, device: torch.device) -> torch.Tensor:
-        """``W`` as a float64 CPU scalar, waiting for (or starting) the collective that carries it."""
+        """``W`` as a float64 scalar on the collective's device, waiting for (or starting) the
+        collective that carries it. It stays there: a GPU's copy to the host would make the host
+        wait for the GPU."""
         comm = self.comm
         if comm.weight_sum is None:
             if self.buf is None:
-                # A copy: reshape/to alias the weight (the caller's tensor, even) on the same device.
-                self.buf = comm.weight.reshape(1).to(device, copy=True)
+                w = comm.weight
+                if on_host(w):  # a fill: a CPU tensor's copy to a GPU is a synced copy
+                    self.buf = torch.full((1,), float(w), dtype=torch.float64, device=device)
+                else:  # a copy: reshape/to alias the weight (the caller's tensor, even) on the same device
+                    self.buf = w.reshape(1).to(device, copy=True)
                 self.work = comm.all_reduce(self.buf)
             comm.wait(self.work, "the all-reduce of the weights")
-            comm.weight_sum = self.buf[-1].real.to("cpu", torch.float64)  # .real: a complex bucket's weight
+            comm.weight_sum = self.buf[-1].real.to(torch.float64)  # .real: a complex bucket's weight
         return comm.weight_sum
 
 
@@ -284,10 +291,15 @@ def normalise_weight(flat: torch.Tensor, sums: WeightSum) -> None:
     """Scale this rank's buffer to ``w_r / W * g_r`` before a half-precision all-reduce.
 
     ``w_r * g_r / n`` overflows fp16 where the mean does not (``w_r`` is a sample count, often in
-    the thousands); ``w_r / W`` is at most 1. One rounding: a float64 CPU scalar, exact in the kernel.
+    the thousands); ``w_r / W`` is at most 1. One rounding: the host's scale is read in the kernel's
+    float math; a GPU's would be cast to the bucket's half-precision dtype first, so a half-precision
+    bucket is then multiplied in float32 (the same arithmetic) and rounded once.
     """
-    w = sums.comm.weight
-    flat.mul_(w / sums.total(flat.device).clamp_min(_TINY))
+    scale = sums.comm.weight / sums.total(flat.device).clamp_min(_TINY)
+    if on_host(scale) or flat.dtype not in LOW_PRECISION:
+        flat.mul_(scale)
+    else:
+        flat.copy_(flat.float().mul_(scale))
 
 
 def weight_divisor(weight_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -302,8 +314,11 @@ def weight_divisor(weight_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 def zero_if_weightless(flat: torch.Tensor, weight: torch.Tensor) -> None:
     # A rank with no data: its gradients may be NaN (a mean over nothing), and 0 * NaN is NaN.
-    if weight == 0:
-        flat.zero_()
+    if on_host(weight):
+        if weight == 0:
+            flat.zero_()
+    else:  # the same zeros, decided on the device: no host read, nothing for dynamo to guard on
+        flat.masked_fill_(weight == 0, 0)
 
 
 @dataclasses.dataclass(frozen=True)

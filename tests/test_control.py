@@ -692,9 +692,10 @@ def _stamp_worker() -> dict:
             mean = fddp.ddp_step(params, params, group=g)
             summed = fddp.psum(params, group=g)
             averaged = fddp.pmean(params, group=g)
+            weighted = fddp.ddp_step(params, params, group=g, weight=2.0)  # the weight rides last, the stamp after it
             grads, _ = gv(params, x)
             fddp.optim.apply_gradients(opt, params, state, params)
-        results = {"ddp_step": mean, "psum": summed, "pmean": averaged, "grad": grads}
+        results = {"ddp_step": mean, "psum": summed, "pmean": averaged, "weighted": weighted, "grad": grads}
         out["steady"] = {k: {n: v.tolist() for n, v in t.items()} for k, t in results.items()}
         mixed = fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
         out["mixed"] = {n: v.tolist() for n, v in mixed.items()}
@@ -711,7 +712,7 @@ def test_a_known_calls_stamp_leaves_no_value_of_a_mixed_sum_finite_on_any_rank(w
     half = (world - 1) / 2  # the ranks' mean offset: w and x are arange(6) + rank, b is 2 * rank
     for out in run(_stamp_worker, world, timeout=120):
         steady = out["steady"]
-        assert steady["ddp_step"] == steady["pmean"] == {"w": [i + half for i in range(6)], "b": [2 * half] * 3}, out
+        assert steady["ddp_step"] == steady["pmean"] == steady["weighted"] == {"w": [i + half for i in range(6)], "b": [2 * half] * 3}, out
         assert steady["psum"] == {"w": [world * i + world * half for i in range(6)], "b": [2 * world * half] * 3}, out
         assert steady["grad"] == {"w": [i + half for i in range(6)], "b": [1.0] * 3}, out  # d/dw = x, averaged
         assert not any(math.isfinite(v) for leaf in out["mixed"].values() for v in leaf), out  # every value Inf or NaN

@@ -341,6 +341,18 @@ def a_stamp_is_read_on_the_device(device: torch.device) -> None:
             assert torch.equal(t, torch.arange(8.0, device=device) * (n * (n + 1) // 2)), t
         else:
             assert not torch.isfinite(t).any(), t
+        # Freed with its last reference, not at a garbage collection: a cycle through the stamped
+        # work kept every call's copy of its first bucket alive until one.
+        import gc
+        import weakref
+
+        gone = weakref.ref(comm)
+        gc.disable()
+        try:
+            del comm
+            assert gone() is None, "a Comm whose all-reduce carried a stamp outlived its last reference (a reference cycle)"
+        finally:
+            gc.enable()
 
 
 @check

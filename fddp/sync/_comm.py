@@ -15,6 +15,7 @@ import torch.distributed._functional_collectives as funcol
 
 from fddp._dist import Segment, collective_device, rank, size, sliced, stamp, wait
 from fddp._layout import BucketPlan
+from fddp._pool import new_buffer
 
 __all__ = ["Comm", "on_host"]
 
@@ -71,11 +72,9 @@ class Comm:
         # still taken in slices, where a CUDA one's must not be (fddp._dist.wait's host).
         self._host: list[Any] = []
         # A batched call's identity (fddp._dist's stamp), for its first all-reduce (sum) of a
-        # floating-point tensor to carry; once that is waited for, ``verdict``: on the device, a
-        # bool, true where every rank's was the same (:meth:`poison` divides the results by it).
+        # floating-point tensor to carry (:meth:`poison` divides the results by its verdict).
         self._stamp: int | None = None
-        self._stamped: Any = None
-        self.verdict: torch.Tensor | None = None
+        self._stamped: _Stamped | None = None
 
     @property
     def rank(self) -> int:
@@ -92,6 +91,12 @@ class Comm:
         """Let this call's first all-reduce (sum) of a floating-point tensor carry ``ident`` (a
         batched call's stamp, ``fddp._dist.Agreement.stamp``; ``None``: nothing to carry)."""
         self._stamp = ident
+
+    @property
+    def verdict(self) -> torch.Tensor | None:
+        """Once the all-reduce that carried a stamp is waited for: on its device, a bool, true
+        where every rank's stamp was the same; else ``None``."""
+        return self._stamped.verdict if self._stamped is not None else None
 
     def poison(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
         """Divide the call's floating-point ``results`` in place by :attr:`verdict`, where its
@@ -151,7 +156,7 @@ class Comm:
             slots = _stampable(t) and stamp(self._stamp, self.world_size, t.dtype)
             if slots:
                 self._stamp = None
-                self._stamped = _Stamped(t, slots, self)
+                self._stamped = _Stamped(t, slots, self.group)
                 return self._started(t, self._stamped)
         return self._started(t, dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True))
 
@@ -310,33 +315,46 @@ def _stampable(t: torch.Tensor) -> bool:
     return t.is_floating_point() and not t.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
+_POOLED = 1 << 18  # bytes from which a stamped copy comes from the host pool (glibc maps blocks of 128 KiB and more afresh)
+
+
 class _Stamped:
     """An all-reduce (sum) of ``t`` with the call's stamp (``fddp._dist.stamp``) in trailing slots,
     through a copy (``t`` has no room for them): ``wait`` copies the sum back into ``t`` and leaves
-    the verdict, on the device, in the Comm's ``verdict``. The first wait that finds the sum there
-    does it (the hook's, or ``poison``'s)."""
+    the verdict, on the device, in :attr:`verdict`. The first wait that finds the sum there does
+    it (the hook's, or ``Comm.poison``'s). It holds no reference to its Comm: the pair would be a
+    cycle, which kept every call's buffer alive until a garbage collection."""
 
-    __slots__ = ("t", "buf", "expected", "comm", "work", "done")
+    __slots__ = ("t", "buf", "expected", "work", "verdict")
 
-    def __init__(self, t: torch.Tensor, slots: list[int], comm: Comm) -> None:
+    def __init__(self, t: torch.Tensor, slots: list[int], group: dist.ProcessGroup | None) -> None:
         k = len(slots) // 2
         src = torch.tensor(slots, dtype=t.dtype)  # what this rank sends, then what every rank gets where all agree
         if t.is_cuda:  # pinned, and not waited for: a pageable copy to the device would wait for the stream
             src = src.pin_memory().to(t.device, non_blocking=True)
-        self.buf = torch.cat([t.reshape(-1), src[:k]])
-        self.t, self.expected, self.comm, self.done = t, src[k:], comm, False
-        self.work = dist.all_reduce(self.buf, group=comm.group, async_op=True)
+        # A big one from the host pool on the CPU (a mixed group's CPU tensors): a fresh buffer
+        # faults in every page, which tripled the copy; a small one is cheaper fresh than pooled.
+        n = t.numel() + k
+        out = new_buffer(n, t.dtype, t.device) if n * t.element_size() >= _POOLED else None
+        self.buf: torch.Tensor | None = torch.cat([t.reshape(-1), src[:k]], out=out)
+        self.t, self.expected, self.verdict = t, src[k:], None
+        self.work = dist.all_reduce(self.buf, group=group, async_op=True)
+
+    @property
+    def done(self) -> bool:
+        return self.verdict is not None
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
     def wait(self, timeout: Any = None) -> bool:
         done = self.work.wait() if timeout is None else self.work.wait(timeout)
-        if not self.done and (timeout is None or done or self.work.is_completed()):  # a sliced wait may return early
+        buf = self.buf
+        if buf is not None and (timeout is None or done or self.work.is_completed()):  # a sliced wait may return early
             t, n = self.t, self.t.numel()
-            t.copy_(self.buf[:n].view_as(t))
-            self.comm.verdict = torch.eq(self.buf[n:], self.expected).all()
-            self.done, self.buf = True, None
+            t.copy_(buf[:n].view_as(t))
+            self.verdict = torch.eq(buf[n:], self.expected).all()
+            self.buf = None
         return done
 
 

@@ -680,6 +680,8 @@ def _stamp_worker() -> dict:
     mean or sum, and calls that differ (``ddp_step`` here, ``psum`` there, of the same sizes,
     so their collectives pair) give no finite value on any rank, before any host learns of the
     difference (the next boundary raises)."""
+    from fddp._dist import _agreement
+
     r = fddp.rank()
     out: dict = {}
     x = torch.arange(6.0) + r
@@ -699,11 +701,26 @@ def _stamp_worker() -> dict:
         out["steady"] = {k: {n: v.tolist() for n, v in t.items()} for k, t in results.items()}
         mixed = fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
         out["mixed"] = {n: v.tolist() for n, v in mixed.items()}
+
         try:
             fddp.optim.apply_gradients(opt, params, state, params)
             fddp.optim.apply_gradients(opt, params, state, params)
         except Exception as e:  # noqa: BLE001 - the test reads it
             out["next"] = f"{type(e).__name__}: {e}"
+    # The batch's UNHEADED-th known call sends the batch's head (read later): it carries a stamp too.
+    with _nccl_group(data=True) as (g, issued):
+        for _ in range(2):  # learn
+            fddp.ddp_step(params, params, group=g), fddp.psum(params, group=g)
+            fddp.optim.apply_gradients(opt, params, state, params)
+        for _ in range(_agreement.UNHEADED - 1):
+            fddp.psum(params, group=g)
+        last = fddp.ddp_step(params, params, group=g) if r == 0 else fddp.psum(params, group=g)
+        out["mixed_64th"] = {n: v.tolist() for n, v in last.items()}
+        try:  # its head names the difference at the boundary after next
+            fddp.optim.apply_gradients(opt, params, state, params)
+            fddp.optim.apply_gradients(opt, params, state, params)
+        except fddp.MismatchError:
+            pass
     return out
 
 
@@ -716,4 +733,5 @@ def test_a_known_calls_stamp_leaves_no_value_of_a_mixed_sum_finite_on_any_rank(w
         assert steady["psum"] == {"w": [world * i + world * half for i in range(6)], "b": [2 * world * half] * 3}, out
         assert steady["grad"] == {"w": [i + half for i in range(6)], "b": [1.0] * 3}, out  # d/dw = x, averaged
         assert not any(math.isfinite(v) for leaf in out["mixed"].values() for v in leaf), out  # every value Inf or NaN
+        assert not any(math.isfinite(v) for leaf in out["mixed_64th"].values() for v in leaf), out
         assert out["next"].startswith("MismatchError") and "was fddp.ddp_step" in out["next"], out

@@ -648,6 +648,35 @@ def test_weights_average_what_each_rank_saw_and_a_round_without_data_changes_not
         assert _equal(p_r, after3[1].snapshot)
 
 
+def _bad_weight_worker():
+    """A weight that as_weight could not read on the host (a GPU tensor's) and made NaN, on one rank."""
+    import fddp.diloco._checks as checks
+
+    apply_fn, params = fddp.functionalize(_mlp())
+    params = {k: v.detach().clone() for k, v in params.items()}
+    outer = fddp.diloco.diloco(2, fddp.optim.sgd(1.0, momentum=0.9))
+    o = outer.init(params)
+    import fddp.sync._setup as setup
+
+    real, real_on_host = checks.as_weight, setup.on_host
+    if fddp.rank() == 1:  # a negative GPU weight, as as_weight leaves it, and not read on the host after
+        checks.as_weight = lambda w: torch.tensor(float("nan"), dtype=torch.float64)  # noqa: E731
+        setup.on_host = lambda t: False  # noqa: E731
+    try:
+        p, o2 = outer.step(params, o, weight=1)
+        p, o2 = outer.step(p, o2, weight=1)  # the sync: its weights' sum is NaN on every rank
+        return "no error", None
+    except ValueError as e:
+        return str(e), _equal(o.snapshot, outer.init(params).snapshot)
+    finally:
+        checks.as_weight, setup.on_host = real, real_on_host
+
+
+def test_a_weight_that_was_not_finite_raises_at_the_sync_on_every_rank():
+    for message, unchanged in run(_bad_weight_worker, K):
+        assert "summed over the ranks since the last synchronisation are nan" in message and unchanged, message
+
+
 # --- state checked across ranks: another step, another start, another tree, other shapes -----------
 
 

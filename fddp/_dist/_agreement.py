@@ -214,8 +214,7 @@ def start_agreement(
         st.unheaded.append((call_, what, signature))
         _remember(st, signature, replicas)
         a = Agreement(None, None, Agreed(False, False), (), call_)
-        # Its identity rides in its first all-reduce instead (_header.stamp): a mixed sum comes out NaN.
-        a.stamp = (signature ^ name_digest(what) ^ (call_ * _ODD)) % (1 << _header.STAMP_BITS)
+        a.stamp = _stamp(signature, what, call_)  # its identity rides in its first all-reduce instead
         return a
     if new and batched:
         st.rows[signature] = build()  # to name this signature if a batch that holds it differs
@@ -223,8 +222,17 @@ def start_agreement(
     if steady:  # read later: its rows from the group's record, not a closure that holds the call's tree
         kept = st.rows.get(signature, [])
         build = lambda: kept  # noqa: E731
-    # Deferred where steady: the UNHEADED-th call of a batch.
-    return _send(group, st, what, signature, call_, build, names, replicas, segment, on, printed, new, ask, carry, deferred=steady)
+    # Deferred where steady: the UNHEADED-th call of a batch, whose head is read later: stamped too.
+    a = _send(group, st, what, signature, call_, build, names, replicas, segment, on, printed, new, ask, carry, deferred=steady)
+    if steady:
+        a.stamp = _stamp(signature, what, call_)
+    return a
+
+
+def _stamp(signature: int, what: str, call_: int) -> int:
+    """A batched call's identity for its first all-reduce to carry (``_header.stamp``): where the
+    ranks' calls differ it differs, whatever their numbers (``_ODD``), so the sum comes out not finite."""
+    return (signature ^ name_digest(what) ^ (call_ * _ODD)) % (1 << _header.STAMP_BITS)
 
 
 def _send(

@@ -505,8 +505,18 @@ class DiLoCo:
         it is. Return the bytes this sent (the all-gather of the new shards, with ``shard``)."""
         if _stateful(_hook(self.compression, self.shard)):
             comp[p] = info.compression_state
-        if info.weight is not None and bool(info.weight == 0):
-            return 0  # no rank had data since the last launch: nothing to step (momentum would move)
+        if info.weight is not None:
+            # One host read a merge (a GPU weight's sum is on the GPU): it decides both cases, alike on every rank.
+            total = float(info.weight)
+            if total == 0:
+                return 0  # no rank had data since the last launch: nothing to step (momentum would move)
+            if not math.isfinite(total):  # a GPU weight that was negative or not finite became NaN (as_weight)
+                raise ValueError(
+                    f"fddp.{_WHAT}: the weights summed over the ranks since the last synchronisation are {total}: a rank "
+                    "passed a weight that is negative or not finite (a GPU tensor's is not read on the host when it is "
+                    "given). Pass each inner step's sample count, a finite number >= 0; the snapshot and the outer state "
+                    "are left as they were."
+                )
         tree = _fragment_tree(frag, snap)
         sent = 0
         if self.shard:

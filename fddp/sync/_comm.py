@@ -101,15 +101,15 @@ class Comm:
     def poison(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
         """Divide the call's floating-point ``results`` in place by :attr:`verdict`, where its
         first all-reduce carried a stamp: by 1 (exact) where the ranks ran the same call, by 0
-        where not (every value becomes Inf or NaN: a mixed sum never comes out finite). One
-        launch, and no host read, on a GPU; results on another device than the stamped
-        collective's (a CPU leaf in a GPU tree) are left to the batch's head. Returns ``results``."""
+        where not (every value becomes Inf or NaN: a mixed sum never comes out finite). A division
+        per result (a bucket, a psum's flat), and no host read, on a GPU. A CPU verdict divides
+        every result (a CUDA kernel reads a CPU scalar for free); a GPU one leaves a CPU result to
+        the batch's head (moving it would be a host read). Returns ``results``."""
         if self._stamped is not None and not self._stamped.done:  # a hook that never waited for it
             self.wait(self._stamped, "the all-reduce that carried the call's stamp")
         v = self.verdict
         if v is not None:
-            # Those on the verdict's device: a GPU verdict moved to a CPU result would be a host read.
-            floats = [r for r in results if r.is_floating_point() and r.device == v.device]
+            floats = [r for r in results if r.is_floating_point() and (v.is_cpu or r.device == v.device)]
             if floats:
                 torch._foreach_div_(floats, v)
         return results

@@ -335,7 +335,9 @@ class _Mean(torch.autograd.Function):
             c = w * n / ctx.weight_sum.clamp_min(_TINY)
             if on_host(c):
                 c = c.item()  # a Python number: read in the kernels' float math, whatever the cotangents' dtype
-            out = tuple(t * c for t in out)  # else on the device: no host read
+                out = tuple(t * c for t in out)
+            else:  # on the device, no host read; low precision in float32, one rounding as the number's kernels
+                out = tuple(t * c if t.dtype.itemsize >= 4 else t.float().mul_(c).to(t.dtype) for t in out)
         return (None, *out)
 
     @staticmethod

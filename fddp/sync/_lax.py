@@ -181,13 +181,13 @@ def _issued(op: _Op, leaves: tuple[torch.Tensor, ...], plan: _Plan, plain: bool)
     if len(groups) == 1 and groups[0].whole:  # one collective for the whole tree: its results, in order
         g, finish, work = pending[0]
         comm.wait(work, f"the {_KINDS[op.kind]} of {len(g.idx)} leaves")
-        return comm.poison(finish())
+        return finish()
     out: list[Any] = [None] * len(leaves)
     for g, finish, work in pending:
         comm.wait(work, f"the {_KINDS[op.kind]} of {len(g.idx)} leaves")
         for i, t in zip(g.idx, finish()):
             out[i] = t
-    return comm.poison(out)
+    return out
 
 
 def _by_dtype(specs: tuple) -> list[list[int]]:
@@ -213,6 +213,7 @@ def _start(op: _Op, comm: Comm, xs: list[torch.Tensor], g: _Group, plain: bool) 
 
         def reduced() -> list[torch.Tensor]:
             res = flat.div_(n) if op.kind == "mean" else flat
+            comm.poison([res])  # where a stamp rode (an NCCL group's known call): one division, before the split
             pieces = res.split(g.numels)
             return list(pieces) if g.flat else list(map(torch.Tensor.view, pieces, g.shapes))
 

@@ -13,6 +13,7 @@ import optree
 import torch
 
 from fddp import _caches, _tree
+from fddp.sync._setup import nan_where_invalid
 
 __all__ = ["specs", "specs_of", "against", "mismatch", "name_difference", "leaves_of", "as_weight"]
 
@@ -137,8 +138,7 @@ def as_weight(weight: Any) -> torch.Tensor:
         if weight.numel() != 1 or weight.is_complex() or weight.dtype == torch.bool:
             raise ValueError(f"fddp.{_WHAT}: weight must be a non-negative scalar (this step's sample count), got shape "
                              f"{tuple(weight.shape)}, dtype {weight.dtype}")  # fmt: skip
-        w = weight.detach().to(torch.float64).reshape(())
-        return w.masked_fill(~(w.isfinite() & (w >= 0)), float("nan"))
+        return nan_where_invalid(weight.detach().to(torch.float64).reshape(()))
     w = torch.as_tensor(weight, dtype=torch.float64).detach().cpu()
     if w.numel() != 1 or not bool(w >= 0):
         raise ValueError(f"fddp.{_WHAT}: weight must be a non-negative scalar (this step's sample count), got {weight!r}")

@@ -40,6 +40,7 @@ __all__ = [
     "plan_of",
     "as_hook",
     "as_weight",
+    "nan_where_invalid",
     "check_state",
     "check_dtypes",
     "dtype_error",
@@ -166,7 +167,7 @@ def as_weight(weight: Any, what: str) -> torch.Tensor:
     >= 0) and comes back on the CPU. A tensor on a GPU stays there, and under torch.compile any
     weight is a tensor of the graph; their type and shape are checked, but not their value:
     reading it would make the host wait for the GPU (or cannot be traced). A value that is
-    negative or not finite becomes NaN instead (:func:`_on_device`), which makes every rank's mean
+    negative or not finite becomes NaN instead (:func:`nan_where_invalid`), which makes every rank's mean
     NaN (``info.finite`` false, ``info.weight`` NaN).
     """
     if isinstance(weight, torch.Tensor):
@@ -177,12 +178,12 @@ def as_weight(weight: Any, what: str) -> torch.Tensor:
         if weight.is_complex() or weight.dtype == torch.bool:
             raise TypeError(f"fddp.{what}: weight must be a real number (this rank's sample count), got a {weight.dtype} tensor")
         if not on_host(weight):
-            return _on_device(weight.detach().to(torch.float64).reshape(()))
+            return nan_where_invalid(weight.detach().to(torch.float64).reshape(()))
         w = weight.detach().to("cpu", torch.float64).reshape(())
         value = float(w)
     elif isinstance(weight, (int, float)) and not isinstance(weight, bool):
         if torch.compiler.is_compiling():  # dynamo traces a number as a symbol, whose value it cannot test
-            return _on_device(torch.scalar_tensor(weight, dtype=torch.float64))
+            return nan_where_invalid(torch.scalar_tensor(weight, dtype=torch.float64))
         w = torch.tensor(float(weight), dtype=torch.float64)
         value = float(w)
     else:
@@ -195,8 +196,9 @@ def as_weight(weight: Any, what: str) -> torch.Tensor:
     return w
 
 
-def _on_device(w: torch.Tensor) -> torch.Tensor:
-    """``w``, or NaN where it is negative or not finite: the check of a weight the host cannot read.
+def nan_where_invalid(w: torch.Tensor) -> torch.Tensor:
+    """``w``, or NaN where it is negative or not finite: the check of a weight the host cannot read
+    (``ddp_step``'s, and ``fddp.diloco``'s GPU weights).
 
     Not ``torch._assert_async``: a failed device assert leaves the CUDA context unusable (nothing
     more runs in the process, not even a checkpoint) and strands the peers inside the collective,

@@ -19,7 +19,7 @@ import struct
 import optree
 import pytest
 import torch
-from test_optim_torch_more import CASES, STEPS, _grads, _model, _torch_run
+from test_optim_torch_more import CASES, STEPS, _grads, _model, _torch_run, _with_schedule
 from torch.overrides import TorchFunctionMode
 
 from fddp import optim
@@ -202,36 +202,29 @@ def test_adafactors_device_scalars_equal_the_host_floats_to_the_bit(beta2_decay,
 EXACT = [name for name in CASES if not name.startswith("adafactor")]
 
 
+def _applied(opt, start: dict, steps: int) -> dict:
+    """The parameters after ``steps`` of ``apply_gradients`` from ``start`` (the gradients torch's runs see)."""
+    params, state = start, opt.init(start)
+    for step in range(steps):
+        params, state = optim.apply_gradients(opt, _grads(start, step), state, params)
+    return params
+
+
 @pytest.mark.parametrize("name", EXACT)
 def test_the_device_path_equals_torch_to_the_bit(name, on_device):
     make, T, kw = CASES[name]
     opt = make(**kw)
     start = {k: v.detach().clone() for k, v in _model().named_parameters()}
     expected = _torch_run(T, kw, start, STEPS)
-    params, state = start, opt.init(start)
-    for step in range(STEPS):
-        params, state = optim.apply_gradients(opt, _grads(start, step), state, params)
+    params = _applied(opt, start, STEPS)
     for k in start:
         assert torch.equal(params[k], expected[k]), (name, k, (params[k] - expected[k]).abs().max().item())
 
 
 @pytest.mark.parametrize("T", ["RMSprop", "RAdam", "NAdam", "Adagrad"])
 def test_the_device_path_with_a_schedule_equals_torch_to_the_bit(T, on_device):
-    sched = optim.linear(0.02, 0.1, transition_steps=10)
     make = {"RMSprop": optim.rmsprop, "RAdam": optim.radam, "NAdam": optim.nadam, "Adagrad": optim.adagrad}[T]
-    start = {k: v.detach().clone() for k, v in _model().named_parameters()}
-    model = _model()
-    topt = getattr(torch.optim, T)(model.parameters(), lr=0.02, foreach=False)
-    opt = make(lr=sched)
-    params, state = start, opt.init(start)
-    for step in range(12):
-        for g in topt.param_groups:
-            g["lr"] = float(sched(torch.tensor(step)))
-        grads = _grads(start, step)
-        for k, p in model.named_parameters():
-            p.grad = grads[k].clone()
-        topt.step()
-        params, state = optim.apply_gradients(opt, grads, state, params)
+    params, model = _with_schedule(make, getattr(torch.optim, T))
     for k, p in model.named_parameters():
         assert torch.equal(params[k], p.detach()), (T, k)
 
@@ -277,8 +270,6 @@ def test_adafactors_device_trajectory_agrees_with_torch(on_device):
     opt = make(**kw)
     start = {k: v.detach().clone() for k, v in _model().named_parameters()}
     expected = _torch_run(T, kw, start, STEPS)
-    params, state = start, opt.init(start)
-    for step in range(STEPS):
-        params, state = optim.apply_gradients(opt, _grads(start, step), state, params)
+    params = _applied(opt, start, STEPS)
     for k in start:
         torch.testing.assert_close(params[k], expected[k], rtol=1e-5, atol=1e-6)

@@ -81,23 +81,30 @@ def test_apply_gradients_equals_torch_to_the_bit_and_update_within_rounding(name
         torch.testing.assert_close(updated[k], expected[k], rtol=1e-5, atol=1e-6)
 
 
-def test_schedules_match_torch_lr_changes():
-    # A schedule's value at count i is torch's lr at step i + 1 (set before that step).
+def _with_schedule(make, T) -> tuple[dict, torch.nn.Module]:
+    """12 steps of ``make(lr=schedule)`` and of torch's ``T`` whose lr is set to the schedule's
+    value before each step (a schedule's value at count i is torch's lr at step i + 1): the
+    parameters, and torch's model."""
     sched = optim.linear(0.02, 0.1, transition_steps=10)
     start = {k: v.detach().clone() for k, v in _model().named_parameters()}
+    model = _model()
+    topt = T(model.parameters(), lr=0.02, foreach=False)
+    opt = make(lr=sched)
+    params, state = start, opt.init(start)
+    for step in range(12):
+        for g in topt.param_groups:
+            g["lr"] = float(sched(torch.tensor(step)))
+        grads = _grads(start, step)
+        for k, p in model.named_parameters():
+            p.grad = grads[k].clone()
+        topt.step()
+        params, state = optim.apply_gradients(opt, grads, state, params)
+    return params, model
+
+
+def test_schedules_match_torch_lr_changes():
     for make, T in ((optim.rmsprop, torch.optim.RMSprop), (optim.radam, torch.optim.RAdam), (optim.nadam, torch.optim.NAdam)):
-        model = _model()
-        topt = T(model.parameters(), lr=0.02, foreach=False)
-        opt = make(lr=sched)
-        params, state = start, opt.init(start)
-        for step in range(12):
-            for g in topt.param_groups:
-                g["lr"] = float(sched(torch.tensor(step)))
-            grads = _grads(start, step)
-            for (k, p) in model.named_parameters():
-                p.grad = grads[k].clone()
-            topt.step()
-            params, state = optim.apply_gradients(opt, grads, state, params)
+        params, model = _with_schedule(make, T)
         for k, p in model.named_parameters():
             assert torch.equal(params[k], p.detach()), (make.__name__, k)
 

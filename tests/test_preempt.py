@@ -290,30 +290,29 @@ def _boundaries_worker(directory: str) -> dict:
     from fddp._dist import _agreement
 
     out = {}
-    # 1. No fddp call between boundaries: the boundary agrees itself; rank 1's signal reaches both.
-    with ckpt.Manager(os.path.join(directory, "quiet"), every=None, keep=2) as manager:
-        for step in range(1, 10):
-            if step == 3 and fddp.rank() == 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-            manager.step(step, {"step": step})
-            if manager.should_stop:
-                break
-    out["quiet"] = (step, [s for s, _ in ckpt.steps(os.path.join(directory, "quiet"))])
-    out["handler restored"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    # ... and with the agreement off (no header to ride in): rank 0's signal, saved by both ranks.
-    fddp.set_checks(agreement=False)
-    try:
-        with ckpt.Manager(os.path.join(directory, "off"), every=None, keep=2) as manager:
+    def until_signalled(name: str, at: int, by: int, call=None, group=None) -> tuple[int, list[int]]:
+        """Steps of a Manager (in directory/name) until a stop; rank ``by`` signals itself at step
+        ``at``, after ``call``: the step it stopped at, and the steps saved."""
+        with ckpt.Manager(os.path.join(directory, name), every=None, keep=2, group=group) as manager:
             for step in range(1, 10):
-                fddp.broadcast({"w": torch.ones(2)})
-                if step == 4 and fddp.rank() == 0:
+                if call is not None:
+                    call()
+                if step == at and fddp.rank() == by:
                     os.kill(os.getpid(), signal.SIGTERM)
                 manager.step(step, {"step": step})
                 if manager.should_stop:
                     break
+        return step, [s for s, _ in ckpt.steps(os.path.join(directory, name))]
+
+    # 1. No fddp call between boundaries: the boundary agrees itself; rank 1's signal reaches both.
+    out["quiet"] = until_signalled("quiet", 3, 1)
+    out["handler restored"] = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    # ... and with the agreement off (no header to ride in): rank 0's signal, saved by both ranks.
+    fddp.set_checks(agreement=False)
+    try:
+        out["off"] = until_signalled("off", 4, 0, call=lambda: fddp.broadcast({"w": torch.ones(2)}))
     finally:
         fddp.set_checks(agreement=True)
-    out["off"] = (step, [s for s, _ in ckpt.steps(os.path.join(directory, "off"))])
     # ... and on an NCCL-like group (headers on a gloo side group, small tensors on a device that is
     # not the CPU, "meta" here): the boundary's values go on the side group, never a device tensor.
     from test_control import _side_group
@@ -326,18 +325,11 @@ def _boundaries_worker(directory: str) -> dict:
     dist.all_reduce = lambda *a, **k: groups.append(k.get("group")) or real_all_reduce(*a, **k)
     fddp.set_checks(agreement=False)
     try:
-        with ckpt.Manager(os.path.join(directory, "side"), every=None, keep=2, group=g) as manager:
-            for step in range(1, 10):
-                if step == 4 and fddp.rank() == 1:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                manager.step(step, {"step": step})
-                if manager.should_stop:
-                    break
+        step, saved = until_signalled("side", 4, 1, group=g)
     finally:
         fddp.set_checks(agreement=True)
         _ranks.collective_device, dist.all_reduce = real_device, real_all_reduce
     side = fddp._dist.control_group(g)
-    saved = [s for s, _ in ckpt.steps(os.path.join(directory, "side"))]
     out["off, side group"] = (step, saved, len(groups) >= 4, all(x is side for x in groups))  # one a boundary at least
 
     # 2. Steps that make fddp calls carry the requests: the manager adds no collective to them.

@@ -105,7 +105,7 @@ class Comm:
         per result (a bucket, a psum's flat), and no host read, on a GPU. A CPU verdict divides
         every result (a CUDA kernel reads a CPU scalar for free); a GPU one leaves a CPU result to
         the batch's head (moving it would be a host read). Returns ``results``."""
-        if self._stamped is not None and not self._stamped.done:  # a hook that never waited for it
+        if self._stamped is not None and not self._stamped.landed:  # a hook that never waited for it
             self.wait(self._stamped, "the all-reduce that carried the call's stamp")
         v = self.verdict
         if v is not None:
@@ -264,49 +264,56 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _SlicedReduce:
+class _Landing:
+    """A collective's work whose result lands somewhere else once complete (a copy back, a slice
+    kept, a verdict made): :meth:`_land` runs at the first wait that finds the work done. A wait
+    taken in slices (``fddp._dist.wait``) may return before it is, and lands nothing then."""
+
+    __slots__ = ("work", "landed")
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self, timeout: Any = None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.landed and (timeout is None or done or self.work.is_completed()):
+            self._land()
+            self.landed = True
+        return done
+
+    def _land(self) -> None:
+        raise NotImplementedError
+
+
+class _SlicedReduce(_Landing):
     """Gloo's reduce-scatter as a work whose wait can be sliced: the all-reduce of ``full``, then
     this rank's slice of it copied into ``out`` when the wait completes."""
 
-    __slots__ = ("out", "full", "rank", "work", "copied")
+    __slots__ = ("out", "full", "rank")
 
     def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group: dist.ProcessGroup | None) -> None:
-        self.out, self.full, self.rank, self.copied = out, full, rank, False
+        self.out, self.full, self.rank, self.landed = out, full, rank, False
         self.work = dist.all_reduce(full, group=group, async_op=True)
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self, timeout: Any = None) -> bool:
-        done = self.work.wait() if timeout is None else self.work.wait(timeout)
-        if not self.copied:
-            n = self.out.numel()
-            self.out.copy_(self.full.reshape(-1)[self.rank * n : (self.rank + 1) * n].view_as(self.out))
-            self.copied, self.full = True, None
-        return done
+    def _land(self) -> None:
+        n = self.out.numel()
+        self.out.copy_(self.full.reshape(-1)[self.rank * n : (self.rank + 1) * n].view_as(self.out))
+        self.full = None
 
 
-class _Carried:
+class _Carried(_Landing):
     """An all-reduce (sum) of ``t`` in the DATA slots of its call's head (float64): ``wait`` copies
     the sum back into ``t`` (the in-place contract hooks rely on)."""
 
-    __slots__ = ("t", "data", "work", "copied")
+    __slots__ = ("t", "data")
 
     def __init__(self, t: torch.Tensor, agreement: Any) -> None:
-        self.t, self.copied = t, False
+        self.t, self.landed = t, False
         self.data, self.work = agreement.send_with(t)
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self, timeout: Any = None) -> bool:
-        done = self.work.wait() if timeout is None else self.work.wait(timeout)
-        # A sliced wait (fddp._dist.wait) may return before the sum is there: copy only once it is.
-        if not self.copied and (timeout is None or done or self.work.is_completed()):
-            t = self.t
-            t.copy_(self.data if t.dim() == 1 else self.data.view_as(t))  # a bucket's flat: no view to make
-            self.copied = True
-        return done
+    def _land(self) -> None:
+        t = self.t
+        t.copy_(self.data if t.dim() == 1 else self.data.view_as(t))  # a bucket's flat: no view to make
 
 
 def _stampable(t: torch.Tensor) -> bool:
@@ -318,14 +325,13 @@ def _stampable(t: torch.Tensor) -> bool:
 _POOLED = 1 << 18  # bytes from which a stamped copy comes from the host pool (glibc maps blocks of 128 KiB and more afresh)
 
 
-class _Stamped:
+class _Stamped(_Landing):
     """An all-reduce (sum) of ``t`` with the call's stamp (``fddp._dist.stamp``) in trailing slots,
-    through a copy (``t`` has no room for them): ``wait`` copies the sum back into ``t`` and leaves
-    the verdict, on the device, in :attr:`verdict`. The first wait that finds the sum there does
-    it (the hook's, or ``Comm.poison``'s). It holds no reference to its Comm: the pair would be a
-    cycle, which kept every call's buffer alive until a garbage collection."""
+    through a copy (``t`` has no room for them): once it lands, the sum is copied back into ``t``
+    and the verdict, on the device, is in :attr:`verdict`. It holds no reference to its Comm: the
+    pair would be a cycle, which kept every call's buffer alive until a garbage collection."""
 
-    __slots__ = ("t", "buf", "expected", "work", "verdict")
+    __slots__ = ("t", "buf", "expected", "verdict")
 
     def __init__(self, t: torch.Tensor, slots: list[int], group: dist.ProcessGroup | None) -> None:
         k = len(slots) // 2
@@ -337,25 +343,14 @@ class _Stamped:
         n = t.numel() + k
         out = new_buffer(n, t.dtype, t.device) if n * t.element_size() >= _POOLED else None
         self.buf: torch.Tensor | None = torch.cat([t.reshape(-1), src[:k]], out=out)
-        self.t, self.expected, self.verdict = t, src[k:], None
+        self.t, self.expected, self.verdict, self.landed = t, src[k:], None, False
         self.work = dist.all_reduce(self.buf, group=group, async_op=True)
 
-    @property
-    def done(self) -> bool:
-        return self.verdict is not None
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self, timeout: Any = None) -> bool:
-        done = self.work.wait() if timeout is None else self.work.wait(timeout)
-        buf = self.buf
-        if buf is not None and (timeout is None or done or self.work.is_completed()):  # a sliced wait may return early
-            t, n = self.t, self.t.numel()
-            t.copy_(buf[:n].view_as(t))
-            self.verdict = torch.eq(buf[n:], self.expected).all()
-            self.buf = None
-        return done
+    def _land(self) -> None:
+        t, buf, n = self.t, self.buf, self.t.numel()
+        t.copy_(buf[:n].view_as(t))
+        self.verdict = torch.eq(buf[n:], self.expected).all()
+        self.buf = None
 
 
 class _TracedAllReduce:
